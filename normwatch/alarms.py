@@ -1,0 +1,268 @@
+"""Alarm records and the rules that raise them: pure functions of a snapshot.
+
+    >>> alarms = evaluate(snapshot, context)   # list[Alarm], no side effects
+
+Side effects (logging, sinks, raising, de-duplication) live in :mod:`normwatch.dispatch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from normwatch.config import Severity, WatchConfig
+from normwatch.discovery import NormLayer
+from normwatch.headroom import steps_to_limit
+from normwatch.probe import FP16_MAX, ProbeResult
+from normwatch.snapshot import LayerStats, Snapshot
+
+AlarmKind = Literal[
+    "fp16_overflow", "fp16_headroom", "nonfinite", "eps_dominance", "common_mode",
+    "dtype_mismatch", "output_mismatch",
+]  # fmt: skip
+SEVERITY_RANK: dict[str, int] = {"info": 0, "warning": 1, "critical": 2}
+
+
+@dataclass(frozen=True)
+class Alarm:
+    """One finding. ``message`` says what it means and what to do."""
+
+    kind: AlarmKind
+    severity: Severity
+    layer: str | None
+    step: int
+    value: float
+    threshold: float
+    message: str
+    count: int = 1
+    """How many occurrences this alarm stands for (see de-duplication)."""
+    tag: str = field(default="", compare=False)
+    """Distinguishes alarms of one kind and layer that must not be merged."""
+
+
+@dataclass(frozen=True)
+class RuleContext:
+    """What the rules may read besides the snapshot."""
+
+    config: WatchConfig
+    layers: Mapping[str, NormLayer]
+    probes: Mapping[str, ProbeResult] = field(default_factory=dict)
+    absmax_history: Mapping[str, Sequence[tuple[int, float]]] = field(default_factory=dict)
+
+
+def is_fp16_run(stats: LayerStats) -> bool:
+    """The layer's input is fp16, or it runs under fp16 autocast."""
+    return stats.input_dtype == "float16" or (stats.autocast or "").endswith("float16")
+
+
+def evaluate(snapshot: Snapshot, ctx: RuleContext) -> list[Alarm]:
+    """Every alarm the snapshot deserves, in forward order of layers."""
+    alarms: list[Alarm] = list(nonfinite_alarms(snapshot))
+    for name, stats in snapshot.layers.items():
+        if not stats.seen:
+            continue
+        layer = ctx.layers[name]
+        step = snapshot.step
+        alarms += fp16_alarms(stats, layer, step, ctx)
+        alarms += eps_alarms(stats, layer, step, ctx.config)
+        alarms += common_mode_alarms(stats, step, ctx.config)
+        alarms += dtype_alarms(stats, step)
+        alarms += output_alarms(stats, step, ctx.config)
+    return alarms
+
+
+def nonfinite_alarms(snapshot: Snapshot) -> list[Alarm]:
+    """One critical alarm naming the first layer (in forward order) that saw NaN/inf."""
+    first = snapshot.first_nonfinite
+    if first is None:
+        return []
+    total = sum(s.nonfinite + s.out_nonfinite for s in snapshot.layers.values())
+    if first.origin == "input":
+        what = (
+            f"arrived in the input of {first.layer!r} (norm #{first.position} in forward "
+            "order): the value was produced upstream, between the previous norm and this one "
+            "(attention/MLP of that block, the residual add, or the data)"
+        )
+    else:
+        what = (
+            f"was born inside {first.layer!r} (norm #{first.position} in forward order): "
+            "its input was finite and its output was not; check eps (0 on zero-variance "
+            "tokens gives 0/0) and whether its reduction squares in fp16"
+        )
+    return [
+        Alarm(
+            "nonfinite", "critical", first.layer, first.step, float(total), 0.0,
+            f"First non-finite value at step {first.step}: it {what}.",
+            tag=first.origin,
+        )
+    ]
+
+
+def fp16_alarms(stats: LayerStats, layer: NormLayer, step: int, ctx: RuleContext) -> list[Alarm]:
+    """Past the fp16 element limit, past the sum-of-squares bound, or heading there."""
+    limit = ctx.config.fp16_limit
+    fp16 = is_fp16_run(stats)
+    probe = ctx.probes.get(stats.name)
+    name = stats.name
+    out: list[Alarm] = []
+    if stats.absmax is not None and stats.absmax > limit:
+        share = f"{stats.fp16_overflow_tokens} of {stats.tokens} tokens"
+        if fp16 and probe is not None and probe.element_safe is False:
+            sev: Severity = "critical"
+            msg = (
+                f"{name}: max |x| = {stats.absmax:.4g} > {limit:g} in {share}, and this "
+                "layer squares its input in fp16 (probe: x=300 gave a wrong output): x² "
+                "overflows to inf, rsqrt(inf) = 0 collapses those tokens to zero, and once x "
+                "itself reaches inf the output is NaN. "
+                "Compute the reduction in fp32 (x.float().pow(2).mean(-1)) or use torch's norm."
+            )
+        elif fp16:
+            sev = "warning"
+            safe = "upcasts internally" if probe and probe.element_safe else "may be fp16-safe"
+            msg = (
+                f"{name}: max |x| = {stats.absmax:.4g} > {limit:g} in {share} of an fp16 "
+                f"run. The norm {safe}, but fp16 tensors this large are one square away "
+                "from inf (65504) in the residual stream, attention scores or a custom "
+                "kernel. Find what grows the residual stream; consider bf16."
+            )
+        else:
+            sev = "info"
+            msg = (
+                f"{name}: max |x| = {stats.absmax:.4g} would overflow x² in fp16 "
+                f"({share}). In {stats.input_dtype} it is representable; in bf16 such "
+                "values carry ~0.4 % rounding error."
+            )
+        out.append(Alarm("fp16_overflow", sev, name, step, stats.absmax, limit, msg, tag="abs"))
+    elif stats.sumsq_max is not None and stats.sumsq_max > FP16_MAX and fp16:
+        unsafe = probe is not None and probe.sum_safe is False
+        msg = (
+            f"{name}: a token's sum of squares reaches {stats.sumsq_max:.4g} > 65504 "
+            f"(max |x| {stats.absmax:.4g}, RMS up to {stats.rms_max:.4g})."
+        )
+        if unsafe:
+            msg += (" This layer sums squares in fp16 (probe failed), so that sum is inf and "
+                    "the output collapses. Accumulate the reduction in fp32.")
+        else:
+            msg += " This norm accumulates safely; a kernel summing squares in fp16 would not."
+        out.append(Alarm("fp16_overflow", "critical" if unsafe else "info", name, step,
+                         stats.sumsq_max, FP16_MAX, msg, tag="sumsq"))
+    if not out:
+        out += _headroom(stats, step, ctx, fp16)
+    return out
+
+
+def _headroom(stats: LayerStats, step: int, ctx: RuleContext, fp16: bool) -> list[Alarm]:
+    limit = ctx.config.fp16_limit
+    if stats.absmax is None or stats.absmax < ctx.config.headroom_ratio * limit:
+        return []
+    forecast = steps_to_limit(ctx.absmax_history.get(stats.name, ()), limit)
+    if forecast is None or forecast.steps > ctx.config.headroom_horizon:
+        return []
+    growth = (forecast.growth_per_step - 1) * 100
+    msg = (
+        f"{stats.name}: max |x| = {stats.absmax:.4g}, growing {growth:.2g} %/step: "
+        f"~{forecast.steps:.0f} steps to the fp16 limit {limit:g} at the current rate."
+    )
+    msg += (" Act before it overflows: find what grows (lr, residual scale, a bad batch), "
+            "or checkpoint now." if fp16 else " Harmless in this dtype; fatal in fp16.")
+    return [Alarm("fp16_headroom", "warning" if fp16 else "info", stats.name, step,
+                  forecast.steps, float(ctx.config.headroom_horizon), msg)]
+
+
+def eps_alarms(stats: LayerStats, layer: NormLayer, step: int, config: WatchConfig) -> list[Alarm]:
+    """Tokens whose variance (mean square for RMSNorm) is small against eps."""
+    if not stats.eps_dominated_tokens or stats.eps_dominance is None:
+        return []
+    s_name = "mean square" if stats.kind == "rmsnorm" else "variance"
+    share = f"{stats.eps_dominated_tokens} of {stats.finite_tokens} tokens"
+    if layer.eps == 0 and stats.eps_dominance >= 1.0:
+        return [Alarm(
+            "eps_dominance", "critical", stats.name, step, stats.eps_dominance, config.eps_tol,
+            f"{stats.name}: eps = 0 and {share} have zero {s_name}: x/sqrt(0 + 0) = 0/0 = NaN. "
+            "Set eps to 1e-6..1e-5 and mask padding tokens.", tag="zero-eps")]
+    # Output RMS shrinks to sqrt(1 - ratio): under 5 % (ratio <= 0.1) is worth knowing,
+    # not worth waking anyone.
+    sev: Severity = "warning" if stats.eps_dominance > 0.1 else "info"
+    return [Alarm(
+        "eps_dominance", sev, stats.name, step, stats.eps_dominance, config.eps_tol,
+        f"{stats.name}: eps = {layer.eps:g} dominates {share} (eps/({s_name} + eps) up to "
+        f"{stats.eps_dominance:.3g} > {config.eps_tol:g}): their output is flattened to "
+        f"RMS sqrt(s/(s+eps)). Use eps 1e-6..1e-5, or mask zero/padding tokens.")]
+
+
+def common_mode_alarms(stats: LayerStats, step: int, config: WatchConfig) -> list[Alarm]:
+    """RMSNorm inputs whose mean dominates their RMS (RMSNorm does not remove it)."""
+    if stats.kind != "rmsnorm" or not stats.finite_tokens or stats.common_mode_max is None:
+        return []
+    share = stats.common_mode_tokens / stats.finite_tokens
+    if share <= config.common_mode_fraction:
+        return []
+    return [Alarm(
+        "common_mode", "warning", stats.name, step, share, config.common_mode_fraction,
+        f"{stats.name}: {share:.0%} of tokens have |mean|/RMS > {config.common_mode_tol:g} "
+        f"(max {stats.common_mode_max:.3g}): RMSNorm keeps the common mode, so the token's "
+        "structure is crushed into a near-constant vector. Consider LayerNorm or centring.")]
+
+
+def dtype_alarms(stats: LayerStats, step: int) -> list[Alarm]:
+    """Weight or output dtype different from the input, beyond autocast's documented rules."""
+    inp, w, out = stats.input_dtype, stats.weight_dtype, stats.output_dtype
+    if inp is None or out is None:
+        return []
+    tag = f"{inp}/{w}/{out}/{stats.autocast}"
+    if stats.autocast is not None:
+        amp = stats.autocast.split(":")[-1]
+        if out in (inp, amp, "float32") and w in (None, "float32", inp):
+            return []
+        return [Alarm("dtype_mismatch", "info", stats.name, step, 0.0, 0.0,
+                      f"{stats.name}: under autocast ({amp}) input {inp}, weight {w}, output "
+                      f"{out}: not one of autocast's documented promotions.", tag=tag)]
+    problems = []
+    if w is not None and w != inp:
+        if _resolution(w) > _resolution(inp):
+            problems.append(f"weight {w} is less precise than the {inp} input it scales "
+                            "(digits are lost after the fp32 reduction)")
+        else:
+            problems.append(f"weight {w} differs from the {inp} input")
+    if out != inp:
+        problems.append(f"output is {out}: the {inp} stream is promoted (2x memory and "
+                        "bandwidth downstream, numerics that differ from inference)")
+    if not problems:
+        return []
+    return [Alarm("dtype_mismatch", "warning", stats.name, step, 0.0, 0.0,
+                  f"{stats.name}: " + "; ".join(problems) +
+                  ". Cast the norm with the model (model.to(dtype)) or use autocast.", tag=tag)]
+
+
+def output_tolerance(config: WatchConfig, dtype: str | None) -> float:
+    """Relative error that counts as an output mismatch for outputs of ``dtype``."""
+    if config.output_tol is not None:
+        return config.output_tol
+    t = getattr(torch, dtype or "float32", torch.float32)
+    eps = torch.finfo(t).eps if isinstance(t, torch.dtype) and t.is_floating_point else 1e-7
+    return max(1e-3, 4 * eps)
+
+
+def output_alarms(stats: LayerStats, step: int, config: WatchConfig) -> list[Alarm]:
+    """The layer's output disagrees with its formula recomputed in fp32."""
+    err = stats.output_mismatch
+    tol = output_tolerance(config, stats.output_dtype)
+    if err is None or err <= tol:
+        return []
+    sev: Severity = "critical" if err > 0.1 else "warning"
+    return [Alarm(
+        "output_mismatch", sev, stats.name, step, err, tol,
+        f"{stats.name}: output differs from the fp32 {stats.kind} formula by up to "
+        f"{err:.3g} (relative, per token; tolerance {tol:.2g}). Suspect a reduction over "
+        "the wrong dimension (batch instead of features), a misplaced eps, or an fp16 "
+        "reduction that overflowed to zeros.")]
+
+
+def _resolution(dtype: str) -> float:
+    t = getattr(torch, dtype, None)
+    if isinstance(t, torch.dtype) and t.is_floating_point:
+        return float(torch.finfo(t).eps)
+    return 0.0

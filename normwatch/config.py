@@ -1,0 +1,147 @@
+"""Validated, frozen options of a :class:`~normwatch.Watch`.
+
+Every option is checked once, at setup; an error names the option, what was
+expected and what was received::
+
+    >>> WatchConfig.from_options(flush_every=0)
+    Traceback (most recent call last):
+    ...
+    normwatch.errors.ConfigError: 'flush_every' must be an int >= 1: got 0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from normwatch.errors import ConfigError
+
+if TYPE_CHECKING:
+    from normwatch.alarms import Alarm
+
+Severity = Literal["info", "warning", "critical"]
+SEVERITIES: tuple[Severity, ...] = ("info", "warning", "critical")
+
+
+@dataclass(frozen=True)
+class WatchConfig:
+    """Options of a watch; build with :meth:`from_options` to validate them."""
+
+    flush_every: int = 10
+    """Copy statistics to the host every this many optimizer steps."""
+    fp16_limit: float = 256.0
+    """|x| above this overflows x² in fp16 (256² = 65536 > 65504)."""
+    eps_tol: float = 0.01
+    """A token is eps-dominated when eps/(s + eps) exceeds this."""
+    common_mode_tol: float = 0.9
+    """A token has a common mode when |mean|/RMS exceeds this."""
+    common_mode_fraction: float = 0.1
+    """``common_mode`` fires when more than this fraction of tokens has one."""
+    output_check_every: int = 10
+    """Compare outputs with an fp32 recomputation every this many flushes (0: never)."""
+    output_tol: float | None = None
+    """Relative error that counts as an output mismatch (default: from the output dtype)."""
+    headroom_ratio: float = 0.25
+    """Forecast overflow only once max |x| exceeds this fraction of ``fp16_limit``."""
+    headroom_horizon: int = 1000
+    """Warn when the forecast says overflow is fewer than this many steps away."""
+    include: tuple[str, ...] = ()
+    """Glob patterns of layer names to watch (empty: all)."""
+    exclude: tuple[str, ...] = ()
+    """Glob patterns of layer names to skip."""
+    count_eval: bool = False
+    """Also measure forwards in eval mode or without grad."""
+    raise_on: Severity | None = None
+    """Raise :class:`~normwatch.NumericalHealthError` on alarms of this severity or worse."""
+    sinks: tuple[Callable[[Alarm], object], ...] = ()
+    """Callables that receive every emitted alarm."""
+    logger: str = "normwatch"
+    """Name of the :mod:`logging` logger alarms go to."""
+
+    @classmethod
+    def from_options(cls, **options: Any) -> WatchConfig:
+        """Validate keyword options into a config; unknown names are errors."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in options:
+            if key not in names:
+                near = difflib.get_close_matches(key, names, n=1)
+                hint = f"; did you mean {near[0]!r}?" if near else ""
+                raise ConfigError(f"unknown option {key!r}{hint} (valid: {', '.join(names)})")
+        for key in ("include", "exclude", "sinks"):
+            if key in options:
+                options[key] = _as_tuple(key, options[key])
+        config = cls(**options)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first bad option."""
+        _int(self.flush_every, "flush_every", minimum=1)
+        _int(self.output_check_every, "output_check_every", minimum=0)
+        _int(self.headroom_horizon, "headroom_horizon", minimum=1)
+        _number(self.fp16_limit, "fp16_limit", low=0.0, low_open=True)
+        _number(self.eps_tol, "eps_tol", low=0.0, high=1.0, low_open=True, high_open=True)
+        _number(self.common_mode_tol, "common_mode_tol", low=0.0, high=1.0, low_open=True)
+        _number(self.common_mode_fraction, "common_mode_fraction", low=0.0, high=1.0)
+        _number(self.headroom_ratio, "headroom_ratio", low=0.0, high=1.0, low_open=True,
+                high_open=True)
+        if self.output_tol is not None:
+            _number(self.output_tol, "output_tol", low=0.0, low_open=True)
+        for key in ("include", "exclude"):
+            for pattern in getattr(self, key):
+                if not isinstance(pattern, str):
+                    raise ConfigError(
+                        f"{key!r} must be a sequence of str patterns: got "
+                        f"{type(pattern).__name__} {pattern!r}"
+                    )
+        if not isinstance(self.count_eval, bool):
+            raise ConfigError(f"'count_eval' must be a bool: got {self.count_eval!r}")
+        if self.raise_on is not None and self.raise_on not in SEVERITIES:
+            raise ConfigError(
+                f"'raise_on' must be one of None, 'info', 'warning', 'critical': "
+                f"got {self.raise_on!r}"
+            )
+        for sink in self.sinks:
+            if not callable(sink):
+                raise ConfigError(f"'sinks' must hold callables: got {type(sink).__name__}")
+        if not isinstance(self.logger, str) or not self.logger:
+            raise ConfigError(f"'logger' must be a non-empty str: got {self.logger!r}")
+
+
+def _as_tuple(key: str, value: Any) -> tuple[Any, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str) or callable(value):
+        return (value,)
+    if isinstance(value, Sequence | set | frozenset):
+        return tuple(value)
+    raise ConfigError(f"{key!r} must be a sequence: got {type(value).__name__} {value!r}")
+
+
+def _int(value: Any, key: str, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{key!r} must be an int >= {minimum}: got {value!r}")
+
+
+def _number(
+    value: Any,
+    key: str,
+    *,
+    low: float,
+    high: float = math.inf,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and (
+            value < high if high_open else value <= high
+        )
+    if not ok:
+        lo = f"{'(' if low_open else '['}{low:g}"
+        hi = f"{high:g}{')' if high_open else ']'}"
+        raise ConfigError(f"{key!r} must be a finite number in {lo}, {hi}: got {value!r}")

@@ -1,0 +1,112 @@
+"""Rich renderables: the per-layer health table and alarm lines.
+
+    >>> from rich.console import Console
+    >>> Console().print(HealthTable(snapshot, findings))
+
+Worst layers first, coloured by severity; the text still reads in a plain CI log
+(status words, not only colours; ASCII-safe box).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rich import box
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.table import Table
+from rich.text import Text
+
+from normwatch.alarms import SEVERITY_RANK, Alarm
+from normwatch.snapshot import LayerStats, Snapshot
+
+STYLES = {"ok": "green", "info": "cyan", "warning": "yellow", "critical": "bold red"}
+LABELS = {"ok": "OK", "info": "INFO", "warning": "WARN", "critical": "CRIT"}
+
+
+def layer_health(findings: Sequence[Alarm]) -> dict[str, str]:
+    """Worst severity per layer (``"ok"`` is implied for layers not listed)."""
+    worst: dict[str, str] = {}
+    for alarm in findings:
+        if alarm.layer is None:
+            continue
+        current = worst.get(alarm.layer)
+        if current is None or SEVERITY_RANK[alarm.severity] > SEVERITY_RANK[current]:
+            worst[alarm.layer] = alarm.severity
+    return worst
+
+
+class HealthTable:
+    """Per-layer health of one snapshot, worst first."""
+
+    def __init__(
+        self, snapshot: Snapshot, findings: Sequence[Alarm] = (), fp16_limit: float = 256.0,
+        title: str | None = None,
+    ) -> None:
+        self.snapshot = snapshot
+        self.findings = findings
+        self.fp16_limit = fp16_limit
+        self.title = title
+
+    def rows(self) -> list[tuple[str, LayerStats]]:
+        """``(health, stats)`` for the layers seen, worst first, then by max |x|."""
+        health = layer_health(self.findings)
+        for name, s in self.snapshot.layers.items():
+            if s.nonfinite or s.out_nonfinite:
+                health[name] = "critical"
+        rows = [(health.get(name, "ok"), s) for name, s in self.snapshot.layers.items() if s.seen]
+        rows.sort(key=lambda r: (-SEVERITY_RANK.get(r[0], -1), -(r[1].absmax or 0.0)))
+        return rows
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        snap = self.snapshot
+        title = self.title or f"normwatch · steps {snap.first_step}-{snap.step}"
+        table = Table(title=title, box=box.ASCII2, title_justify="left", pad_edge=False)
+        table.add_column("layer", min_width=10, overflow="fold")
+        for header in ("health", "max|x|", "x/lim", "rms", "rms max", "eps dom", "common",
+                       "nonfin", "dtype"):
+            table.add_column(header, justify="left" if header in ("health", "dtype") else "right",
+                             no_wrap=True)
+        for health, s in self.rows():
+            style = STYLES[health]
+            ratio = (s.absmax or 0.0) / self.fp16_limit
+            table.add_row(
+                Text(s.name, style=style if health != "ok" else ""),
+                Text(LABELS[health], style=style),
+                _num(s.absmax),
+                Text(f"{ratio:.2f}" if s.absmax is not None else "-",
+                     style="bold red" if ratio > 1 else ""),
+                _num(s.rms_mean),
+                _num(s.rms_max),
+                _num(s.eps_dominance),
+                _num(s.common_mode_max) if s.kind == "rmsnorm" else "-",
+                Text(f"{s.nonfinite}/{s.out_nonfinite}",
+                     style="bold red" if s.nonfinite or s.out_nonfinite else ""),
+                f"{_short(s.input_dtype)}>{_short(s.weight_dtype)}>{_short(s.output_dtype)}",
+            )
+        yield table
+
+
+def alarm_text(alarm: Alarm) -> Text:
+    """One alarm as a styled line: ``step 12 WARN fp16_headroom: ...``."""
+    label = LABELS[alarm.severity]
+    text = Text(f"step {alarm.step} ", style="dim")
+    text.append(f"{label} {alarm.kind}", style=STYLES[alarm.severity])
+    text.append(f": {alarm.message}")
+    return text
+
+
+def _num(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value == 0:
+        return "0"
+    if abs(value) >= 1e4 or abs(value) < 1e-3:
+        return f"{value:.1e}"
+    return f"{value:.3g}"
+
+
+_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64"}
+
+
+def _short(dtype: str | None) -> str:
+    return "-" if dtype is None else _SHORT.get(dtype, dtype)

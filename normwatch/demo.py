@@ -1,0 +1,174 @@
+"""``normwatch demo``: train a tiny pre-norm transformer into a chosen fault, live.
+
+    >>> result = run_demo("fp16-overflow", steps=150)
+    >>> result.first_warning_step < result.nan_step
+
+Everything runs on the CPU in well under a minute. The faults are real failure
+mechanisms; only their trigger is scripted (a drifting residual scale, a padding
+batch, a flag inside an MLP) so that each one shows up within a few dozen steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from rich.console import Console, Group
+from rich.live import Live
+
+from normwatch.alarms import SEVERITY_RANK, Alarm
+from normwatch.console import HealthTable, alarm_text
+from normwatch.toymodel import TinyLM, lm_loss, synthetic_batch
+from normwatch.watch import Watch, watch
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A failure drill: how to build the model, and what happens before each step."""
+
+    name: str
+    summary: str
+    norm: str = "rmsnorm"
+    dtype: torch.dtype = torch.float32
+    eps: float = 1e-6
+    padding: bool = False
+    lr: float = 0.05
+    before_step: Callable[[TinyLM, int], None] = field(default=lambda model, step: None)
+    prepare: Callable[[TinyLM], None] = field(default=lambda model: None)
+
+
+def _grow_residual(model: TinyLM, step: int) -> None:
+    model.residual_scale.mul_(1.07)  # the residual stream drifts up 7 %/step
+
+
+def _break_mlp(model: TinyLM, step: int) -> None:
+    model.blocks[1].mlp.fault = step >= 30
+
+
+def _fp32_norm_weights(model: TinyLM) -> None:
+    model.norm.float()  # a norm left in fp32 inside a bf16 model
+
+
+def _common_mode(model: TinyLM) -> None:
+    with torch.no_grad():
+        model.embed.weight.add_(30.0)  # every token rides on a large shared offset
+
+
+FAULTS: dict[str, Fault] = {f.name: f for f in (
+    Fault("fp16-overflow", "fp16 model, hand-written RMSNorm reducing in fp16, residual stream "
+          "growing 7 %/step", norm="naive_rmsnorm", dtype=torch.float16,
+          before_step=_grow_residual),
+    Fault("eps-zero", "LayerNorm with eps = 0 fed all-zero padding tokens", norm="layernorm",
+          eps=0.0, padding=True),
+    Fault("nan-mlp", "a NaN born inside block 1's MLP at step 30", before_step=_break_mlp),
+    Fault("wrong-dim", "an RMSNorm that reduces over the batch instead of the features",
+          norm="batchdim_rmsnorm"),
+    Fault("dtype-mismatch", "bf16 model whose final norm kept fp32 weights",
+          dtype=torch.bfloat16, prepare=_fp32_norm_weights),
+    Fault("common-mode", "RMSNorm inputs dominated by a shared offset", prepare=_common_mode),
+    Fault("none", "a healthy fp16 run with torch's RMSNorm", dtype=torch.float16),
+)}
+DEFAULT_FAULT = "fp16-overflow"
+
+
+@dataclass
+class DemoResult:
+    """What a demo run observed."""
+
+    fault: str
+    steps_run: int
+    alarms: list[Alarm]
+    nan_step: int | None = None
+    losses: list[float] = field(default_factory=list)
+
+    def first_step(self, min_severity: str = "warning") -> int | None:
+        """First step with an alarm of at least ``min_severity``."""
+        rank = SEVERITY_RANK[min_severity]
+        steps = [a.step for a in self.alarms if SEVERITY_RANK[a.severity] >= rank]
+        return min(steps) if steps else None
+
+
+def build(fault: Fault, seed: int) -> tuple[TinyLM, torch.optim.Optimizer]:
+    """The model and optimizer of a drill (deterministic for a seed)."""
+    torch.manual_seed(seed)
+    model = TinyLM(norm=fault.norm, eps=fault.eps, padding_idx=0 if fault.padding else None)
+    model.to(fault.dtype)
+    fault.prepare(model)
+    return model, torch.optim.SGD(model.parameters(), lr=fault.lr, momentum=0.9)
+
+
+def run_demo(
+    fault_name: str = DEFAULT_FAULT,
+    steps: int = 200,
+    seed: int = 0,
+    console: Console | None = None,
+    live: bool | None = None,
+    flush_every: int = 1,
+) -> DemoResult:
+    """Train until ``steps`` or a non-finite loss; print alarms and the table."""
+    fault = FAULTS[fault_name]
+    console = console or Console(width=None if _tty() else 120)
+    live = console.is_terminal if live is None else live
+    model, optimizer = build(fault, seed)
+    gen = torch.Generator().manual_seed(seed)
+    result = DemoResult(fault.name, 0, [])
+    console.print(f"[bold]normwatch demo[/] · fault [bold]{fault.name}[/]: {fault.summary}")
+    with watch(model, flush_every=flush_every, sinks=[lambda a: console.print(alarm_text(a))]) as w:
+        display = Live(console=console, refresh_per_second=8, transient=True) if live else None
+        with display or nullcontext():
+            for step in range(1, steps + 1):
+                fault.before_step(model, step)
+                tokens = synthetic_batch(gen)
+                if fault.padding:
+                    tokens[:, -8:] = 0
+                loss = lm_loss(model(tokens), tokens)
+                loss.backward()  # type: ignore[no-untyped-call]
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                w.step(loss)
+                value = float(loss.detach())
+                result.losses.append(value)
+                result.steps_run = step
+                if display is not None:
+                    display.update(_table(w, step))
+                if not math.isfinite(value):
+                    result.nan_step = step
+                    break
+        result.alarms = list(w.alarms)
+        if w.last_snapshot is not None:
+            console.print(_table(w, result.steps_run))
+    console.print(summary(result))
+    return result
+
+
+def _table(w: Watch, step: int) -> Group | HealthTable | str:
+    if w.last_snapshot is None:
+        return f"step {step}: waiting for the first flush"
+    return HealthTable(w.last_snapshot, w.last_findings, w.config.fp16_limit)
+
+
+def summary(result: DemoResult) -> str:
+    """A few closing lines: what fired, when, and how early."""
+    lines = [f"[bold]summary[/] · {result.fault}: {result.steps_run} steps"]
+    kinds: dict[str, Alarm] = {}
+    for alarm in result.alarms:
+        kinds.setdefault(f"{alarm.severity} {alarm.kind}", alarm)
+    for key, alarm in kinds.items():
+        lines.append(f"  first {key} at step {alarm.step} ({alarm.layer or '-'})")
+    if not kinds:
+        lines.append("  no alarms: every norm layer stayed healthy")
+    warn = result.first_step("warning")
+    if result.nan_step is not None:
+        lines.append(f"  loss became non-finite at step {result.nan_step}")
+        if warn is not None and warn < result.nan_step:
+            lines.append(f"  normwatch warned {result.nan_step - warn} steps before the NaN loss")
+    return "\n".join(lines)
+
+
+def _tty() -> bool:
+    import sys
+
+    return sys.stdout.isatty()

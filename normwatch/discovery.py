@@ -1,0 +1,233 @@
+"""Find the normalization layers of a model.
+
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    >>> [(n.name, n.kind, n.eps) for n in find_norm_layers(model)]
+    [('1', 'layernorm', 1e-05)]
+
+Recognised, in this order: classes registered with :func:`register_norm`; torch's
+LayerNorm, RMSNorm, GroupNorm, BatchNorm and InstanceNorm families; any other module
+whose class name ends in ``Norm`` (Hugging Face's ``LlamaRMSNorm``, ``T5LayerNorm``,
+``GemmaRMSNorm``, ...) and that has a ``weight`` and an ``eps``-like attribute. A matched
+norm's children are not searched.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from normwatch.errors import ConfigError
+
+Kind = Literal["layernorm", "rmsnorm", "groupnorm", "batchnorm", "instancenorm"]
+KINDS: tuple[Kind, ...] = ("layernorm", "rmsnorm", "groupnorm", "batchnorm", "instancenorm")
+WeightForm = Literal["w", "1+w"]
+
+EPS_ATTRS = ("eps", "variance_epsilon", "epsilon", "variance_eps")
+# Wrapper modules that add a path component without meaning.
+_WRAPPERS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_forward_module")
+# Hugging Face RMSNorms that scale by (1 + w); their weight is initialised at 0.
+_ONE_PLUS_W = re.compile(r"^(Gemma\d*n?|PaliGemma|RecurrentGemma|T5Gemma|Qwen3Next)\w*RMSNorm$")
+
+
+@dataclass(frozen=True)
+class NormLayer:
+    """One normalization layer found in a model.
+
+    ``normalized_shape`` is the shape of one token: the trailing dims for layer and
+    RMS norms, ``(channels,)`` for group, batch and instance norms.
+    """
+
+    name: str
+    kind: Kind
+    eps: float
+    normalized_shape: tuple[int, ...] | None
+    weight_form: WeightForm
+    class_name: str
+    num_groups: int | None = None
+
+    @property
+    def token_size(self) -> int | None:
+        """Elements per token for layer/RMS norms (``None`` where it depends on the input)."""
+        if self.kind in ("layernorm", "rmsnorm") and self.normalized_shape is not None:
+            return math.prod(self.normalized_shape)
+        return None
+
+
+@dataclass(frozen=True)
+class _Registration:
+    kind: Kind
+    eps_attr: str | None
+    weight_form: WeightForm
+
+
+_REGISTRY: dict[type[nn.Module], _Registration] = {}
+
+
+def register_norm(
+    cls: type[nn.Module],
+    *,
+    kind: Kind,
+    eps_attr: str | None = "eps",
+    weight_form: WeightForm = "w",
+) -> None:
+    """Declare a custom norm class, overriding the built-in recognition.
+
+        >>> class MyNorm(torch.nn.Module): ...
+        >>> register_norm(MyNorm, kind="rmsnorm", eps_attr="epsilon")
+    """
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ConfigError(f"'cls' must be a torch.nn.Module subclass: got {cls!r}")
+    if kind not in KINDS:
+        raise ConfigError(f"'kind' must be one of {', '.join(map(repr, KINDS))}: got {kind!r}")
+    if eps_attr is not None and not isinstance(eps_attr, str):
+        raise ConfigError(f"'eps_attr' must be a str or None: got {eps_attr!r}")
+    if weight_form not in ("w", "1+w"):
+        raise ConfigError(f"'weight_form' must be 'w' or '1+w': got {weight_form!r}")
+    _REGISTRY[cls] = _Registration(kind, eps_attr, weight_form)
+
+
+def unregister_norm(cls: type[nn.Module]) -> None:
+    """Forget a registration made with :func:`register_norm` (no-op if absent)."""
+    _REGISTRY.pop(cls, None)
+
+
+def clean_name(qualified: str) -> str:
+    """Strip wrapper components (DDP's leading ``module.``, ``_orig_mod.``, FSDP's, ...)."""
+    parts = qualified.split(".") if qualified else []
+    while parts and parts[0] == "module":
+        parts.pop(0)
+    return ".".join(p for p in parts if p not in _WRAPPERS)
+
+
+def describe(module: nn.Module, name: str = "") -> NormLayer | None:
+    """Return the :class:`NormLayer` for ``module`` if it is a norm, else ``None``."""
+    cls_name = type(module).__name__
+    for klass in type(module).__mro__:
+        reg = _REGISTRY.get(klass)
+        if reg is not None:
+            eps = _eps(module, (reg.eps_attr,) if reg.eps_attr else ())
+            shape = _weight_shape(module) if reg.kind in ("layernorm", "rmsnorm") else None
+            groups = getattr(module, "num_groups", None) if reg.kind == "groupnorm" else None
+            return NormLayer(name, reg.kind, eps, shape, reg.weight_form, cls_name, groups)
+    if isinstance(module, nn.LayerNorm | nn.RMSNorm):
+        eps = module.eps if module.eps is not None else _default_rms_eps()
+        return NormLayer(name, _builtin_kind(module), float(eps),
+                         tuple(module.normalized_shape), "w", cls_name)
+    if isinstance(module, nn.GroupNorm):
+        return NormLayer(name, "groupnorm", float(module.eps), (module.num_channels,), "w",
+                         cls_name, module.num_groups)
+    if isinstance(module, nn.modules.instancenorm._InstanceNorm):
+        return NormLayer(name, "instancenorm", float(module.eps), (module.num_features,), "w",
+                         cls_name)
+    if isinstance(module, nn.modules.batchnorm._NormBase):
+        return NormLayer(name, "batchnorm", float(module.eps), (module.num_features,), "w",
+                         cls_name)
+    return _duck_typed(module, name)
+
+
+def find_norm_layers(
+    model: nn.Module,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+) -> list[NormLayer]:
+    """List the norm layers of ``model`` in registration order (see module docstring).
+
+    ``include``/``exclude`` are glob patterns (``fnmatch``) on the cleaned layer name.
+    """
+    return [layer for layer, _ in iter_norm_modules(model, include, exclude)]
+
+
+def iter_norm_modules(
+    model: nn.Module,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+) -> Iterator[tuple[NormLayer, nn.Module]]:
+    """Yield ``(NormLayer, module)`` pairs; a module reachable twice is yielded once."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"'model' must be a torch.nn.Module: got {type(model).__name__}")
+    seen: set[int] = set()
+
+    def walk(module: nn.Module, prefix: str) -> Iterator[tuple[NormLayer, nn.Module]]:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        layer = describe(module, clean_name(prefix))
+        if layer is not None:
+            if _selected(layer.name, include, exclude):
+                yield layer, module
+            return
+        for child_name, child in module.named_children():
+            yield from walk(child, f"{prefix}.{child_name}" if prefix else child_name)
+
+    yield from walk(model, "")
+
+
+def _selected(name: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
+    if include and not any(fnmatch.fnmatchcase(name, p) for p in include):
+        return False
+    return not any(fnmatch.fnmatchcase(name, p) for p in exclude)
+
+
+def _builtin_kind(module: nn.Module) -> Kind:
+    return "rmsnorm" if isinstance(module, nn.RMSNorm) else "layernorm"
+
+
+def _default_rms_eps() -> float:
+    return float(torch.finfo(torch.float32).eps)  # what nn.RMSNorm uses for eps=None
+
+
+def _eps(module: nn.Module, attrs: Sequence[str]) -> float:
+    for attr in attrs:
+        value = getattr(module, attr, None)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    return math.nan
+
+
+def _weight_shape(module: nn.Module) -> tuple[int, ...] | None:
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return tuple(weight.shape)
+    shape = getattr(module, "normalized_shape", None)
+    if isinstance(shape, int):
+        return (shape,)
+    if isinstance(shape, tuple | list):
+        return tuple(int(s) for s in shape)
+    return None
+
+
+def _duck_typed(module: nn.Module, name: str) -> NormLayer | None:
+    cls_name = type(module).__name__
+    if not cls_name.lower().endswith("norm") or not hasattr(module, "weight"):
+        return None
+    eps = _eps(module, EPS_ATTRS)
+    if math.isnan(eps):
+        return None
+    lowered = cls_name.lower()
+    has_bias = getattr(module, "bias", None) is not None
+    # T5-style "LayerNorm"s (T5, MT5, LongT5, Pix2Struct, ...) are RMSNorms: no bias and
+    # Llama's `variance_epsilon` spelling.
+    t5_style = not has_bias and hasattr(module, "variance_epsilon")
+    kind: Kind
+    if "group" in lowered:
+        kind = "groupnorm"
+    elif "rms" in lowered or t5_style:
+        kind = "rmsnorm"
+    elif "layer" in lowered or has_bias:
+        kind = "layernorm"
+    else:
+        kind = "rmsnorm"
+    form: WeightForm = "1+w" if _ONE_PLUS_W.match(cls_name) else "w"
+    groups = getattr(module, "num_groups", None) if kind == "groupnorm" else None
+    shape = _weight_shape(module)
+    if kind == "groupnorm" and shape is not None:
+        shape = shape[:1]
+    return NormLayer(name, kind, eps, shape, form, cls_name, groups)

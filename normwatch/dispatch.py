@@ -1,0 +1,95 @@
+"""Where alarms go: de-duplication, the logger, user sinks, and raising on request.
+
+Repeats of one alarm (same kind, layer and tag) are rate-limited with a decimal
+backoff: the 1st, 10th, 100th, 1000th ... occurrence is emitted, carrying in
+``count`` how many occurrences it stands for. A 1,000-step NaN storm therefore gives a
+handful of lines. A rise in severity is always emitted. ``dtype_mismatch`` is emitted
+once per layer and dtype signature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from normwatch.alarms import SEVERITY_RANK, Alarm
+from normwatch.config import WatchConfig
+from normwatch.errors import NumericalHealthError
+
+_LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "critical": logging.CRITICAL}
+_ONCE_KINDS = frozenset({"dtype_mismatch"})
+
+
+@dataclass
+class _Seen:
+    occurrences: int
+    emitted_at: int
+    severity: int
+    first_step: int
+
+
+class Dispatcher:
+    """Stateful alarm router; :meth:`emit` returns the alarms that passed the filter."""
+
+    def __init__(self, config: WatchConfig) -> None:
+        self.config = config
+        self.logger = logging.getLogger(config.logger)
+        self._seen: dict[tuple[str, str | None, str], _Seen] = {}
+        self._broken_sinks: set[int] = set()
+        self.history: list[Alarm] = []
+
+    def filter(self, alarms: Iterable[Alarm]) -> list[Alarm]:
+        """Apply de-duplication and backoff; pure bookkeeping, no output."""
+        passed = []
+        for alarm in alarms:
+            key = (alarm.kind, alarm.layer, alarm.tag)
+            rank = SEVERITY_RANK[alarm.severity]
+            seen = self._seen.get(key)
+            if seen is None:
+                self._seen[key] = _Seen(1, 1, rank, alarm.step)
+                passed.append(alarm)
+                continue
+            seen.occurrences += 1
+            if alarm.kind in _ONCE_KINDS and rank <= seen.severity:
+                continue
+            if rank > seen.severity or _is_power_of_ten(seen.occurrences):
+                count = seen.occurrences - seen.emitted_at
+                seen.emitted_at, seen.severity = seen.occurrences, max(rank, seen.severity)
+                message = (f"{alarm.message} [x{count} since step {seen.first_step}]"
+                           if count > 1 else alarm.message)
+                passed.append(dataclasses.replace(alarm, count=count, message=message))
+        return passed
+
+    def emit(self, alarms: Iterable[Alarm]) -> list[Alarm]:
+        """Filter, log, hand to sinks, and raise if ``raise_on`` says so."""
+        passed = self.filter(alarms)
+        self.history.extend(passed)
+        for alarm in passed:
+            self.logger.log(_LEVELS[alarm.severity], "[%s] %s", alarm.kind, alarm.message)
+            for sink in self.config.sinks:
+                self._call_sink(sink, alarm)
+        threshold = self.config.raise_on
+        if threshold is not None:
+            fatal = [a for a in passed if SEVERITY_RANK[a.severity] >= SEVERITY_RANK[threshold]]
+            if fatal:
+                raise NumericalHealthError(fatal)
+        return passed
+
+    def _call_sink(self, sink: object, alarm: Alarm) -> None:
+        if id(sink) in self._broken_sinks:
+            return
+        try:
+            sink(alarm)  # type: ignore[operator]
+        except Exception as exc:  # a broken sink must not stop training
+            self._broken_sinks.add(id(sink))
+            warnings.warn(f"normwatch: alarm sink {sink!r} raised {type(exc).__name__}: {exc}; "
+                          "it is disabled for this watch", RuntimeWarning, stacklevel=3)
+
+
+def _is_power_of_ten(n: int) -> bool:
+    while n >= 10 and n % 10 == 0:
+        n //= 10
+    return n == 1

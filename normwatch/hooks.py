@@ -1,0 +1,223 @@
+"""The forward hook on one norm layer: the hot path.
+
+Per counted call it reduces the layer's input and output to a few numbers on their
+device and folds them into the accumulator, with no host synchronisation (no
+``.item()``, ``.cpu()``, ``bool(tensor)``, masking or ``nonzero``). Host-side it only
+reads metadata (shapes, dtypes, flags). Any exception disables this hook with one
+warning; training goes on.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from normwatch.accumulator import Accumulator
+from normwatch.discovery import NormLayer
+from normwatch.reference import expected_output
+from normwatch.stats import (
+    KEY_STRIDE,
+    Thresholds,
+    call_stats,
+    mismatch,
+    threshold_row,
+    token_view,
+)
+
+_INPUT_KWARGS = ("hidden_states", "input", "x", "inputs")
+
+
+@dataclass
+class Runtime:
+    """State shared by a watch and its hooks (host-side, plain Python)."""
+
+    accumulator: Accumulator
+    thresholds: Thresholds
+    count_eval: bool = False
+    step: int = 1
+    """The step in progress (1-based); forwards before the first ``watch.step()`` are step 1."""
+    calls_this_step: int = 0
+    check_outputs: bool = True
+    paused: bool = False
+    forward_order: dict[str, int] = field(default_factory=dict)
+    _rows: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+
+    def threshold_row(self, device: torch.device) -> torch.Tensor:
+        """The kernel's threshold row on ``device`` (built once per device)."""
+        row = self._rows.get(device)
+        if row is None:
+            row = self._rows[device] = threshold_row(self.thresholds, device)
+        return row
+
+
+@dataclass
+class HostCounts:
+    """What a hook learns without touching tensor values."""
+
+    calls: int = 0
+    tokens: int = 0
+    input_dtype: str | None = None
+    weight_dtype: str | None = None
+    output_dtype: str | None = None
+    autocast: str | None = None
+    input_shape: torch.Size | None = None
+    device: torch.device | None = None
+
+    def reset(self) -> None:
+        self.calls = 0
+        self.tokens = 0
+
+
+class LayerHook:
+    """Forward hook measuring one layer; see the module docstring."""
+
+    def __init__(self, layer: NormLayer, module: nn.Module, row: int, runtime: Runtime) -> None:
+        self.layer = layer
+        self.module = module
+        self.row = row
+        self.rt = runtime
+        self.counts = HostCounts()
+        self.pending_recompute = 0
+        self.disabled_reason: str | None = None
+        self._skipped: set[str] = set()
+        self._token_ndim = len(layer.normalized_shape) if layer.normalized_shape else 1
+        self._eps = 0.0 if math.isnan(layer.eps) else layer.eps
+        self._signature: tuple[Any, ...] = ()
+        self.handle: RemovableHandle | None = module.register_forward_hook(self, with_kwargs=True)
+
+    def remove(self) -> None:
+        """Detach from the module (harmless twice)."""
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], output: Any
+    ) -> None:
+        if self.rt.paused:
+            return
+        try:
+            self._observe(module, args, kwargs, output)
+        except Exception as exc:  # never take the training run down
+            self.disabled_reason = f"{type(exc).__name__}: {exc}"
+            self.remove()
+            warnings.warn(
+                f"normwatch: measuring {self.layer.name!r} failed ({self.disabled_reason}); "
+                "this layer is no longer watched, training continues",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def _counted(self, module: nn.Module) -> bool:
+        if torch._C._current_graph_task_id() != -1:
+            # Inside backward: an activation-checkpoint recompute. Count it only if the
+            # original forward ran without grad (reentrant checkpoint) and was not counted.
+            if self.pending_recompute > 0:
+                self.pending_recompute -= 1
+                return True
+            return False
+        if self.rt.count_eval:
+            return True
+        if module.training and torch.is_grad_enabled():
+            return True
+        if module.training:
+            self.pending_recompute += 1
+        return False
+
+    def _observe(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], output: Any
+    ) -> None:
+        x = _first_tensor(args, kwargs)
+        if x is None:
+            return self._skip("no tensor argument")
+        if not x.is_floating_point():
+            return self._skip(f"non-floating-point input ({x.dtype})")
+        if x.device.type == "meta":
+            return self._skip("meta-device input")
+        if not self._counted(module):
+            return
+        y = _first_tensor(output if isinstance(output, tuple | list) else (output,), {})
+        with torch.no_grad():
+            self._measure(module, x.detach(), None if y is None else y.detach())
+
+    def _measure(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None) -> None:
+        rt = self.rt
+        call_index = rt.calls_this_step
+        n_tokens = 0
+        if x.numel() > 0:
+            tokens = token_view(x, self.layer.kind, self._token_ndim, self.layer.num_groups or 1)
+            n_tokens = tokens.shape[0]
+            out = y if y is not None and y.is_floating_point() else None
+            key = float(rt.step * KEY_STRIDE + call_index)
+            values = call_stats(tokens, out, self.layer.kind, self._eps,
+                                rt.threshold_row(x.device), key)
+            rt.accumulator.update(self.row, values)
+            if rt.check_outputs and out is not None:
+                self._check_output(module, x, out)
+        # Host bookkeeping last, so a failed measurement leaves no half-counted call.
+        if self.layer.name not in rt.forward_order:
+            rt.forward_order[self.layer.name] = len(rt.forward_order)
+        rt.calls_this_step += 1
+        self.counts.tokens += n_tokens
+        self._record_metadata(module, x, y)
+
+    def _check_output(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+        ref = expected_output(self.layer, module, x)
+        if ref is None:
+            return
+        if ref.shape != y.shape:
+            err = torch.ones((), device=y.device)  # wrong-shaped output: fully wrong
+        else:
+            view = (self.layer.kind, self._token_ndim, self.layer.num_groups or 1)
+            err = mismatch(token_view(y, *view), token_view(ref, *view))
+        self.rt.accumulator.update_mismatch(self.row, err.to(torch.float64))
+
+    def _record_metadata(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None) -> None:
+        c = self.counts
+        c.calls += 1
+        weight = getattr(module, "weight", None)
+        device = x.device
+        amp = (torch.get_autocast_dtype(device.type)
+               if torch.is_autocast_enabled(device.type) else None)
+        signature = (x.dtype, weight.dtype if isinstance(weight, torch.Tensor) else None,
+                     None if y is None else y.dtype, amp, device)
+        if signature != self._signature:  # names are built only when something changed
+            self._signature = signature
+            c.input_dtype, c.weight_dtype, c.output_dtype = (
+                None if d is None else _dtype_name(d) for d in signature[:3])
+            c.autocast = None if amp is None else f"{device.type}:{_dtype_name(amp)}"
+            c.device = device
+        c.input_shape = x.shape
+
+    def _skip(self, why: str) -> None:
+        if why not in self._skipped:
+            self._skipped.add(why)
+            warnings.warn(f"normwatch: {self.layer.name!r} called with {why}; such calls are "
+                          "not measured", RuntimeWarning, stacklevel=4)
+
+
+def _first_tensor(
+    args: tuple[Any, ...] | list[Any], kwargs: Mapping[str, Any]
+) -> torch.Tensor | None:
+    for value in args:
+        if isinstance(value, torch.Tensor):
+            return value
+    for name in _INPUT_KWARGS:
+        value = kwargs.get(name)
+        if isinstance(value, torch.Tensor):
+            return value
+    for value in kwargs.values():
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

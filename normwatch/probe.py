@@ -1,0 +1,111 @@
+"""Is a layer's own reduction fp16-safe? Ask it, once, with two probe tokens.
+
+* an *element* probe: one token holding a single 300 (300² = 90000 > 65504); torch's
+  norms upcast and return a normal output, ``x.pow(2).mean()`` in fp16 returns zeros;
+* a *sum* probe: a token of ±v with every v² < 65504 but Σv² > 65504; it catches a
+  kernel that sums squares in fp16 even when every element is below 256.
+
+The probe runs the layer's forward on a deep copy (so batch-norm running statistics
+and the real module are untouched), without grad, on the layer's device, in the dtype
+it was asked about. It is a host-side side effect, called from ``flush()`` only.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from normwatch.discovery import NormLayer
+from normwatch.reference import expected_output
+from normwatch.stats import token_view
+
+FP16_MAX = 65504.0
+PROBE_VALUE = 300.0
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """Outcome of probing one layer in one dtype; ``None`` fields mean unknown."""
+
+    dtype: str
+    element_safe: bool | None
+    sum_safe: bool | None
+    detail: str = ""
+
+    @property
+    def safe(self) -> bool | None:
+        """Safe against both probes (``None`` if either is unknown)."""
+        if self.element_safe is None or self.sum_safe is None:
+            return None
+        return self.element_safe and self.sum_safe
+
+
+def probe_shape(layer: NormLayer, input_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A small input shape of the layer's layout: one sample, spatial dims shrunk."""
+    if layer.kind in ("layernorm", "rmsnorm"):
+        nd = len(layer.normalized_shape) if layer.normalized_shape else 1
+        tail = input_shape[len(input_shape) - nd :]
+        return (1, *tail)
+    if len(input_shape) < 2:
+        return tuple(input_shape)
+    spatial = tuple(2 for _ in input_shape[2:])
+    batch = 2 if layer.kind == "batchnorm" else 1
+    return (batch, input_shape[1], *spatial)
+
+
+def probe_fp16_safety(
+    layer: NormLayer,
+    module: nn.Module,
+    input_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> ProbeResult:
+    """Run both probes on a copy of ``module``; never raises."""
+    name = str(dtype).removeprefix("torch.")
+    try:
+        clone = copy.deepcopy(module)
+        clone._forward_hooks.clear()
+        clone._forward_pre_hooks.clear()
+        shape = probe_shape(layer, input_shape)
+        element = torch.zeros(shape, dtype=torch.float32)
+        element.view(-1)[0] = PROBE_VALUE
+        element_safe = _passes(layer, clone, element, dtype, device)
+        width = token_view(element, layer.kind, _token_ndim(layer), layer.num_groups or 1).shape[1]
+        value = min(200.0, 2.0 * math.sqrt(FP16_MAX / max(width, 1)))
+        sum_safe: bool | None = element_safe
+        if width * value * value > FP16_MAX:
+            signs = torch.ones(math.prod(shape))
+            signs[1::2] = -1.0
+            sum_safe = _passes(layer, clone, (signs * value).reshape(shape), dtype, device)
+        return ProbeResult(name, element_safe, sum_safe)
+    except Exception as exc:  # a probe must never take training down
+        return ProbeResult(name, None, None, f"probe failed: {type(exc).__name__}: {exc}")
+
+
+def _token_ndim(layer: NormLayer) -> int:
+    return len(layer.normalized_shape) if layer.normalized_shape else 1
+
+
+def _passes(
+    layer: NormLayer, module: nn.Module, x32: torch.Tensor, dtype: torch.dtype,
+    device: torch.device,
+) -> bool | None:
+    x = x32.to(device=device, dtype=dtype)
+    with torch.no_grad():
+        out = module(x)
+        if isinstance(out, tuple | list):
+            out = out[0]
+        if not isinstance(out, torch.Tensor):
+            return None
+        expected = expected_output(layer, module, x)
+        if not bool(torch.isfinite(out).all()):
+            return False
+        if expected is None or expected.shape != out.shape:
+            return bool(out.abs().amax() > 0)
+        err = torch.linalg.vector_norm(out.float() - expected)
+        scale = torch.linalg.vector_norm(expected).clamp_min(1e-6)
+        return bool(err / scale < 0.05)

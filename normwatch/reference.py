@@ -1,0 +1,105 @@
+"""What a norm *should* return: the formula of each kind, recomputed in fp32.
+
+    >>> rms_norm(torch.tensor([[1.0, 2.0, 3.0]]), eps=0.0)
+    tensor([[0.4629, 0.9258, 1.3887]])
+
+Used by the ``output_mismatch`` check and by the fp16-safety probe. The formulas are
+written out here (not borrowed from the layer under test) so that a layer that reduces
+over the wrong dimension or misplaces eps disagrees with them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from normwatch.discovery import NormLayer
+
+
+def rms_norm(x: torch.Tensor, eps: float, token_ndim: int = 1) -> torch.Tensor:
+    """``x / sqrt(mean(x²) + eps)`` over the trailing ``token_ndim`` dims, in fp32."""
+    x = x.float()
+    dims = tuple(range(-token_ndim, 0))
+    return x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
+
+
+def layer_norm(x: torch.Tensor, eps: float, token_ndim: int = 1) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + eps)`` over the trailing ``token_ndim`` dims, in fp32."""
+    x = x.float()
+    dims = tuple(range(-token_ndim, 0))
+    mean = x.mean(dims, keepdim=True)
+    centred = x - mean
+    return centred * torch.rsqrt(centred.pow(2).mean(dims, keepdim=True) + eps)
+
+
+def expected_output(layer: NormLayer, module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """The fp32 output ``module`` should give for input ``x``; ``None`` if unknown.
+
+    Unknown means: eps could not be read, or the affine parameters do not fit the
+    input (an unusual custom norm), so no honest comparison is possible.
+    """
+    eps = layer.eps
+    if eps != eps:  # NaN: eps attribute not found
+        return None
+    weight = _param(module, "weight")
+    bias = _param(module, "bias")
+    if weight is not None and layer.weight_form == "1+w":
+        weight = 1.0 + weight
+    if layer.kind in ("layernorm", "rmsnorm"):
+        nd = len(layer.normalized_shape) if layer.normalized_shape else 1
+        if x.dim() < nd:
+            return None
+        y = (rms_norm if layer.kind == "rmsnorm" else layer_norm)(x, eps, nd)
+        shape = tuple(x.shape[x.dim() - nd :])
+        if weight is not None:
+            if tuple(weight.shape) != shape:
+                return None
+            y = y * weight
+        if bias is not None:
+            if tuple(bias.shape) != shape:
+                return None
+            y = y + bias
+        return y
+    if x.dim() < 2:
+        return None
+    channels = x.shape[1]
+    for p in (weight, bias):
+        if p is not None and tuple(p.shape) != (channels,):
+            return None
+    xf = x.float()
+    if layer.kind == "groupnorm":
+        groups = layer.num_groups or 1
+        tokens = xf.reshape(x.shape[0], groups, -1)
+        y = layer_norm(tokens, eps).reshape(x.shape)
+    elif layer.kind == "instancenorm":
+        y = layer_norm(xf.reshape(x.shape[0], channels, -1), eps).reshape(x.shape)
+    else:
+        return _batch_norm(module, xf, weight, bias, eps)
+    view = (1, channels) + (1,) * (x.dim() - 2)
+    if weight is not None:
+        y = y * weight.reshape(view)
+    if bias is not None:
+        y = y + bias.reshape(view)
+    return y
+
+
+def _batch_norm(
+    module: nn.Module,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    mean = _param(module, "running_mean")
+    var = _param(module, "running_var")
+    use_batch = module.training or mean is None or var is None
+    return F.batch_norm(x, None if use_batch else mean, None if use_batch else var,
+                        weight, bias, training=use_batch, eps=eps)
+
+
+def _param(module: nn.Module, name: str) -> torch.Tensor | None:
+    value = getattr(module, name, None)
+    if isinstance(value, torch.Tensor):
+        return value.detach().float()
+    return None

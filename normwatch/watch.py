@@ -1,0 +1,258 @@
+"""The :class:`Watch`: hooks on every norm layer, flushed into snapshots and alarms.
+
+    >>> watch = normwatch.watch(model, flush_every=10)
+    >>> for batch in data:
+    ...     loss = model(batch).loss
+    ...     loss.backward(); optimizer.step(); optimizer.zero_grad()
+    ...     watch.step(loss)          # flushes every 10 steps, raises alarms
+    >>> watch.close()                 # the model is exactly as before
+"""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+from collections import deque
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from normwatch.accumulator import Accumulator
+from normwatch.alarms import Alarm, RuleContext, evaluate, is_fp16_run
+from normwatch.config import WatchConfig
+from normwatch.discovery import NormLayer, iter_norm_modules
+from normwatch.dispatch import Dispatcher
+from normwatch.errors import ConfigError
+from normwatch.hooks import LayerHook, Runtime
+from normwatch.probe import FP16_MAX, ProbeResult, probe_fp16_safety
+from normwatch.snapshot import FirstNonfinite, LayerStats, Snapshot, decode_score, optional
+from normwatch.stats import Thresholds
+
+HISTORY_POINTS = 16
+
+
+class Watch:
+    """Monitor of a model's normalization layers. Build it with :func:`normwatch.watch`."""
+
+    def __init__(self, model: nn.Module, config: WatchConfig | None = None) -> None:
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"'model' must be a torch.nn.Module: got {type(model).__name__}")
+        self.config = config or WatchConfig()
+        pairs = list(iter_norm_modules(model, self.config.include, self.config.exclude))
+        self.layers: tuple[NormLayer, ...] = tuple(layer for layer, _ in pairs)
+        if not pairs:
+            warnings.warn(
+                f"normwatch: no normalization layers found in {type(model).__name__}"
+                + (" matching include/exclude" if self.config.include or self.config.exclude
+                   else "")
+                + "; nothing will be measured (custom norms: normwatch.register_norm)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        c = self.config
+        self._rt = Runtime(
+            Accumulator(len(pairs)),
+            Thresholds(c.fp16_limit, c.eps_tol, c.common_mode_tol),
+            count_eval=c.count_eval,
+        )
+        self._hooks = [LayerHook(layer, module, i, self._rt) for i, (layer, module) in
+                       enumerate(pairs)]
+        self._by_name = {layer.name: layer for layer in self.layers}
+        self._dispatcher = Dispatcher(c)
+        self._history: dict[str, deque[tuple[int, float]]] = {
+            layer.name: deque(maxlen=HISTORY_POINTS) for layer in self.layers
+        }
+        self._probes: dict[tuple[str, str], ProbeResult] = {}
+        self._losses: list[tuple[int, torch.Tensor | float]] = []
+        self._loss_warned = False
+        self.step_count = 0
+        self._interval_start = 1
+        self.flushes = 0
+        self.last_snapshot: Snapshot | None = None
+        self.last_findings: list[Alarm] = []
+        """The rules' findings at the last flush, before de-duplication."""
+        self.closed = False
+
+    # -- the training-loop API ------------------------------------------------------------
+
+    def step(self, loss: Any = None) -> Snapshot | None:
+        """Mark the end of an optimizer step; flush every ``flush_every`` steps.
+
+        ``loss`` (a scalar tensor or number) is kept on its device until the flush.
+        Returns the snapshot when this step flushed, else ``None``.
+        """
+        self.step_count += 1
+        self._record_loss(loss)
+        rt = self._rt
+        rt.step = self.step_count + 1
+        rt.calls_this_step = 0
+        rt.check_outputs = False
+        for hook in self._hooks:
+            hook.pending_recompute = 0
+        if self.step_count % self.config.flush_every == 0:
+            return self.flush()
+        return None
+
+    def flush(self) -> Snapshot:
+        """Copy the interval's statistics to the host (the only sync), reset, run alarms."""
+        rows, extras = self._rt.accumulator.read(self._loss_tensors())
+        snapshot = self._snapshot(rows, extras)
+        self._rt.accumulator.reset()
+        for hook in self._hooks:
+            hook.counts.reset()
+        self._losses.clear()
+        self._interval_start = self.step_count + 1
+        self.flushes += 1
+        check_every = self.config.output_check_every
+        self._rt.check_outputs = check_every > 0 and self.flushes % check_every == 0
+        self.last_snapshot = snapshot
+        for name, stats in snapshot.layers.items():
+            if stats.absmax is not None:
+                self._history[name].append((snapshot.step, stats.absmax))
+        context = RuleContext(self.config, self._by_name, self._run_probes(snapshot),
+                              {k: tuple(v) for k, v in self._history.items()})
+        self.last_findings = evaluate(snapshot, context)
+        self._dispatcher.emit(self.last_findings)
+        return snapshot
+
+    @property
+    def alarms(self) -> list[Alarm]:
+        """Every alarm emitted so far (after de-duplication), oldest first."""
+        return self._dispatcher.history
+
+    @property
+    def disabled(self) -> dict[str, str]:
+        """Layers whose hook failed and was removed, with the reason."""
+        return {h.layer.name: h.disabled_reason for h in self._hooks
+                if h.disabled_reason is not None}
+
+    def close(self) -> None:
+        """Remove every hook; the model is left exactly as it was. Harmless twice."""
+        for hook in self._hooks:
+            hook.remove()
+        self.closed = True
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"step {self.step_count}"
+        return f"<Watch {len(self.layers)} norm layers, {state}>"
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _record_loss(self, loss: Any) -> None:
+        if loss is None:
+            return
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            self._losses.append((self.step_count, loss.detach().reshape(())))
+        elif isinstance(loss, numbers.Real):
+            self._losses.append((self.step_count, float(loss)))
+        elif not self._loss_warned:
+            self._loss_warned = True
+            got = (f"tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+                   else type(loss).__name__)
+            warnings.warn(f"normwatch: 'loss' must be a scalar tensor or a number: got {got}; "
+                          "losses are not recorded", RuntimeWarning, stacklevel=3)
+
+    def _loss_tensors(self) -> dict[torch.device, torch.Tensor]:
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for _, value in self._losses:
+            if isinstance(value, torch.Tensor):
+                by_device.setdefault(value.device, []).append(value.to(torch.float64))
+        return {d: torch.stack(v) for d, v in by_device.items()}
+
+    def _snapshot(
+        self, rows: list[dict[str, float]], extras: dict[torch.device, list[float]]
+    ) -> Snapshot:
+        layers: dict[str, LayerStats] = {}
+        first: tuple[float, str, str] | None = None
+        for hook, row in zip(self._hooks, rows, strict=True):
+            layers[hook.layer.name] = _layer_stats(hook, row)
+            for origin, col in (("input", "first_arrived_score"), ("norm", "first_born_score")):
+                score = row[col]
+                if score > 0 and (first is None or score > first[0]):
+                    first = (score, hook.layer.name, origin)
+        first_nonfinite = None
+        decoded = decode_score(first[0]) if first is not None else None
+        if first is not None and decoded is not None:
+            first_nonfinite = FirstNonfinite(
+                decoded[0], first[1], self._rt.forward_order.get(first[1], -1),
+                "input" if first[2] == "input" else "norm",
+            )
+        iters = {d: iter(v) for d, v in extras.items()}
+        losses = []
+        for step, value in self._losses:
+            if isinstance(value, torch.Tensor):
+                value = next(iters[value.device])
+            losses.append((step, value))
+        return Snapshot(self.step_count, self._interval_start, layers, first_nonfinite,
+                        tuple(losses))
+
+    def _run_probes(self, snapshot: Snapshot) -> dict[str, ProbeResult]:
+        results: dict[str, ProbeResult] = {}
+        limit = self.config.fp16_limit
+        for hook in self._hooks:
+            stats = snapshot.layers[hook.layer.name]
+            if not stats.seen or not is_fp16_run(stats):
+                continue
+            big = (stats.absmax or 0.0) > limit or (stats.sumsq_max or 0.0) > FP16_MAX
+            shape, device = hook.counts.input_shape, hook.counts.device
+            if not big or shape is None or device is None:
+                continue
+            key = (hook.layer.name, "float16")
+            if key not in self._probes:
+                self._rt.paused = True
+                try:
+                    self._probes[key] = probe_fp16_safety(hook.layer, hook.module, shape,
+                                                          torch.float16, device)
+                finally:
+                    self._rt.paused = False
+            results[hook.layer.name] = self._probes[key]
+        return results
+
+
+def _layer_stats(hook: LayerHook, row: dict[str, float]) -> LayerStats:
+    c = hook.counts
+    finite = int(row["finite_tokens"])
+    return LayerStats(
+        name=hook.layer.name,
+        kind=hook.layer.kind,
+        calls=c.calls,
+        tokens=c.tokens,
+        finite_tokens=finite,
+        absmax=optional(row["absmax"]),
+        fp16_overflow_tokens=int(row["fp16_overflow_tokens"]),
+        sumsq_max=optional(row["sumsq_max"]),
+        rms_min=optional(row["rms_min"]),
+        rms_mean=row["rms_sum"] / finite if finite else None,
+        rms_max=optional(row["rms_max"]),
+        eps_dominance=optional(row["eps_dominance"]),
+        eps_dominated_tokens=int(row["eps_dominated_tokens"]),
+        common_mode_max=optional(row["common_mode_max"]),
+        common_mode_tokens=int(row["common_mode_tokens"]),
+        nonfinite=int(row["nonfinite"]),
+        out_nonfinite=int(row["out_nonfinite"]),
+        out_absmax=optional(row["out_absmax"]),
+        output_mismatch=optional(row["output_mismatch"]),
+        input_dtype=c.input_dtype,
+        weight_dtype=c.weight_dtype,
+        output_dtype=c.output_dtype,
+        autocast=c.autocast,
+    )
+
+
+def watch(model: nn.Module, **options: Any) -> Watch:
+    """Watch every normalization layer of ``model``; options as in :class:`WatchConfig`.
+
+        >>> w = normwatch.watch(model, flush_every=10, raise_on="critical")
+    """
+    return Watch(model, WatchConfig.from_options(**options))

@@ -1,0 +1,128 @@
+"""Step-time overhead of normwatch on a tiny ``transformers`` Llama training step (CPU).
+
+Run: ``python tests/benchmarks/overhead.py [--rounds N] [--steps K]``.
+
+Every mode trains its own copy of the same model. Modes are interleaved round by round
+in one process, in a shuffled order, and each round's step time is divided by the
+unmonitored step time *of the same round*; the table reports the median of those
+paired ratios (noisy machines: medians, never single timings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import random
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+import normwatch
+
+
+@dataclass
+class Mode:
+    name: str
+    attach: Callable[[torch.nn.Module], object]
+    context: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext
+    times: list[float] = field(default_factory=list)
+
+
+def tiny_llama(hidden: int, layers: int) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
+                         max_position_embeddings=512)
+    return LlamaForCausalLM(config)
+
+
+def debug_underflow_overflow(model: torch.nn.Module) -> object:
+    from transformers.debug_utils import DebugUnderflowOverflow
+
+    return DebugUnderflowOverflow(model)
+
+
+@contextlib.contextmanager
+def anomaly() -> Iterator[None]:
+    with torch.autograd.detect_anomaly(check_nan=True):
+        yield
+
+
+def modes() -> list[Mode]:
+    return [
+        Mode("unmonitored", lambda m: None),
+        Mode("normwatch (defaults)", lambda m: normwatch.watch(m)),
+        Mode("normwatch flush_every=1", lambda m: normwatch.watch(m, flush_every=1)),
+        Mode("DebugUnderflowOverflow", debug_underflow_overflow),
+        Mode("detect_anomaly", lambda m: None, anomaly),
+    ]
+
+
+def run(rounds: int, steps: int, hidden: int, layers: int, batch: int, seq: int,
+        only: list[str] | None = None) -> list[tuple[str, float, float]]:
+    """Return ``(mode, median step ms, median paired ratio)`` rows."""
+    torch.manual_seed(0)
+    base = tiny_llama(hidden, layers)
+    selected = [m for m in modes() if only is None or m.name in only or m.name == "unmonitored"]
+    runs = []
+    for mode in selected:
+        model = copy.deepcopy(base)
+        watcher = mode.attach(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        runs.append((mode, model, opt, watcher))
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 1024, (batch, seq), generator=gen)
+    order = list(range(len(runs)))
+    for r in range(rounds + 1):  # round 0 warms up and is discarded
+        random.Random(r).shuffle(order)
+        for i in order:
+            mode, model, opt, watcher = runs[i]
+            start = time.perf_counter()
+            for _ in range(steps):
+                with mode.context():
+                    loss = model(tokens, labels=tokens).loss
+                    loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if isinstance(watcher, normwatch.Watch):
+                    watcher.step(loss)
+            if r:
+                mode.times.append((time.perf_counter() - start) / steps)
+    baseline = runs[0][0].times
+    rows = []
+    for mode, *_ in runs:
+        ratios = [t / b for t, b in zip(mode.times, baseline, strict=True)]
+        rows.append((mode.name, statistics.median(mode.times) * 1e3, statistics.median(ratios)))
+    return rows
+
+
+def table(rows: list[tuple[str, float, float]]) -> str:
+    lines = ["| mode | median step (ms) | median paired ratio |", "|---|---:|---:|"]
+    lines += [f"| {name} | {ms:.1f} | {ratio:.3f}x |" for name, ms, ratio in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=3, help="steps per mode per round")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    args = parser.parse_args(argv)
+    rows = run(args.rounds, args.steps, args.hidden, args.layers, args.batch, args.seq)
+    text = (f"tiny Llama (hidden {args.hidden}, {args.layers} layers, batch {args.batch} x "
+            f"{args.seq} tokens), {args.rounds} rounds x {args.steps} steps, "
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads\n\n{table(rows)}")
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""Each alarm fired by a real training loop that reproduces its fault; quiet healthy runs."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+import torch
+from rich.console import Console
+from torch import nn
+
+import normwatch
+from normwatch.alarms import SEVERITY_RANK, Alarm
+from normwatch.demo import DemoResult, run_demo
+from normwatch.toymodel import NaiveRMSNorm, TinyLM, lm_loss, synthetic_batch
+from tests.conftest import tiny_hf
+
+
+def drill(fault: str, steps: int = 200) -> DemoResult:
+    return run_demo(fault, steps=steps, console=Console(file=io.StringIO(), width=200),
+                    live=False)
+
+
+def kinds(alarms: list[Alarm], min_severity: str = "info") -> set[tuple[str, str]]:
+    rank = SEVERITY_RANK[min_severity]
+    return {(a.kind, a.severity) for a in alarms if SEVERITY_RANK[a.severity] >= rank}
+
+
+def test_fp16_overflow_warns_long_before_the_nan_loss() -> None:
+    result = drill("fp16-overflow")
+    assert result.nan_step is not None
+    headroom = [a for a in result.alarms if a.kind == "fp16_headroom"]
+    overflow = [a for a in result.alarms if a.kind == "fp16_overflow" and a.severity == "critical"]
+    assert headroom and headroom[0].severity == "warning"
+    assert "steps to the fp16 limit" in headroom[0].message
+    assert overflow and "squares its input in fp16" in overflow[0].message
+    assert headroom[0].step < overflow[0].step < result.nan_step
+    assert result.nan_step - headroom[0].step >= 10
+    # the loss was still healthy when the first warning fired
+    first = result.losses[headroom[0].step - 1]
+    assert first < result.losses[0]
+
+
+def test_fp16_overflow_with_an_upcasting_norm_is_a_warning_not_critical() -> None:
+    model = nn.Sequential(nn.Linear(16, 32), nn.RMSNorm(32)).half()
+    w = normwatch.watch(model, flush_every=1)
+    model(torch.randn(4, 16, dtype=torch.half) * 300).float().sum().backward()
+    w.step()
+    overflow = [a for a in w.alarms if a.kind == "fp16_overflow"]
+    assert [a.severity for a in overflow] == ["warning"]
+    assert "upcasts internally" in overflow[0].message
+
+
+def test_fp16_limit_in_bf16_is_only_info() -> None:
+    model = nn.Sequential(nn.Linear(16, 32), nn.RMSNorm(32)).bfloat16()
+    w = normwatch.watch(model, flush_every=1)
+    model(torch.randn(4, 16, dtype=torch.bfloat16) * 300).float().sum().backward()
+    w.step()
+    assert kinds(w.alarms) == {("fp16_overflow", "info")}
+
+
+def test_eps_zero_on_padding_tokens() -> None:
+    result = drill("eps-zero", steps=5)
+    assert result.nan_step == 1
+    found = {(a.kind, a.severity, a.layer) for a in result.alarms}
+    assert ("eps_dominance", "critical", "blocks.0.norm1") in found
+    nonfinite = [a for a in result.alarms if a.kind == "nonfinite"]
+    assert nonfinite[0].layer == "blocks.0.norm1" and "born inside" in nonfinite[0].message
+
+
+def test_too_large_eps_flattens_small_tokens() -> None:
+    norm = nn.LayerNorm(64, eps=1e-1)
+    model = nn.Sequential(nn.Linear(64, 64), norm)
+    w = normwatch.watch(model, flush_every=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(3):
+        model(torch.randn(16, 64) * 0.05).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        w.step()
+    alarm = next(a for a in w.alarms if a.kind == "eps_dominance")
+    assert alarm.severity == "warning" and alarm.layer == "1"
+    assert alarm.value > 0.5 and "eps = 0.1 dominates 16 of 16 tokens" in alarm.message
+
+
+def test_nan_born_in_an_mlp_names_the_next_norm() -> None:
+    result = drill("nan-mlp", steps=40)
+    assert result.nan_step == 30
+    nonfinite = [a for a in result.alarms if a.kind == "nonfinite"]
+    assert nonfinite[0].step == 30 and nonfinite[0].layer == "norm"
+    assert "arrived in the input of 'norm'" in nonfinite[0].message
+    assert not [a for a in result.alarms if a.step < 30 and a.severity != "info"]
+
+
+def test_wrong_dimension_norm_is_an_output_mismatch() -> None:
+    result = drill("wrong-dim", steps=12)
+    mismatches = [a for a in result.alarms if a.kind == "output_mismatch"]
+    assert mismatches and mismatches[0].severity == "critical"
+    assert mismatches[0].step == 1 and mismatches[0].value > 0.1
+    assert {a.layer for a in mismatches} >= {"blocks.0.norm1", "norm"}
+
+
+def test_dtype_mismatch_once_per_layer_and_again_on_change() -> None:
+    result = drill("dtype-mismatch", steps=20)
+    dtype = [a for a in result.alarms if a.kind == "dtype_mismatch"]
+    assert len(dtype) == 1 and dtype[0].layer == "norm" and dtype[0].severity == "warning"
+    assert "weight float32 differs from the bfloat16 input" in dtype[0].message
+    model = nn.Sequential(nn.Linear(8, 8), NaiveRMSNorm(8))
+    w = normwatch.watch(model, flush_every=1)
+    model.half()
+    model[1].float()
+    for _ in range(5):
+        model(torch.randn(2, 8, dtype=torch.half))
+        w.step()
+    model[1].double()
+    model(torch.randn(2, 8, dtype=torch.half))
+    w.step()
+    promoted = [a for a in w.alarms if a.kind == "dtype_mismatch"]
+    assert [a.step for a in promoted] == [1, 6]
+    assert "output is float32: the float16 stream is promoted" in promoted[0].message
+    assert "output is float64" in promoted[1].message
+
+
+def test_autocast_promotions_are_not_mismatches() -> None:
+    model = tiny_hf("llama")
+    w = normwatch.watch(model, flush_every=1)
+    tokens = torch.randint(0, 64, (2, 8))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(tokens, labels=tokens)
+    out.loss.backward()
+    snap = w.step(out.loss)
+    assert snap is not None and snap.layers["model.norm"].autocast == "cpu:bfloat16"
+    assert not [a for a in w.alarms if a.kind == "dtype_mismatch"]
+
+
+def test_common_mode_in_rmsnorm_inputs() -> None:
+    result = drill("common-mode", steps=5)
+    common = [a for a in result.alarms if a.kind == "common_mode"]
+    assert common and common[0].layer == "blocks.0.norm1" and common[0].severity == "warning"
+    assert common[0].value > 0.9
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_healthy_200_steps_raise_nothing(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    model = TinyLM(dim=64, depth=2).to(dtype)
+    w = normwatch.watch(model, flush_every=5, output_check_every=2)
+    gen = torch.Generator().manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    snaps = []
+    for _ in range(200):
+        tokens = synthetic_batch(gen)
+        loss = lm_loss(model(tokens), tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        snaps.append(w.step(loss))
+    assert w.flushes == 40
+    assert kinds(w.alarms, "warning") == set()
+    assert torch.isfinite(loss) and float(loss) < 4.0
+    # the output check ran in the first interval and after every 2nd flush, and agreed
+    checked = [i for i, s in enumerate(x for x in snaps if x is not None)
+               if all(v.output_mismatch is not None for v in s.layers.values())]
+    assert checked == list(range(0, 40, 2))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma", "gpt2", "bert"])
+def test_healthy_transformers_models_raise_nothing(arch: str) -> None:
+    model = tiny_hf(arch).to(torch.bfloat16)
+    w = normwatch.watch(model, flush_every=2, output_check_every=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(6):
+        tokens = torch.randint(1, 64, (2, 16))
+        loss = model(tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        w.step(loss)
+    assert kinds(w.alarms, "warning") == set()
+    assert all(s.calls for s in w.last_snapshot.layers.values())  # type: ignore[union-attr]
+
+
+def nan_storm(steps: int, **options: object) -> normwatch.Watch:
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    w = normwatch.watch(model, flush_every=1, **options)
+    bad = torch.full((4, 8), float("nan"))
+    for _ in range(steps):
+        model(bad)
+        w.step()
+    return w
+
+
+def test_a_nan_storm_gives_a_handful_of_alarms_with_counts(caplog: pytest.LogCaptureFixture
+                                                           ) -> None:
+    with caplog.at_level(logging.INFO, logger="normwatch"):
+        w = nan_storm(1000)
+    nonfinite = [a for a in w.alarms if a.kind == "nonfinite"]
+    assert [a.step for a in nonfinite] == [1, 10, 100, 1000]
+    assert sum(a.count for a in nonfinite) == 1000
+    assert "[x900 since step 1]" in nonfinite[-1].message
+    assert len(caplog.records) == len(w.alarms) <= 8
+    assert caplog.records[0].levelno == logging.CRITICAL
+
+
+def test_raise_on_critical() -> None:
+    with pytest.raises(normwatch.NumericalHealthError) as info:
+        nan_storm(3, raise_on="critical")
+    assert info.value.alarms[0].kind == "nonfinite"
+    assert "First non-finite value at step 1" in str(info.value)
+
+
+def test_sinks_receive_alarms_and_a_broken_sink_is_disabled() -> None:
+    received: list[Alarm] = []
+
+    def broken(alarm: Alarm) -> None:
+        raise ValueError("sink down")
+
+    with pytest.warns(RuntimeWarning, match="alarm sink .* raised ValueError: sink down"):
+        w = nan_storm(20, sinks=[received.append, broken])
+    assert received == w.alarms and len(received) == 2

@@ -1,0 +1,74 @@
+"""The ``normwatch`` console script, run as a user would run it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(sys.executable).parent / "normwatch"
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "120"}
+    return subprocess.run([str(SCRIPT), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, check=False)
+
+
+def test_demo_default_catches_the_overflow_before_the_nan() -> None:
+    start = time.monotonic()
+    result = run("demo")
+    elapsed = time.monotonic() - start
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "fault fp16-overflow" in out
+    assert "WARN fp16_headroom" in out and "CRIT fp16_overflow" in out
+    assert out.index("WARN fp16_headroom") < out.index("CRIT fp16_overflow") \
+        < out.index("CRIT nonfinite")
+    assert "loss became non-finite at step" in out
+    assert "normwatch warned" in out and "steps before the NaN loss" in out
+    assert "|blocks.0.norm1" in out  # the final health table
+    assert elapsed < 60
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("fault,expected", [
+    ("none", "no alarms: every norm layer stayed healthy"),
+    ("wrong-dim", "CRIT output_mismatch"),
+    ("eps-zero", "CRIT eps_dominance"),
+])
+def test_demo_faults(fault: str, expected: str) -> None:
+    result = run("demo", "--fault", fault, "--steps", "30")
+    assert result.returncode == 0, result.stderr
+    assert expected in result.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (("demo", "--fault", "bogus"), "argument --fault: invalid choice: 'bogus'"),
+    (("demo", "--steps", "0"), "argument --steps: expected an integer >= 1: got 0"),
+    (("demo", "--steps", "many"), "argument --steps: expected an integer >= 1: got 'many'"),
+    (("explode",), "invalid choice: 'explode'"),
+    ((), "the following arguments are required: COMMAND"),
+])
+def test_bad_arguments_exit_non_zero_with_a_clear_message(args: tuple[str, ...],
+                                                          message: str) -> None:
+    result = run(*args)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args", [("--help",), ("demo", "--help")])
+def test_help_everywhere(args: tuple[str, ...]) -> None:
+    result = run(*args)
+    assert result.returncode == 0 and "usage: normwatch" in result.stdout
+
+
+def test_python_dash_m_and_version() -> None:
+    result = subprocess.run([sys.executable, "-m", "normwatch", "--version"],
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0 and result.stdout.startswith("normwatch 0.")

@@ -1,0 +1,168 @@
+"""Discovery: every norm of torch, transformers and custom code, with exact names."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import normwatch
+from normwatch.discovery import clean_name
+from tests.conftest import tiny_hf
+
+
+def names(model: nn.Module, **kw: object) -> list[str]:
+    return [layer.name for layer in normwatch.find_norm_layers(model, **kw)]  # type: ignore[arg-type]
+
+
+def _decoder(prefix: str, n: int, extra: tuple[str, ...] = ()) -> list[str]:
+    out = []
+    for i in range(n):
+        out += [f"{prefix}.layers.{i}.self_attn.{e}" for e in extra]
+        out += [f"{prefix}.layers.{i}.input_layernorm",
+                f"{prefix}.layers.{i}.post_attention_layernorm"]
+    return [*out, f"{prefix}.norm"]
+
+
+EXPECTED = {
+    "llama": _decoder("model", 2),
+    "qwen3": _decoder("model", 2, ("q_norm", "k_norm")),
+    "gemma": _decoder("model", 2),
+    "gpt2": ["transformer.h.0.ln_1", "transformer.h.0.ln_2", "transformer.h.1.ln_1",
+             "transformer.h.1.ln_2", "transformer.ln_f"],
+    "t5": ["encoder.block.0.layer.0.layer_norm", "encoder.block.0.layer.1.layer_norm",
+           "encoder.block.1.layer.0.layer_norm", "encoder.block.1.layer.1.layer_norm",
+           "encoder.final_layer_norm", "decoder.block.0.layer.0.layer_norm",
+           "decoder.block.0.layer.1.layer_norm", "decoder.block.0.layer.2.layer_norm",
+           "decoder.final_layer_norm"],
+    "bert": ["bert.embeddings.LayerNorm", "bert.encoder.layer.0.attention.output.LayerNorm",
+             "bert.encoder.layer.0.output.LayerNorm",
+             "bert.encoder.layer.1.attention.output.LayerNorm",
+             "bert.encoder.layer.1.output.LayerNorm", "cls.predictions.transform.LayerNorm"],
+}
+KINDS = {"llama": "rmsnorm", "qwen3": "rmsnorm", "gemma": "rmsnorm", "gpt2": "layernorm",
+         "t5": "rmsnorm", "bert": "layernorm"}
+EPS = {"llama": 1e-6, "qwen3": 1e-6, "gemma": 1e-6, "gpt2": 1e-5, "t5": 1e-6, "bert": 1e-12}
+
+
+@pytest.mark.parametrize("arch", sorted(EXPECTED))
+def test_transformers_models_exact_layer_list(arch: str) -> None:
+    layers = normwatch.find_norm_layers(tiny_hf(arch))
+    assert [layer.name for layer in layers] == EXPECTED[arch]
+    assert {layer.kind for layer in layers} == {KINDS[arch]}
+    assert {layer.eps for layer in layers} == {EPS[arch]}
+    assert {layer.weight_form for layer in layers} == {"1+w" if arch == "gemma" else "w"}
+
+
+def test_qwen3_head_dim_norms_have_head_dim_shape() -> None:
+    layers = {x.name: x for x in normwatch.find_norm_layers(tiny_hf("qwen3"))}
+    assert layers["model.layers.0.self_attn.q_norm"].normalized_shape == (8,)
+    assert layers["model.layers.0.input_layernorm"].normalized_shape == (32,)
+
+
+def test_torch_families() -> None:
+    model = nn.Sequential(
+        nn.LayerNorm((4, 8), eps=1e-3), nn.RMSNorm(8), nn.GroupNorm(2, 6, eps=1e-4),
+        nn.BatchNorm1d(6), nn.BatchNorm2d(3), nn.InstanceNorm2d(3), nn.Linear(3, 3),
+        nn.SyncBatchNorm(3),
+    )
+    got = [(x.name, x.kind, x.normalized_shape, x.num_groups) for x in
+           normwatch.find_norm_layers(model)]
+    assert got == [
+        ("0", "layernorm", (4, 8), None), ("1", "rmsnorm", (8,), None),
+        ("2", "groupnorm", (6,), 2), ("3", "batchnorm", (6,), None),
+        ("4", "batchnorm", (3,), None), ("5", "instancenorm", (3,), None),
+        ("7", "batchnorm", (3,), None),
+    ]
+    assert normwatch.find_norm_layers(model)[0].eps == 1e-3
+
+
+class MyCustomRMSNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(8))
+        self.variance_epsilon = 1e-5
+
+
+class ScaleNorm(nn.Module):  # ends in Norm, but no eps: not a norm we can reason about
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(1))
+
+
+class Normalizer(nn.Module):  # custom name, registered explicitly
+    def __init__(self) -> None:
+        super().__init__()
+        self.epsilon = 1e-4
+        self.gain = nn.Parameter(torch.ones(8))
+
+
+class WrapperNorm(nn.Module):  # a matched norm's children are not searched
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(8))
+        self.bias = nn.Parameter(torch.zeros(8))
+        self.eps = 1e-5
+        self.inner = nn.LayerNorm(8)
+
+
+def test_duck_typing_and_registration() -> None:
+    model = nn.ModuleDict({"a": MyCustomRMSNorm(), "b": ScaleNorm(), "c": Normalizer(),
+                           "d": WrapperNorm()})
+    got = {x.name: (x.kind, x.eps) for x in normwatch.find_norm_layers(model)}
+    assert got == {"a": ("rmsnorm", 1e-5), "d": ("layernorm", 1e-5)}
+    normwatch.register_norm(Normalizer, kind="rmsnorm", eps_attr="epsilon")
+    try:
+        got = {x.name: (x.kind, x.eps) for x in normwatch.find_norm_layers(model)}
+        assert got == {"a": ("rmsnorm", 1e-5), "c": ("rmsnorm", 1e-4), "d": ("layernorm", 1e-5)}
+    finally:
+        normwatch.unregister_norm(Normalizer)
+
+
+def test_register_norm_rejects_bad_arguments() -> None:
+    with pytest.raises(normwatch.ConfigError, match=r"'kind' must be one of .* got 'l2norm'"):
+        normwatch.register_norm(Normalizer, kind="l2norm")  # type: ignore[arg-type]
+    with pytest.raises(normwatch.ConfigError, match=r"'cls' must be a torch\.nn\.Module"):
+        normwatch.register_norm(int, kind="rmsnorm")  # type: ignore[arg-type]
+
+
+def test_include_exclude_patterns() -> None:
+    model = tiny_hf("llama")
+    assert names(model, include=["*.norm"]) == ["model.norm"]
+    assert names(model, exclude=["*post_attention*", "model.norm"]) == [
+        "model.layers.0.input_layernorm", "model.layers.1.input_layernorm"]
+
+
+class DDPLike(nn.Module):
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+
+def test_wrapper_prefixes_are_stripped() -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    inner = tiny_hf("llama")
+    inner.model.layers[0] = checkpoint_wrapper(inner.model.layers[0])
+    wrapped = DDPLike(torch.compile(inner))
+    assert names(wrapped) == EXPECTED["llama"]
+    assert clean_name("module._orig_mod.a._fsdp_wrapped_module.b") == "a.b"
+    assert clean_name("a.module.b") == "a.module.b"  # only a leading DDP 'module' is a wrapper
+
+
+def test_shared_module_listed_once_and_not_model() -> None:
+    norm = nn.LayerNorm(4)
+    model = nn.Sequential(norm, nn.Linear(4, 4), norm)
+    assert names(model) == ["0"]
+    with pytest.raises(normwatch.ConfigError,
+                       match=r"'model' must be a torch\.nn\.Module: got list"):
+        normwatch.find_norm_layers([norm])  # type: ignore[arg-type]
+
+
+def test_meta_device_model_is_discovered() -> None:
+    with torch.device("meta"):
+        model = tiny_hf("llama")
+    assert names(model) == EXPECTED["llama"]
+    assert copy.deepcopy(model) is not None

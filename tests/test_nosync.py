@@ -1,0 +1,139 @@
+"""The hot path never synchronises with the host; ``flush()`` is the only copy.
+
+On the CPU there is no sync-debug mode, so the test patches every host-sync entry point
+(``.item()``, ``.cpu()``, ``.tolist()``, ``bool()``/``float()``/``int()`` of a tensor,
+``nonzero``, boolean masking, ...) to record calls made from normwatch's own code, and
+fails if any happens outside ``flush()``. A negative control proves the trap works. On a
+GPU, ``torch.cuda.set_sync_debug_mode("error")`` does the same from the driver's side.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import normwatch
+import normwatch.hooks
+from normwatch.toymodel import TinyLM, lm_loss, synthetic_batch
+
+PACKAGE = str(Path(normwatch.__file__).parent)
+METHODS = ["item", "cpu", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__",
+           "nonzero", "masked_select", "__getitem__", "to"]
+FUNCTIONS = ["nonzero", "masked_select", "argwhere", "unique"]
+
+
+class SyncTrap:
+    def __init__(self) -> None:
+        self.violations: list[str] = []
+        self.allowed = False
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            caller = sys._getframe(1).f_code.co_filename
+            if not self.allowed and caller.startswith(PACKAGE) and self._syncs(name, args,
+                                                                               kwargs):
+                self.violations.append(f"{name} from {Path(caller).name}")
+            return fn(*args, **kwargs)
+
+        return guarded
+
+    @staticmethod
+    def _syncs(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        if name == "__getitem__":
+            index = args[1] if len(args) > 1 else None
+            items = index if isinstance(index, tuple) else (index,)
+            return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+        if name == "to":
+            target = [a for a in args[1:] if isinstance(a, str | torch.device)]
+            target += [kwargs["device"]] if "device" in kwargs else []
+            return any(torch.device(t).type == "cpu" for t in target) and \
+                args[0].device.type != "cpu"
+        return True
+
+
+@contextmanager
+def sync_trap(monkeypatch: pytest.MonkeyPatch) -> Iterator[SyncTrap]:
+    trap = SyncTrap()
+    for name in METHODS:
+        monkeypatch.setattr(torch.Tensor, name, trap.wrap(name, getattr(torch.Tensor, name)))
+    for name in FUNCTIONS:
+        monkeypatch.setattr(torch, name, trap.wrap(name, getattr(torch, name)))
+    real_flush = normwatch.Watch.flush
+
+    def flush(self: normwatch.Watch) -> normwatch.Snapshot:
+        trap.allowed = True
+        try:
+            return real_flush(self)
+        finally:
+            trap.allowed = False
+
+    monkeypatch.setattr(normwatch.Watch, "flush", flush)
+    yield trap
+
+
+def run(steps: int, nan_at: int | None = None) -> normwatch.Watch:
+    model = TinyLM(dim=32, depth=2)
+    w = normwatch.watch(model, flush_every=4, output_check_every=1)
+    gen = torch.Generator().manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(1, steps + 1):
+        model.blocks[1].mlp.fault = step == nan_at
+        tokens = synthetic_batch(gen, batch=4, seq=16)
+        loss = lm_loss(model(tokens), tokens)
+        loss.backward()
+        opt.zero_grad()  # NaN grads are dropped: keep the model usable
+        w.step(loss)
+    return w
+
+
+def test_no_host_sync_between_flushes(monkeypatch: pytest.MonkeyPatch) -> None:
+    with sync_trap(monkeypatch) as trap:
+        w = run(steps=12, nan_at=6)
+    assert trap.violations == []
+    assert w.flushes == 3
+    assert any(a.kind == "nonfinite" for a in w.alarms)  # the NaN path was exercised
+
+
+def test_the_trap_catches_a_sync_in_the_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = normwatch.hooks.call_stats
+
+    def leaky(*args: Any) -> torch.Tensor:
+        values = real(*args)
+        if float(values[0]) < 0:  # a host sync hidden in the hot path
+            pass
+        return values
+
+    leaky.__code__ = leaky.__code__.replace(co_filename=normwatch.hooks.__file__)
+    monkeypatch.setattr(normwatch.hooks, "call_stats", leaky)
+    with sync_trap(monkeypatch) as trap:
+        run(steps=2)
+    assert trap.violations and trap.violations[0] == "__float__ from hooks.py"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_sync_debug_mode() -> None:  # pragma: no cover - runs on GPU machines only
+    model = TinyLM(dim=64, depth=2).cuda()
+    w = normwatch.watch(model, flush_every=10)
+    gen = torch.Generator().manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = [synthetic_batch(gen).cuda() for _ in range(20)]
+    for step, tokens in enumerate(batches, 1):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss = lm_loss(model(tokens), tokens)
+            loss.backward()
+            if step % 10:
+                w.step(loss)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        opt.step()
+        opt.zero_grad()
+        if not step % 10:
+            w.step(loss)
+    assert w.flushes == 2

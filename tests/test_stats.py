@@ -1,0 +1,143 @@
+"""The on-device kernel against an independent float64 reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from normwatch.stats import (
+    COLUMNS,
+    SCORE_BASE,
+    Thresholds,
+    call_stats,
+    mismatch,
+    threshold_row,
+    token_view,
+)
+
+TH = threshold_row(Thresholds(fp16_limit=256.0, eps_tol=0.01, common_mode_tol=0.9),
+                   torch.device("cpu"))
+
+
+def reference(tokens: torch.Tensor, kind: str, eps: float) -> dict[str, float]:
+    """Per-token statistics in float64, written independently of the kernel."""
+    x = tokens.double()
+    rows = [r for r in x if bool(torch.isfinite(r).all())]
+    out: dict[str, float] = {"finite_tokens": float(len(rows))}
+    absmax = [float(r.abs().max()) for r in rows]
+    ms = [float((r * r).mean()) for r in rows]
+    mean = [float(r.mean()) for r in rows]
+    var = [float(((r - r.mean()) ** 2).mean()) for r in rows]
+    rms = [math.sqrt(v) for v in ms]
+    s = ms if kind == "rmsnorm" else var
+    ratio = [1.0 if si + eps == 0 else eps / (si + eps) for si in s]
+    common = [abs(m) / r if r > 0 else 0.0 for m, r in zip(mean, rms, strict=True)]
+    out.update(
+        absmax=max(absmax), sumsq_max=max(m * x.shape[1] for m in ms), rms_max=max(rms),
+        rms_min=min(rms), rms_sum=sum(rms), eps_dominance=max(ratio),
+        common_mode_max=max(common),
+        fp16_overflow_tokens=float(sum(a > 256 for a in absmax)),
+        eps_dominated_tokens=float(sum(r > 0.01 for r in ratio)),
+        common_mode_tokens=float(sum(c > 0.9 for c in common)),
+        nonfinite=float((~torch.isfinite(x)).sum()),
+    )
+    return out
+
+
+def kernel(tokens: torch.Tensor, kind: str, eps: float, out: torch.Tensor | None = None,
+           key: float = 0.0) -> dict[str, float]:
+    values = call_stats(tokens, out, kind, eps, TH, key)  # type: ignore[arg-type]
+    assert values.dtype == torch.float64
+    return dict(zip(COLUMNS, values.tolist(), strict=True))
+
+
+def hard_tokens(dtype: torch.dtype, d: int = 64) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    rows = [
+        torch.randn(d, generator=g),                          # ordinary
+        torch.zeros(d),                                       # all-zero token
+        1e3 + torch.randn(d, generator=g),                    # |mean|/std = 1e3
+        torch.cat([torch.tensor([300.0]), torch.zeros(d - 1)]),  # single element of 300
+        torch.randn(d, generator=g) * 1e-4,                   # eps-dominated
+        torch.full((d,), 7.0),                                # constant: zero variance
+        torch.randn(d, generator=g) * 30,                     # sum of squares > 65504
+    ]
+    return torch.stack(rows).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
+@pytest.mark.parametrize("eps", [1e-5, 0.0])
+def test_matches_float64_reference(dtype: torch.dtype, kind: str, eps: float) -> None:
+    tokens = hard_tokens(dtype)
+    want = reference(tokens, kind, eps)
+    got = kernel(tokens, kind, eps)
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-12), key
+
+
+def test_counts_on_known_tokens() -> None:
+    got = kernel(hard_tokens(torch.float32), "layernorm", 1e-5)
+    assert got["fp16_overflow_tokens"] == 2  # the 300 token and the 1e3-offset token
+    assert got["absmax"] == pytest.approx(float(hard_tokens(torch.float32)[2].max()))
+    # zero token and constant token have zero variance; the 1e-4 token has var 1e-8
+    assert got["eps_dominated_tokens"] == 3
+    assert got["eps_dominance"] == 1.0
+    rms = kernel(hard_tokens(torch.float32), "rmsnorm", 1e-5)
+    assert rms["eps_dominated_tokens"] == 2  # zero token and the 1e-4 token
+    assert rms["common_mode_tokens"] == 2  # the 1e3-offset token and the constant token
+
+
+def test_nonfinite_tokens_are_counted_and_excluded() -> None:
+    tokens = torch.randn(4, 16)
+    tokens[1, 3] = float("nan")
+    tokens[2, 0] = float("inf")
+    tokens[2, 1] = float("-inf")
+    got = kernel(tokens, "rmsnorm", 1e-6)
+    assert got["nonfinite"] == 3
+    assert got["finite_tokens"] == 2
+    want = reference(tokens, "rmsnorm", 1e-6)
+    assert got["absmax"] == pytest.approx(want["absmax"], rel=1e-6)
+
+
+@pytest.mark.parametrize("shape,kind,groups,expected", [
+    ((2, 5, 8), "layernorm", 1, (10, 8)),
+    ((3, 6, 4, 4), "groupnorm", 2, (6, 48)),
+    ((3, 6, 4, 4), "batchnorm", 1, (6, 48)),
+    ((3, 6), "batchnorm", 1, (6, 3)),
+    ((3, 6, 10), "instancenorm", 1, (18, 10)),
+])
+def test_token_view_layouts(shape: tuple[int, ...], kind: str, groups: int,
+                            expected: tuple[int, int]) -> None:
+    x = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    view = token_view(x, kind, 1, groups)  # type: ignore[arg-type]
+    assert tuple(view.shape) == expected
+    if kind == "batchnorm" and len(shape) == 4:
+        assert torch.equal(view[1], x[:, 1].flatten())  # one token = one channel
+    if kind == "groupnorm":
+        assert torch.equal(view[1], x[0, 3:6].flatten())  # second group of sample 0
+
+
+def test_token_view_multi_dim_normalized_shape() -> None:
+    x = torch.randn(2, 3, 4, 5)
+    assert tuple(token_view(x, "layernorm", 2).shape) == (6, 20)
+
+
+def test_output_statistics_and_first_event_scores() -> None:
+    x = torch.randn(3, 2)
+    y = torch.tensor([[1.0, -5.0], [float("nan"), 2.0], [float("inf"), float("-inf")]])
+    got = kernel(x, "rmsnorm", 1e-6, out=y, key=12345.0)
+    assert got["out_nonfinite"] == 3 and math.isnan(got["out_absmax"])
+    assert got["first_arrived_score"] == 0  # input finite: nothing arrived
+    assert got["first_born_score"] == SCORE_BASE - 12345.0  # born in the norm
+    assert got["output_mismatch"] == -math.inf  # filled only by the output check
+    got = kernel(x, "rmsnorm", 1e-6, out=y[:1])
+    assert got["out_nonfinite"] == 0 and got["out_absmax"] == 5.0
+    x[0, 0] = float("nan")
+    got = kernel(x, "rmsnorm", 1e-6, out=y, key=7.0)
+    assert got["first_arrived_score"] == SCORE_BASE - 7.0 and got["first_born_score"] == 0
+    ref = torch.tensor([[1.0, 0.0], [3.0, 4.0]])
+    out = torch.tensor([[1.0, 0.0], [3.0, 4.5]])
+    assert float(mismatch(out, ref)) == pytest.approx(0.1)

@@ -1,0 +1,259 @@
+"""Watch semantics: steps, flushes, counting rules, close, bad input."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import normwatch
+from normwatch.toymodel import TinyLM, lm_loss, synthetic_batch
+from tests.conftest import tiny_hf
+
+
+def train(model: nn.Module, w: normwatch.Watch, steps: int, accumulate: int = 1,
+          batch: int = 4, seq: int = 16) -> None:
+    gen = torch.Generator().manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        for _ in range(accumulate):
+            tokens = synthetic_batch(gen, batch=batch, seq=seq)
+            lm_loss(model(tokens), tokens).backward()
+        opt.step()
+        opt.zero_grad()
+        w.step()
+
+
+def test_flush_every_and_token_counts() -> None:
+    model = TinyLM(dim=32, depth=2)
+    w = normwatch.watch(model, flush_every=3)
+    snaps = []
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        tokens = synthetic_batch(gen, batch=4, seq=16)
+        loss = lm_loss(model(tokens), tokens)
+        loss.backward()
+        snaps.append(w.step(loss))
+    assert [s is not None for s in snaps] == [False, False, True] * 2
+    snap = snaps[-1]
+    assert snap is not None and (snap.first_step, snap.step) == (4, 6)
+    assert [s for s, _ in snap.losses] == [4, 5, 6]
+    assert list(snap.layers) == ["blocks.0.norm1", "blocks.0.norm2", "blocks.1.norm1",
+                                 "blocks.1.norm2", "norm"]
+    for stats in snap.layers.values():
+        assert (stats.calls, stats.tokens, stats.finite_tokens) == (3, 3 * 64, 3 * 64)
+
+
+def test_snapshot_values_match_float64_reference() -> None:
+    norm = nn.LayerNorm(32)
+    model = nn.Sequential(nn.Linear(8, 32), norm)
+    inputs: list[torch.Tensor] = []
+    norm.register_forward_hook(lambda m, a, o: inputs.append(a[0].detach().double()))
+    w = normwatch.watch(model, flush_every=100)
+    for _ in range(3):
+        model(torch.randn(5, 8) * 10).sum().backward()
+    stats = w.flush().layers["1"]
+    x = torch.cat(inputs)
+    var = x.var(-1, unbiased=False)
+    rms = x.pow(2).mean(-1).sqrt()
+    assert stats.absmax == pytest.approx(float(x.abs().max()), rel=1e-6)
+    assert stats.rms_mean == pytest.approx(float(rms.mean()), rel=1e-5)
+    assert stats.rms_min == pytest.approx(float(rms.min()), rel=1e-5)
+    assert stats.eps_dominance == pytest.approx(float((1e-5 / (var + 1e-5)).max()), rel=1e-4)
+    assert stats.sumsq_max == pytest.approx(float(x.pow(2).sum(-1).max()), rel=1e-5)
+
+
+def test_flush_resets_the_interval() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8))
+    w = normwatch.watch(model)
+    model(torch.randn(2, 4) * 1000).sum().backward()
+    assert w.flush().layers["1"].absmax is not None
+    empty = w.flush().layers["1"]
+    assert (empty.calls, empty.tokens, empty.absmax) == (0, 0, None)
+
+
+def test_gradient_accumulation_counts_every_micro_batch() -> None:
+    model = TinyLM(dim=32, depth=1)
+    w = normwatch.watch(model, flush_every=2)
+    train(model, w, steps=2, accumulate=4)
+    snap = w.last_snapshot
+    assert snap is not None and snap.layers["norm"].calls == 8
+    assert snap.layers["norm"].tokens == 8 * 4 * 16
+
+
+def test_eval_and_no_grad_forwards_are_not_counted_unless_asked() -> None:
+    model = TinyLM(dim=32, depth=1)
+    tokens = synthetic_batch(torch.Generator().manual_seed(0), batch=2, seq=8)
+    w = normwatch.watch(model)
+    model.eval()
+    model(tokens)
+    model.train()
+    with torch.no_grad():
+        model(tokens)
+    assert w.flush().layers["norm"].calls == 0
+    w.close()
+    w2 = normwatch.watch(model, count_eval=True)
+    model.eval()
+    model(tokens)
+    assert w2.flush().layers["norm"].calls == 1
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_is_not_double_counted(reentrant: bool) -> None:
+    model = TinyLM(dim=32, depth=2)
+    blocks = list(model.blocks)
+
+    def forward(tokens: torch.Tensor) -> torch.Tensor:
+        h = model.embed(tokens)
+        if reentrant:
+            h.requires_grad_(True)
+        for block in blocks:
+            h = checkpoint(block, h, use_reentrant=reentrant)
+        return model.head(model.norm(h))
+
+    w = normwatch.watch(model, flush_every=1)
+    tokens = synthetic_batch(torch.Generator().manual_seed(0), batch=2, seq=8)
+    forward(tokens).float().logsumexp(-1).mean().backward()
+    snap = w.step()
+    assert snap is not None
+    assert {n: s.calls for n, s in snap.layers.items()} == dict.fromkeys(snap.layers, 1)
+    assert all(s.tokens == 16 for s in snap.layers.values())
+
+
+def test_module_called_twice_counts_twice() -> None:
+    norm = nn.RMSNorm(8)
+    lin = nn.Linear(8, 8)
+    model = nn.ModuleDict({"norm": norm, "lin": lin})
+    w = normwatch.watch(model)
+    x = torch.randn(3, 8)
+    norm(lin(norm(x))).sum().backward()
+    stats = w.flush().layers["norm"]
+    assert (stats.calls, stats.tokens) == (2, 6)
+
+
+def test_close_restores_the_model_exactly() -> None:
+    model = tiny_hf("llama")
+    tokens = torch.randint(0, 64, (2, 8))
+    model.eval()
+    before = model(tokens).logits
+    hooks_before = {n: (dict(m._forward_hooks), dict(m._forward_hooks_with_kwargs),
+                        dict(m._forward_pre_hooks)) for n, m in model.named_modules()}
+    with normwatch.watch(model, count_eval=True) as w:
+        assert len(w.layers) == 5
+        monitored = model(tokens).logits
+        assert any(m._forward_hooks for m in model.modules())
+    w.close()  # harmless twice
+    after = model(tokens).logits
+    hooks_after = {n: (dict(m._forward_hooks), dict(m._forward_hooks_with_kwargs),
+                       dict(m._forward_pre_hooks)) for n, m in model.named_modules()}
+    assert torch.equal(before, monitored) and torch.equal(before, after)
+    assert hooks_before == hooks_after
+
+
+def test_hook_failure_disables_that_hook_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = TinyLM(dim=32, depth=1)
+    w = normwatch.watch(model)
+    import normwatch.hooks as hooks
+
+    real = hooks.call_stats
+
+    def broken(*args):  # type: ignore[no-untyped-def]
+        if broken.calls == 0:  # type: ignore[attr-defined]
+            broken.calls += 1  # type: ignore[attr-defined]
+            raise RuntimeError("kernel exploded")
+        return real(*args)
+
+    broken.calls = 0  # type: ignore[attr-defined]
+    monkeypatch.setattr(hooks, "call_stats", broken)
+    with pytest.warns(RuntimeWarning, match="measuring 'blocks.0.norm1' failed") as record:
+        train(model, w, steps=3)
+    assert sum("failed" in str(r.message) for r in record) == 1
+    assert w.disabled == {"blocks.0.norm1": "RuntimeError: kernel exploded"}
+    snap = w.flush()
+    assert snap.layers["norm"].calls == 3  # the other layers are still measured
+    assert snap.layers["blocks.0.norm1"].calls == 0
+    assert model.blocks[0].norm1._forward_hooks == {}
+
+
+def test_options_are_validated() -> None:
+    model = nn.LayerNorm(4)
+    with pytest.raises(normwatch.ConfigError, match=r"'flush_every' must be an int >= 1: got 0"):
+        normwatch.watch(model, flush_every=0)
+    with pytest.raises(normwatch.ConfigError, match=r"unknown option 'flush_evry'; did you mean "
+                       r"'flush_every'\?"):
+        normwatch.watch(model, flush_evry=3)
+    with pytest.raises(normwatch.ConfigError, match=r"'eps_tol' must be a finite number in "
+                       r"\(0, 1\): got 2"):
+        normwatch.watch(model, eps_tol=2)
+    with pytest.raises(normwatch.ConfigError, match=r"'raise_on' must be one of .* got 'fatal'"):
+        normwatch.watch(model, raise_on="fatal")
+    with pytest.raises(normwatch.ConfigError, match=r"'sinks' must hold callables: got int"):
+        normwatch.watch(model, sinks=[3])
+    with pytest.raises(normwatch.ConfigError, match=r"'model' must be a torch.nn.Module: got str"):
+        normwatch.watch("model")  # type: ignore[arg-type]
+
+
+def test_model_without_norms_warns_and_works() -> None:
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.warns(RuntimeWarning, match="no normalization layers found in Sequential"):
+        w = normwatch.watch(model)
+    model(torch.randn(2, 4)).sum().backward()
+    assert w.step() is None
+    assert w.flush().layers == {}
+
+
+def test_odd_inputs_do_not_crash() -> None:
+    class TupleNorm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(4))
+            self.eps = 1e-5
+
+        def forward(self, x: object, scale: float = 1.0) -> tuple[torch.Tensor, str]:
+            if isinstance(x, torch.Tensor):
+                return x.float() * self.weight * scale, "extra"
+            return torch.zeros(4), "none"
+
+    norm = TupleNorm()
+    w = normwatch.watch(norm)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        norm(torch.empty(0, 4))                       # empty input
+        norm(torch.ones(2, 4, dtype=torch.long))      # integer input
+        norm("text")                                  # no tensor at all
+        norm(x=torch.randn(3, 4), scale=2.0)          # keyword tensor, tuple output
+    messages = [str(c.message) for c in caught]
+    assert any("non-floating-point input (torch.int64)" in m for m in messages)
+    assert any("no tensor argument" in m for m in messages)
+    stats = w.flush().layers[""]
+    assert (stats.calls, stats.tokens) == (2, 3)
+    assert w.disabled == {}
+
+
+def test_bad_loss_warns_once_and_training_goes_on() -> None:
+    model = nn.LayerNorm(4)
+    w = normwatch.watch(model, flush_every=2)
+    with pytest.warns(RuntimeWarning, match=r"'loss' must be a scalar tensor or a number: got "
+                      r"tensor of shape \(2,\)"):
+        w.step(torch.ones(2))
+    snap = w.step(0.5)
+    assert snap is not None and snap.losses == ((2, 0.5),)
+
+
+def test_repr_and_layers() -> None:
+    w = normwatch.watch(TinyLM(dim=16, depth=1, heads=2))
+    assert repr(w) == "<Watch 3 norm layers, step 0>"
+    assert [layer.name for layer in w.layers] == ["blocks.0.norm1", "blocks.0.norm2", "norm"]
+
+
+def test_meta_device_model() -> None:
+    with torch.device("meta"):
+        model = TinyLM(dim=16, depth=1, heads=2)
+    with pytest.warns(RuntimeWarning, match="meta-device input"):
+        w = normwatch.watch(model)
+        model(torch.randint(0, 64, (2, 8), device="meta"))
+    assert w.flush().layers["norm"].calls == 0
+    assert w.disabled == {}
