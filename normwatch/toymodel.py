@@ -21,28 +21,23 @@ from torch import nn
 class NaiveRMSNorm(nn.Module):
     """RMSNorm the way many codebases write it: the reduction runs in the input dtype."""
 
+    reduce_dim = -1
+
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        inv_rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        inv_rms = torch.rsqrt(x.pow(2).mean(self.reduce_dim, keepdim=True) + self.eps)
         y: torch.Tensor = self.weight * (x * inv_rms)
         return y
 
 
-class BatchDimRMSNorm(nn.Module):
+class BatchDimRMSNorm(NaiveRMSNorm):
     """An RMSNorm with a bug: it reduces over the batch dimension, not the features."""
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor = self.weight * (x * torch.rsqrt(x.pow(2).mean(0, keepdim=True) + self.eps))
-        return y
+    reduce_dim = 0
 
 
 NORMS: dict[str, Callable[[int, float], nn.Module]] = {

@@ -51,3 +51,15 @@ def test_nonfinite_layers_are_critical_even_without_their_own_alarm() -> None:
 def test_alarm_line() -> None:
     alarm = Alarm("nonfinite", "critical", "norm", 7, 1.0, 0.0, "First non-finite value")
     assert render(alarm_text(alarm)).strip() == "step 7 CRIT nonfinite: First non-finite value"
+
+
+def test_demo_live_table_on_a_terminal() -> None:
+    from normwatch.demo import run_demo
+
+    buf = io.StringIO()
+    console = Console(file=buf, width=120, force_terminal=True, color_system="truecolor")
+    result = run_demo("wrong-dim", steps=3, console=console, live=True)
+    text = buf.getvalue()
+    assert result.steps_run == 3
+    assert "\x1b[" in text  # coloured, live-refreshed output
+    assert "CRIT" in text and "output_mismatch" in text
