@@ -49,6 +49,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="flush statistics every N steps (default: 1)")
     demo.add_argument("--no-live", action="store_true",
                       help="no live table; print alarms and the final table only")
+    demo.add_argument("--report-dir", default="normwatch-reports",
+                      help="where post-mortem reports go (default: ./normwatch-reports)")
+    report = sub.add_parser(
+        "report",
+        help="re-render a post-mortem report folder to the console (or to HTML)",
+        description="Read a normwatch report (a folder or its report.json; JSON only) and "
+        "print its verdict, evidence and per-layer summary.",
+    )
+    report.add_argument("path", help="report folder or report.json")
+    report.add_argument("--html", metavar="OUT", help="also write the HTML report to OUT")
     return parser
 
 
@@ -60,9 +70,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         from normwatch.demo import run_demo
 
         run_demo(args.fault, steps=args.steps, seed=args.seed, console=console,
-                 live=False if args.no_live else None, flush_every=args.flush_every)
+                 live=False if args.no_live else None, flush_every=args.flush_every,
+                 report_dir=args.report_dir)
         return 0
+    if args.command == "report":
+        return _report(args.path, args.html, console)
     return 2  # pragma: no cover - argparse rejects unknown commands
+
+
+def _report(path: str, html_out: str | None, console: Console) -> int:
+    from pathlib import Path
+
+    from normwatch.console import ReportSummary
+    from normwatch.report import ReportError, load_report
+    from normwatch.report_html import render_html
+
+    try:
+        report = load_report(path)
+    except ReportError as exc:
+        print(f"normwatch report: error: {exc}", file=sys.stderr)
+        return 2
+    console.print(ReportSummary(report, path))
+    if html_out:
+        try:
+            Path(html_out).write_text(render_html(report), encoding="utf-8")
+        except OSError as exc:
+            print(f"normwatch report: error: cannot write --html {html_out!r}: {exc}",
+                  file=sys.stderr)
+            return 2
+        console.print(f"HTML written to {html_out}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -61,6 +62,26 @@ class WatchConfig:
     """Callables that receive every emitted alarm."""
     logger: str = "normwatch"
     """Name of the :mod:`logging` logger alarms go to."""
+    spike_window: int = 50
+    """Losses in the rolling baseline of the spike detector."""
+    spike_warmup: int = 10
+    """Finite losses needed before spikes are judged."""
+    spike_threshold: float = 6.0
+    """A spike exceeds the rolling median by this many robust standard deviations..."""
+    spike_min_rel: float = 0.1
+    """...and by at least this fraction of the median."""
+    report_dir: str | None = "normwatch-reports"
+    """Where post-mortem reports go (one folder per event); ``None``: write none."""
+    max_reports: int = 20
+    """At most this many report folders per watch."""
+    report_console: bool = True
+    """Print a summary to stderr when a report is written."""
+    history_size: int = 256
+    """Flushes kept on the host for blame and reports."""
+    blame_lookback: int = 200
+    """Steps of history a verdict considers."""
+    rank: int | None = None
+    """Process rank, for report names (set by the integrations)."""
 
     @classmethod
     def from_options(cls, **options: Any) -> WatchConfig:
@@ -83,6 +104,19 @@ class WatchConfig:
         _int(self.flush_every, "flush_every", minimum=1)
         _int(self.output_check_every, "output_check_every", minimum=0)
         _int(self.headroom_horizon, "headroom_horizon", minimum=1)
+        _int(self.spike_window, "spike_window", minimum=3)
+        _int(self.spike_warmup, "spike_warmup", minimum=1)
+        _int(self.max_reports, "max_reports", minimum=0)
+        _int(self.history_size, "history_size", minimum=1)
+        _int(self.blame_lookback, "blame_lookback", minimum=1)
+        _number(self.spike_threshold, "spike_threshold", low=0.0, low_open=True)
+        _number(self.spike_min_rel, "spike_min_rel", low=0.0)
+        if self.rank is not None:
+            _int(self.rank, "rank", minimum=0)
+        if self.report_dir is not None and not isinstance(self.report_dir, str | os.PathLike):
+            raise ConfigError(f"'report_dir' must be a path or None: got {self.report_dir!r}")
+        if not isinstance(self.report_console, bool):
+            raise ConfigError(f"'report_console' must be a bool: got {self.report_console!r}")
         _number(self.fp16_limit, "fp16_limit", low=0.0, low_open=True)
         _number(self.eps_tol, "eps_tol", low=0.0, high=1.0, low_open=True, high_open=True)
         _number(self.common_mode_tol, "common_mode_tol", low=0.0, high=1.0, low_open=True)

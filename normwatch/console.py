@@ -10,6 +10,7 @@ Worst layers first, coloured by severity; the text still reads in a plain CI log
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from rich import box
 from rich.console import Console, ConsoleOptions, RenderResult
@@ -110,3 +111,68 @@ _SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f6
 
 def _short(dtype: str | None) -> str:
     return "-" if dtype is None else _SHORT.get(dtype, dtype)
+
+
+class ReportSummary:
+    """A post-mortem report (the JSON document) for the console: verdict first."""
+
+    def __init__(self, report: dict[str, Any], folder: object | None = None) -> None:
+        self.report = report
+        self.folder = folder
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        r = self.report
+        verdict = r.get("verdict") or {}
+        blame = str(verdict.get("blame", "none"))
+        style = {"normalization": "bold red", "not_normalization": "bold green",
+                 "inconclusive": "bold yellow"}.get(blame, "")
+        head = Text(f"normwatch post-mortem · {r.get('trigger')} at step {r.get('step')}",
+                    style="bold")
+        if r.get("rank") is not None:
+            head.append(f" · rank {r['rank']}")
+        yield head
+        line = Text("blame: ")
+        line.append(blame.upper(), style=style)
+        if verdict.get("layer"):
+            line.append(f" · layer {verdict['layer']}")
+        if verdict.get("cause"):
+            line.append(f" · cause {verdict['cause']}")
+        yield line
+        if verdict.get("block"):
+            yield Text(f"produced {verdict['block']}")
+        for sentence in verdict.get("evidence") or []:
+            yield Text(f"  - {sentence}")
+        first = r.get("first_nonfinite")
+        if first:
+            origin = "born in the norm" if first.get("origin") == "norm" else "arrived"
+            yield Text(f"first non-finite: step {first.get('step')}, {first.get('layer')} "
+                       f"({origin})")
+        table = Table(title="last flush per layer (forward order)", box=box.ASCII2,
+                      title_justify="left")
+        for header in ("layer", "max|x|", "rms", "eps dom", "nonfin", "dtype"):
+            table.add_column(header, no_wrap=header != "layer")
+        for layer in r.get("layers") or []:
+            history = layer.get("history") or []
+            if not history:
+                continue
+            h = history[-1]
+            dtypes = layer.get("dtypes") or {}
+            table.add_row(str(layer.get("name")), _num(_float(h.get("absmax"))),
+                          _num(_float(h.get("rms_mean"))), _num(_float(h.get("eps_dominance"))),
+                          f"{h.get('nonfinite')}/{h.get('out_nonfinite')}",
+                          f"{_short(dtypes.get('input'))}>{_short(dtypes.get('output'))}")
+        yield table
+        counts: dict[str, int] = {}
+        for alarm in r.get("alarms") or []:
+            key = f"{alarm.get('severity')} {alarm.get('kind')}"
+            counts[key] = counts.get(key, 0) + int(alarm.get("count") or 1)
+        if counts:
+            yield Text("alarms: " + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())))
+        if self.folder is not None:
+            yield Text(f"report: {self.folder}", style="dim")
+
+
+def _float(value: Any) -> float | None:
+    from normwatch.report import number
+
+    return number(value)

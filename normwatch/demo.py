@@ -14,12 +14,14 @@ import math
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from rich.console import Console, Group
 from rich.live import Live
 
 from normwatch.alarms import SEVERITY_RANK, Alarm
+from normwatch.blame import Verdict
 from normwatch.console import HealthTable, alarm_text
 from normwatch.toymodel import TinyLM, lm_loss, synthetic_batch
 from normwatch.watch import Watch, watch
@@ -38,6 +40,7 @@ class Fault:
     lr: float = 0.05
     before_step: Callable[[TinyLM, int], None] = field(default=lambda model, step: None)
     prepare: Callable[[TinyLM], None] = field(default=lambda model: None)
+    batch: Callable[[torch.Tensor, int], torch.Tensor] = field(default=lambda tokens, step: tokens)
 
 
 def _grow_residual(model: TinyLM, step: int) -> None:
@@ -50,6 +53,13 @@ def _break_mlp(model: TinyLM, step: int) -> None:
 
 def _fp32_norm_weights(model: TinyLM) -> None:
     model.norm.float()  # a norm left in fp32 inside a bf16 model
+
+
+def _corrupt_batch(tokens: torch.Tensor, step: int) -> torch.Tensor:
+    if step != 80:
+        return tokens
+    gen = torch.Generator().manual_seed(step)
+    return torch.randint(1, 64, tokens.shape, generator=gen)  # a shuffled, meaningless batch
 
 
 def _common_mode(model: TinyLM) -> None:
@@ -69,6 +79,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("dtype-mismatch", "bf16 model whose final norm kept fp32 weights",
           dtype=torch.bfloat16, prepare=_fp32_norm_weights),
     Fault("common-mode", "RMSNorm inputs dominated by a shared offset", prepare=_common_mode),
+    Fault("bad-batch", "a corrupted data batch (random tokens) at step 80", batch=_corrupt_batch),
     Fault("none", "a healthy fp16 run with torch's RMSNorm", dtype=torch.float16),
 )}
 DEFAULT_FAULT = "fp16-overflow"
@@ -83,6 +94,8 @@ class DemoResult:
     alarms: list[Alarm]
     nan_step: int | None = None
     losses: list[float] = field(default_factory=list)
+    verdicts: list[Verdict] = field(default_factory=list)
+    reports: list[Path] = field(default_factory=list)
 
     def first_step(self, min_severity: str = "warning") -> int | None:
         """First step with an alarm of at least ``min_severity``."""
@@ -107,6 +120,7 @@ def run_demo(
     console: Console | None = None,
     live: bool | None = None,
     flush_every: int = 1,
+    report_dir: str | None = "normwatch-reports",
 ) -> DemoResult:
     """Train until ``steps`` or a non-finite loss; print alarms and the table."""
     fault = FAULTS[fault_name]
@@ -116,12 +130,14 @@ def run_demo(
     gen = torch.Generator().manual_seed(seed)
     result = DemoResult(fault.name, 0, [])
     console.print(f"[bold]normwatch demo[/] · fault [bold]{fault.name}[/]: {fault.summary}")
-    with watch(model, flush_every=flush_every, sinks=[lambda a: console.print(alarm_text(a))]) as w:
+    sink = [lambda a: console.print(alarm_text(a))]
+    with watch(model, flush_every=flush_every, sinks=sink, report_dir=report_dir,
+               report_console=False) as w:
         display = Live(console=console, refresh_per_second=8, transient=True) if live else None
         with display or nullcontext():
             for step in range(1, steps + 1):
                 fault.before_step(model, step)
-                tokens = synthetic_batch(gen)
+                tokens = fault.batch(synthetic_batch(gen), step)
                 if fault.padding:
                     tokens[:, -8:] = 0
                 loss = lm_loss(model(tokens), tokens)
@@ -138,6 +154,8 @@ def run_demo(
                     result.nan_step = step
                     break
         result.alarms = list(w.alarms)
+        result.verdicts = list(w.verdicts)
+        result.reports = list(w.reports)
         if w.last_snapshot is not None:
             console.print(_table(w, result.steps_run))
     console.print(summary(result))
@@ -165,6 +183,12 @@ def summary(result: DemoResult) -> str:
         lines.append(f"  loss became non-finite at step {result.nan_step}")
         if warn is not None and warn < result.nan_step:
             lines.append(f"  normwatch warned {result.nan_step - warn} steps before the NaN loss")
+    for verdict in result.verdicts[-1:]:
+        where = f" ({verdict.layer})" if verdict.layer else ""
+        lines.append(f"  verdict on {verdict.trigger} at step {verdict.step}: "
+                     f"[bold]{verdict.blame}[/]{where}")
+    if result.reports:
+        lines.append(f"  post-mortem: {result.reports[-1]}  (normwatch report PATH to re-read)")
     return "\n".join(lines)
 
 

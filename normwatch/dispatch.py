@@ -63,19 +63,28 @@ class Dispatcher:
                 passed.append(dataclasses.replace(alarm, count=count, message=message))
         return passed
 
-    def emit(self, alarms: Iterable[Alarm]) -> list[Alarm]:
-        """Filter, log, hand to sinks, and raise if ``raise_on`` says so."""
+    def deliver(self, alarms: Iterable[Alarm]) -> list[Alarm]:
+        """Filter, log and hand to the sinks; returns what passed."""
         passed = self.filter(alarms)
         self.history.extend(passed)
         for alarm in passed:
             self.logger.log(_LEVELS[alarm.severity], "[%s] %s", alarm.kind, alarm.message)
             for sink in self.config.sinks:
                 self._call_sink(sink, alarm)
+        return passed
+
+    def raise_if_fatal(self, passed: Iterable[Alarm]) -> None:
+        """Raise :class:`NumericalHealthError` if ``raise_on`` says so."""
         threshold = self.config.raise_on
         if threshold is not None:
             fatal = [a for a in passed if SEVERITY_RANK[a.severity] >= SEVERITY_RANK[threshold]]
             if fatal:
                 raise NumericalHealthError(fatal)
+
+    def emit(self, alarms: Iterable[Alarm]) -> list[Alarm]:
+        """:meth:`deliver`, then :meth:`raise_if_fatal`."""
+        passed = self.deliver(alarms)
+        self.raise_if_fatal(passed)
         return passed
 
     def _call_sink(self, sink: object, alarm: Alarm) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numbers
 import warnings
 from collections import deque
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -21,11 +22,13 @@ from torch import nn
 
 from normwatch.accumulator import Accumulator
 from normwatch.alarms import Alarm, RuleContext, evaluate, is_fp16_run
+from normwatch.blame import Verdict
 from normwatch.config import WatchConfig
 from normwatch.discovery import NormLayer, iter_norm_modules
 from normwatch.dispatch import Dispatcher
-from normwatch.errors import ConfigError
+from normwatch.errors import ConfigError, NumericalHealthError
 from normwatch.hooks import LayerHook, Runtime
+from normwatch.postmortem import PostMortem
 from normwatch.probe import FP16_MAX, ProbeResult, probe_fp16_safety
 from normwatch.snapshot import FirstNonfinite, LayerStats, Snapshot, decode_score, optional
 from normwatch.stats import Thresholds
@@ -61,6 +64,7 @@ class Watch:
                        enumerate(pairs)]
         self._by_name = {layer.name: layer for layer in self.layers}
         self._dispatcher = Dispatcher(c)
+        self.postmortem = PostMortem(c, self.layers, self._dispatcher.history)
         self._history: dict[str, deque[tuple[int, float]]] = {
             layer.name: deque(maxlen=HISTORY_POINTS) for layer in self.layers
         }
@@ -114,8 +118,50 @@ class Watch:
         context = RuleContext(self.config, self._by_name, self._run_probes(snapshot),
                               {k: tuple(v) for k, v in self._history.items()})
         self.last_findings = evaluate(snapshot, context)
-        self._dispatcher.emit(self.last_findings)
+        passed = self._dispatcher.deliver(self.last_findings)
+        self.postmortem.on_flush(snapshot, self.last_findings, passed, self.forward_order)
+        self._dispatcher.raise_if_fatal(passed)
         return snapshot
+
+    @property
+    def forward_order(self) -> list[str]:
+        """Layer names in the order the forward pass first met them (then the unseen)."""
+        seen = sorted(self._rt.forward_order, key=self._rt.forward_order.__getitem__)
+        return seen + [layer.name for layer in self.layers if layer.name not in
+                       self._rt.forward_order]
+
+    @property
+    def verdicts(self) -> list[Verdict]:
+        """Every verdict so far (loss spikes, non-finite values, critical alarms)."""
+        return self.postmortem.verdicts
+
+    @property
+    def reports(self) -> list[Path]:
+        """Folders of the post-mortem reports written so far."""
+        return self.postmortem.reports
+
+    def report_exception(self, exc: BaseException) -> Verdict:
+        """Judge and report an exception that ended (or interrupted) training.
+
+        Integrations call this from their exception hooks; the context-manager form of
+        the watch calls it when the ``with`` block raises.
+        """
+        return self.postmortem.on_exception(exc, self.step_count, self.forward_order)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain state for checkpoints: step count and the loss baseline."""
+        return {"version": 1, "step_count": self.step_count,
+                "postmortem": self.postmortem.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (e.g. when resuming from a checkpoint)."""
+        if not isinstance(state, dict) or state.get("version") != 1:
+            raise ConfigError(f"'state' must be a normwatch state dict (version 1): "
+                              f"got {state!r:.80}")
+        self.step_count = int(state["step_count"])
+        self._rt.step = self.step_count + 1
+        self._interval_start = self.step_count + 1
+        self.postmortem.load_state_dict(state["postmortem"])
 
     @property
     def alarms(self) -> list[Alarm]:
@@ -141,7 +187,11 @@ class Watch:
         self, exc_type: type[BaseException] | None, exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        try:
+            if isinstance(exc, Exception) and not isinstance(exc, NumericalHealthError):
+                self.report_exception(exc)
+        finally:
+            self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"step {self.step_count}"

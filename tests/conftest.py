@@ -43,3 +43,9 @@ def tiny_hf(name: str) -> torch.nn.Module:
             vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
             intermediate_size=64, max_position_embeddings=64))
     raise KeyError(name)
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp_dir(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reports default to ./normwatch-reports: keep every test's in its own folder."""
+    monkeypatch.chdir(tmp_path)  # type: ignore[arg-type]

@@ -158,6 +158,7 @@ def test_healthy_200_steps_raise_nothing(dtype: torch.dtype) -> None:
         snaps.append(w.step(loss))
     assert w.flushes == 40
     assert kinds(w.alarms, "warning") == set()
+    assert w.verdicts == [] and w.reports == []  # no false spikes, no post-mortems
     assert torch.isfinite(loss) and float(loss) < 4.0
     # the output check ran in the first interval and after every 2nd flush, and agreed
     checked = [i for i, s in enumerate(x for x in snaps if x is not None)
@@ -199,8 +200,11 @@ def test_a_nan_storm_gives_a_handful_of_alarms_with_counts(caplog: pytest.LogCap
     assert [a.step for a in nonfinite] == [1, 10, 100, 1000]
     assert sum(a.count for a in nonfinite) == 1000
     assert "[x900 since step 1]" in nonfinite[-1].message
-    assert len(caplog.records) == len(w.alarms) <= 8
-    assert caplog.records[0].levelno == logging.CRITICAL
+    lines = [r for r in caplog.records
+             if not r.getMessage().startswith(("[verdict]", "[report]"))]
+    assert len(lines) == len(w.alarms) <= 8
+    assert lines[0].levelno == logging.CRITICAL
+    assert len(w.verdicts) == 1 and len(w.reports) == 1  # one episode, one post-mortem
 
 
 def test_raise_on_critical() -> None:

@@ -257,3 +257,23 @@ def test_meta_device_model() -> None:
         model(torch.randint(0, 64, (2, 8), device="meta"))
     assert w.flush().layers["norm"].calls == 0
     assert w.disabled == {}
+
+
+def test_state_dict_round_trip_keeps_steps_and_loss_baseline() -> None:
+    import json
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8))
+    w = normwatch.watch(model, flush_every=1, spike_warmup=5, report_dir=None)
+    for i in range(20):
+        model(torch.randn(2, 4)).sum().backward()
+        w.step(1.0 + 0.01 * (i % 3))
+    state = json.loads(json.dumps(w.state_dict()))
+    w.close()
+    resumed = normwatch.watch(model, flush_every=1, spike_warmup=5, report_dir=None)
+    resumed.load_state_dict(state)
+    assert resumed.step_count == 20
+    snap = resumed.step(5.0)  # judged against the restored baseline: a spike at step 21
+    assert snap is not None and snap.step == 21
+    assert [(v.trigger, v.step) for v in resumed.verdicts] == [("loss_spike", 21)]
+    with pytest.raises(normwatch.ConfigError, match="'state' must be a normwatch state dict"):
+        resumed.load_state_dict({"version": 7})

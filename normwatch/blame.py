@@ -1,0 +1,180 @@
+"""Is normalization to blame? A pure verdict from recent history.
+
+    >>> verdict = judge("loss_spike", step=120, records=history.records(), order=names)
+    >>> verdict.blame, verdict.layer, verdict.evidence[0]
+
+Normalization is to blame when a norm's own computation failed or distorted: a
+non-finite value born inside it, a reduction that overflows in fp16, eps-dominated or
+zero-variance tokens, an output that disagrees with the fp32 formula, or an output
+statistic that jumped against the layer's own history. It is not to blame when the first
+non-finite value arrived in a norm's input (the block before it produced it) or when
+every norm stayed healthy (look at the data or the learning rate). A jump in norm
+*inputs* alone, with healthy outputs, is inconclusive.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from normwatch.alarms import Alarm
+from normwatch.history import Record
+from normwatch.snapshot import FirstNonfinite, LayerStats
+
+Trigger = Literal["loss_spike", "nonfinite_loss", "nonfinite_activation", "critical_alarm",
+                  "exception"]
+Blame = Literal["normalization", "not_normalization", "inconclusive"]
+JUMP_RATIO = 4.0
+MIN_HISTORY = 3
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What triggered, whether normalization is to blame, and why."""
+
+    trigger: Trigger
+    step: int
+    blame: Blame
+    layer: str | None
+    cause: str | None
+    """An alarm kind (``fp16_overflow``, ``eps_dominance``, ``output_mismatch``,
+    ``nonfinite``), ``stat_jump``, or ``None`` when nothing in the norms explains it."""
+    evidence: tuple[str, ...]
+    block: str | None = None
+    """When a non-finite value arrived from upstream: the code between the last healthy
+    norm and the first sick one."""
+
+
+def is_norm_failure(alarm: Alarm) -> bool:
+    """Alarms that mean the norm's *own* computation failed or distorted."""
+    if alarm.kind == "fp16_overflow":
+        return alarm.severity == "critical"  # its reduction squares in fp16 (probed)
+    if alarm.kind in ("output_mismatch", "eps_dominance"):
+        return alarm.severity in ("warning", "critical")
+    return alarm.kind == "nonfinite" and alarm.tag == "norm"
+
+
+def judge(trigger: Trigger, step: int, records: Sequence[Record], order: Sequence[str]
+          ) -> Verdict:
+    """The verdict for ``trigger`` at ``step`` given recent ``records`` (oldest first) and
+    the layers' forward ``order``."""
+    position = {name: i for i, name in enumerate(order)}
+    first = _first_nonfinite(records)
+    failures = sorted(
+        (a for r in records for a in r.findings if is_norm_failure(a)),
+        key=lambda a: (a.step, position.get(a.layer or "", len(order))),
+    )
+    if first is not None and first.origin == "norm":
+        own = [a for a in failures if a.layer == first.layer and a.kind != "nonfinite"]
+        cause = own[0].kind if own else "nonfinite"
+        evidence = [f"The first non-finite value was born inside {first.layer!r} at step "
+                    f"{first.step}: its input was finite, its output was not."]
+        evidence += _sentences(own)
+        return Verdict(trigger, step, "normalization", first.layer, cause, tuple(evidence))
+    if failures:
+        worst = failures[0]
+        evidence = _sentences(failures)
+        if first is not None:
+            evidence.append(f"The first non-finite value then reached {first.layer!r} at step "
+                            f"{first.step}, after the norm had already failed.")
+        return Verdict(trigger, step, "normalization", worst.layer, worst.kind, tuple(evidence))
+    if first is not None:
+        return _arrived(trigger, step, first, order)
+    jumps = _jumps(records, order)
+    out_jumps = [j for j in jumps if j[1] == "output"]
+    if out_jumps:
+        layer, _, ratio, now, before = out_jumps[0]
+        return Verdict(trigger, step, "normalization", layer, "stat_jump", (
+            f"{layer}: max |output| jumped to {now:.4g}, {ratio:.1f}x its recent median "
+            f"{before:.4g}; a norm's output scale should not move with its input.",))
+    if jumps:
+        evidence = [
+            f"{layer}: max |input| jumped to {now:.4g}, {ratio:.1f}x its recent median "
+            f"{before:.4g}, while its output stayed in range." for layer, _, ratio, now, before
+            in jumps[:3]]
+        evidence.append("The norms coped with larger inputs; something upstream grew the "
+                        "activations (data, learning rate, a residual branch).")
+        return Verdict(trigger, step, "inconclusive", jumps[0][0], "stat_jump", tuple(evidence))
+    seen = [n for n in order if any(n in r.snapshot.layers and r.snapshot.layers[n].seen
+                                    for r in records)]
+    where = ("after the last norm (LM head, loss or labels)" if trigger == "nonfinite_loss"
+             else "in the data or the optimisation")
+    return Verdict(trigger, step, "not_normalization", None, None, (
+        f"All {len(seen)} norm layers stayed healthy: finite inputs and outputs, no fp16 "
+        "overflow, no eps dominance, no output mismatch, no jump against their history.",
+        f"Look {where}: a corrupted or mislabelled batch, the learning rate or its schedule, "
+        "gradient clipping.",
+    ))
+
+
+def _first_nonfinite(records: Sequence[Record]) -> FirstNonfinite | None:
+    for record in records:
+        if record.snapshot.first_nonfinite is not None:
+            return record.snapshot.first_nonfinite
+    return None
+
+
+def _arrived(trigger: Trigger, step: int, first: FirstNonfinite, order: Sequence[str]
+             ) -> Verdict:
+    index = order.index(first.layer) if first.layer in order else first.position
+    if index <= 0:
+        block = f"before {first.layer} (embedding or input data)"
+    else:
+        previous = order[index - 1]
+        parent = previous.rsplit(".", 1)[0] if "." in previous else ""
+        inside = f" (inside {parent}, after {previous})" if parent else ""
+        block = f"between {previous} and {first.layer}{inside}"
+    evidence = (
+        f"The first non-finite value arrived in the input of {first.layer!r} at step "
+        f"{first.step}; every norm before it saw finite values.",
+        f"It was produced {block}: attention, MLP, the residual add or the data, not a norm.",
+    )
+    return Verdict(trigger, step, "not_normalization", first.layer, "nonfinite", evidence, block)
+
+
+def _jumps(records: Sequence[Record], order: Sequence[str]
+           ) -> list[tuple[str, str, float, float, float]]:
+    """``(layer, 'input'|'output', ratio, now, median before)`` for statistics of the last
+    record that jumped against the layer's own earlier records."""
+    if len(records) < MIN_HISTORY + 1:
+        return []
+    last, earlier = records[-1].snapshot, [r.snapshot for r in records[:-1]]
+    found = []
+    for name in order:
+        now = last.layers.get(name)
+        if now is None or not now.seen:
+            continue
+        past = [s.layers[name] for s in earlier if name in s.layers and s.layers[name].seen]
+        for side, get in (("output", _out_absmax), ("input", _in_absmax)):
+            values = [v for v in map(get, past) if v is not None and v > 0]
+            current = get(now)
+            if len(values) >= MIN_HISTORY and current is not None:
+                median = statistics.median(values)
+                if current > JUMP_RATIO * median:
+                    found.append((name, side, current / median, current, median))
+    return sorted(found, key=lambda j: (j[1] != "output", -j[2]))
+
+
+def _in_absmax(stats: LayerStats) -> float | None:
+    return stats.absmax
+
+
+def _out_absmax(stats: LayerStats) -> float | None:
+    return stats.out_absmax
+
+
+def _sentences(alarms: Sequence[Alarm], limit: int = 4) -> list[str]:
+    """One sentence per alarm kind (earliest first), naming the layers it hit."""
+    by_kind: dict[str, list[Alarm]] = {}
+    for alarm in alarms:
+        by_kind.setdefault(alarm.kind, []).append(alarm)
+    out = []
+    for kind, group in list(by_kind.items())[:limit]:
+        first = group[0]
+        layers = list(dict.fromkeys(a.layer for a in group if a.layer))
+        where = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
+        detail = first.message.split(". ")[0].rstrip(".")
+        out.append(f"Step {first.step}: {kind} ({first.severity}) in {where}. {detail}.")
+    return out

@@ -1,0 +1,217 @@
+"""Post-mortem reports: a versioned JSON document, written and read back as JSON only.
+
+    >>> folder = write_report(build_report(...), "normwatch-reports")
+    >>> report = load_report(folder)          # ReportError with a clear message if bad
+
+Schema (``docs/report-schema.md``): ``schema``, ``version``, ``created``, ``trigger``,
+``step``, ``rank``, ``verdict``, ``first_nonfinite``, ``layers`` (with each layer's recent
+``history``), ``alarms``, ``loss_history``, ``spikes``, ``environment``, ``exception``.
+Non-finite numbers are stored as the strings ``"nan"``, ``"inf"``, ``"-inf"`` (strict JSON).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import math
+import platform
+import re
+import traceback
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from normwatch.alarms import Alarm
+from normwatch.blame import Verdict
+from normwatch.discovery import NormLayer
+from normwatch.history import Record
+from normwatch.snapshot import FirstNonfinite
+from normwatch.spikes import Spike
+
+SCHEMA = "normwatch.report"
+VERSION = 1
+HISTORY_FIELDS = ("absmax", "sumsq_max", "rms_min", "rms_mean", "rms_max", "eps_dominance",
+                  "eps_dominated_tokens", "common_mode_max", "nonfinite", "out_nonfinite",
+                  "out_absmax", "output_mismatch", "tokens")
+
+
+class ReportError(ValueError):
+    """A report path is missing, unreadable, not JSON, or not a normwatch report."""
+
+
+def build_report(
+    *,
+    trigger: str,
+    step: int,
+    verdict: Verdict | None,
+    layers: Sequence[NormLayer],
+    order: Sequence[str],
+    records: Sequence[Record],
+    alarms: Sequence[Alarm],
+    losses: Sequence[tuple[int, float]],
+    spikes: Sequence[Spike],
+    rank: int | None = None,
+    exception: BaseException | None = None,
+) -> dict[str, Any]:
+    """The report document as plain JSON-able data (pure: no I/O)."""
+    first = _first(records)
+    position = {name: i for i, name in enumerate(order)}
+    ordered = sorted(layers, key=lambda x: position.get(x.name, len(order) + layers.index(x)))
+    return {
+        "schema": SCHEMA,
+        "version": VERSION,
+        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "trigger": trigger,
+        "step": step,
+        "rank": rank,
+        "verdict": None if verdict is None else _clean(dataclasses.asdict(verdict)),
+        "first_nonfinite": None if first is None else dataclasses.asdict(first),
+        "layers": [_layer(layer, position.get(layer.name), records) for layer in ordered],
+        "alarms": [_clean({k: v for k, v in dataclasses.asdict(a).items() if k != "tag"})
+                   for a in alarms],
+        "loss_history": [[s, _num(v)] for s, v in losses],
+        "spikes": [{"step": s.step, "loss": _num(s.loss), "baseline": _num(s.baseline),
+                    "margin": _num(s.margin)} for s in spikes],
+        "environment": environment(records),
+        "exception": None if exception is None else {
+            "type": type(exception).__name__,
+            "message": str(exception),
+            "traceback": "".join(traceback.format_exception(exception)),
+        },
+    }
+
+
+def environment(records: Sequence[Record] = ()) -> dict[str, Any]:
+    """Versions, devices and the dtypes the norms saw."""
+    dtypes: dict[str, set[str]] = {"input": set(), "weight": set(), "output": set()}
+    autocast: set[str] = set()
+    for record in records:
+        for s in record.snapshot.layers.values():
+            for key, value in (("input", s.input_dtype), ("weight", s.weight_dtype),
+                               ("output", s.output_dtype)):
+                if value:
+                    dtypes[key].add(value)
+            if s.autocast:
+                autocast.add(s.autocast)
+    from normwatch import __version__
+
+    return {
+        "normwatch": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cuda": torch.version.cuda,
+        "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        or ["cpu"],
+        "dtypes": {k: sorted(v) for k, v in dtypes.items()},
+        "autocast": sorted(autocast),
+    }
+
+
+def write_report(report: Mapping[str, Any], report_dir: str | Path,
+                 html: str | None = None) -> Path:
+    """Write ``report.json`` (and ``report.html`` if given) into a new folder under
+    ``report_dir``; returns the folder."""
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
+    rank = f"-rank{report['rank']}" if report.get("rank") is not None else ""
+    base = f"{stamp}-step{report['step']}-{_slug(str(report['trigger']))}{rank}"
+    root = Path(report_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    folder = root / base
+    n = 1
+    while folder.exists():
+        n += 1
+        folder = root / f"{base}-{n}"
+    folder.mkdir()
+    text = json.dumps(report, indent=1, allow_nan=False)
+    (folder / "report.json").write_text(text + "\n", encoding="utf-8")
+    if html is not None:
+        (folder / "report.html").write_text(html, encoding="utf-8")
+    return folder
+
+
+def load_report(path: str | Path) -> dict[str, Any]:
+    """Read a report folder (or its ``report.json``); JSON only, validated."""
+    p = Path(path)
+    file = p / "report.json" if p.is_dir() else p
+    if not file.exists():
+        raise ReportError(f"no normwatch report at {str(path)!r}: expected a report folder "
+                          "or its report.json")
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ReportError(f"{file} is not valid JSON: {exc.msg} at line {exc.lineno}, "
+                          f"column {exc.colno}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ReportError(f"cannot read {file}: {exc}") from None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise ReportError(f"{file} is not a normwatch report: 'schema' must be {SCHEMA!r}: "
+                          f"got {data.get('schema') if isinstance(data, dict) else type(data)!r}")
+    if data.get("version") != VERSION:
+        raise ReportError(f"{file}: unsupported report version {data.get('version')!r} "
+                          f"(this normwatch reads version {VERSION})")
+    missing = [k for k in ("verdict", "layers", "alarms", "loss_history", "environment")
+               if k not in data]
+    if missing:
+        raise ReportError(f"{file}: missing fields {', '.join(missing)}")
+    return data
+
+
+def number(value: Any) -> float | None:
+    """A stored number back as float (``"nan"``/``"inf"`` strings included)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if value in ("nan", "inf", "-inf"):
+        return float(value)
+    return None
+
+
+def _first(records: Sequence[Record]) -> FirstNonfinite | None:
+    for record in records:
+        if record.snapshot.first_nonfinite is not None:
+            return record.snapshot.first_nonfinite
+    return None
+
+
+def _layer(layer: NormLayer, position: int | None, records: Iterable[Record]) -> dict[str, Any]:
+    history = []
+    for record in records:
+        s = record.snapshot.layers.get(layer.name)
+        if s is None or not s.seen:
+            continue
+        row: dict[str, Any] = {"step": record.snapshot.step}
+        row.update({f: _num(getattr(s, f)) for f in HISTORY_FIELDS})
+        history.append(row)
+    last = next((r.snapshot.layers[layer.name] for r in reversed(list(records))
+                 if layer.name in r.snapshot.layers and r.snapshot.layers[layer.name].seen), None)
+    return {
+        "name": layer.name, "kind": layer.kind, "eps": _num(layer.eps),
+        "normalized_shape": list(layer.normalized_shape or ()), "weight_form": layer.weight_form,
+        "class_name": layer.class_name, "position": position,
+        "dtypes": None if last is None else {"input": last.input_dtype,
+                                             "weight": last.weight_dtype,
+                                             "output": last.output_dtype,
+                                             "autocast": last.autocast},
+        "history": history,
+    }
+
+
+def _num(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value
+
+
+def _clean(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _clean(v) for k, v in data.items()}
+    if isinstance(data, list | tuple):
+        return [_clean(v) for v in data]
+    return _num(data)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text)[:40] or "event"

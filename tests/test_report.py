@@ -1,0 +1,162 @@
+"""Post-mortem reports: written on the right events, valid JSON, escaped HTML, the CLI,
+and the page in a real headless Chromium."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import normwatch
+from normwatch.report import ReportError, load_report
+from normwatch.report_html import render_html
+
+SCRIPT = Path(sys.executable).parent / "normwatch"
+
+
+def nan_run(report_dir: Path, layer_name: str = "norm") -> normwatch.Watch:
+    model = nn.Sequential()
+    model.add_module("proj", nn.Linear(8, 8))
+    model.add_module(layer_name, nn.LayerNorm(8, eps=0.0))
+    w = normwatch.watch(model, flush_every=1, report_dir=str(report_dir), report_console=False)
+    for step in range(6):
+        x = torch.randn(4, 8)
+        if step == 4:
+            x = torch.zeros(4, 8)
+            model.proj.weight.data.zero_()
+            model.proj.bias.data.zero_()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        w.step(loss)
+    return w
+
+
+def test_report_written_on_first_nonfinite_with_the_documented_schema(tmp_path: Path) -> None:
+    w = nan_run(tmp_path / "reports")
+    assert len(w.reports) == 1  # the NaN loss of the same episode adds no second report
+    folder = w.reports[0]
+    assert folder.parent == tmp_path / "reports" and "step5-nonfinite_activation" in folder.name
+    assert {p.name for p in folder.iterdir()} == {"report.json", "report.html"}
+    raw = (folder / "report.json").read_text()
+    json.loads(raw, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+    report = load_report(folder)
+    assert (report["schema"], report["version"], report["trigger"], report["step"]) == (
+        "normwatch.report", 1, "nonfinite_activation", 5)
+    assert report["verdict"]["blame"] == "normalization"
+    assert report["verdict"]["layer"] == "norm"
+    assert report["first_nonfinite"] == {"step": 5, "layer": "norm", "position": 0,
+                                         "origin": "norm"}
+    layer = report["layers"][0]
+    assert layer["name"] == "norm"
+    assert [h["step"] for h in layer["history"]] == [1, 2, 3, 4, 5]  # up to the event
+    assert layer["history"][4]["out_nonfinite"] == 32
+    assert report["loss_history"][4] == [5, "nan"]
+    assert {a["kind"] for a in report["alarms"]} >= {"nonfinite", "eps_dominance"}
+    env = report["environment"]
+    assert env["torch"] == torch.__version__ and env["dtypes"]["input"] == ["float32"]
+    assert report["exception"] is None
+
+
+def test_html_escapes_everything_from_the_model(tmp_path: Path) -> None:
+    evil = "<script>alert(1)</script>"
+    w = nan_run(tmp_path, layer_name=evil)
+    html = (w.reports[0] / "report.html").read_text()
+    assert evil not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    assert "<script" not in html.lower()  # no scripts of our own either
+    assert "http://" not in html.replace("http://www.w3.org/2000/svg", "")  # no network
+
+
+def test_exception_in_a_with_block_writes_a_report(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.RMSNorm(4))
+    with pytest.raises(RuntimeError, match="dataloader died"), \
+            normwatch.watch(model, report_dir=str(tmp_path), report_console=False) as w:
+        model(torch.randn(2, 4)).sum().backward()
+        w.step()
+        raise RuntimeError("dataloader died")
+    report = load_report(w.reports[0])
+    assert report["trigger"] == "exception"
+    assert report["exception"]["type"] == "RuntimeError"
+    assert "dataloader died" in report["exception"]["traceback"]
+    assert report["verdict"]["blame"] == "not_normalization"
+
+
+def test_no_reports_when_disabled_and_healthy_runs_write_none(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    w = normwatch.watch(model, flush_every=1, report_dir=None)
+    model(torch.full((2, 4), float("nan"))).sum().backward()
+    w.step()
+    assert w.verdicts and w.reports == []
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "no normwatch report at"),
+    ("{not json", "is not valid JSON: Expecting property name enclosed in double quotes at "
+                  "line 1, column 2"),
+    ('{"schema": "other"}', "is not a normwatch report: 'schema' must be 'normwatch.report'"),
+    ('{"schema": "normwatch.report", "version": 99}', "unsupported report version 99"),
+    ('{"schema": "normwatch.report", "version": 1}', "missing fields verdict, layers"),
+])
+def test_bad_report_paths(tmp_path: Path, content: str | None, message: str) -> None:
+    folder = tmp_path / "r"
+    if content is not None:
+        folder.mkdir()
+        (folder / "report.json").write_text(content)
+    with pytest.raises(ReportError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_report(folder)
+    result = subprocess.run([str(SCRIPT), "report", str(folder)], capture_output=True,
+                            text=True, check=False)
+    assert result.returncode == 2 and message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_cli_rerenders_a_report(tmp_path: Path) -> None:
+    folder = nan_run(tmp_path / "reports").reports[0]
+    out = tmp_path / "again.html"
+    result = subprocess.run([str(SCRIPT), "report", str(folder), "--html", str(out)],
+                            capture_output=True, text=True, check=False,
+                            env={**os.environ, "COLUMNS": "120"})
+    assert result.returncode == 0, result.stderr
+    assert "nonfinite_activation at step 5" in result.stdout
+    assert "blame: NORMALIZATION · layer norm · cause eps_dominance" in result.stdout
+    assert out.read_text() == render_html(load_report(folder))
+
+
+def find_chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(find_chromium() is None, reason="chromium not installed (scripts/test "
+                    "installs it)")
+def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
+
+    from PIL import Image, ImageStat
+    from rich.console import Console
+
+    from normwatch.demo import run_demo
+
+    result = run_demo("fp16-overflow", console=Console(file=io.StringIO()), live=False,
+                      report_dir=str(tmp_path / "reports"))
+    page = result.reports[-1] / "report.html"
+    shot = tmp_path / "shot.png"
+    subprocess.run([
+        str(find_chromium()), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+        "--no-first-run", "--disable-background-networking", "--disable-component-update",
+        "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1200,1600",
+        f"--screenshot={shot}", page.as_uri(),
+    ], capture_output=True, timeout=120, check=True)
+    image = Image.open(shot).convert("RGB")
+    assert image.size == (1200, 1600)
+    stat = ImageStat.Stat(image)
+    assert max(stat.stddev) > 20  # not blank: text, charts and colour
+    colours = image.getcolors(maxcolors=1 << 16)
+    assert colours is None or len(colours) > 50
+    red = sum(1 for r, g, b in image.get_flattened_data() if r > 150 and g < 60 and b < 60)
+    assert red > 1000  # the heatmap's past-256 cells and the verdict bar are red
