@@ -199,13 +199,19 @@ class Watch:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _record_loss(self, loss: Any) -> None:
+    def add_loss(self, loss: Any, step: int | None = None) -> None:
+        """Record a loss for ``step`` (default: the last completed step) without stepping;
+        for loops that learn the loss later than the step (e.g. from a logger)."""
+        self._record_loss(loss, self.step_count if step is None else step)
+
+    def _record_loss(self, loss: Any, step: int | None = None) -> None:
+        step = self.step_count if step is None else step
         if loss is None:
             return
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-            self._losses.append((self.step_count, loss.detach().reshape(())))
+            self._losses.append((step, loss.detach().reshape(())))
         elif isinstance(loss, numbers.Real):
-            self._losses.append((self.step_count, float(loss)))
+            self._losses.append((step, float(loss)))
         elif not self._loss_warned:
             self._loss_warned = True
             got = (f"tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)

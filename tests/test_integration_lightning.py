@@ -1,0 +1,139 @@
+"""NormWatchCallback in real Lightning Trainers: logging, accumulation, checkpoint/resume,
+exceptions, RichProgressBar, and 2-process DDP."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+from lightning.pytorch.loggers import CSVLogger
+from normwatch.integrations.lightning import NormWatchCallback
+
+import normwatch
+from normwatch.report import load_report
+from tests.lightning_helpers import LitLM
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def trainer(tmp_path: Path, callback: NormWatchCallback, **kw: object) -> pl.Trainer:
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    options: dict[str, object] = dict(
+        default_root_dir=str(tmp_path), accelerator="cpu", devices=1, max_steps=10,
+        log_every_n_steps=5, logger=CSVLogger(str(tmp_path), name="logs"),
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    options.update(kw)
+    return pl.Trainer(callbacks=[callback], **options)  # type: ignore[arg-type]
+
+
+def csv_rows(tmp_path: Path) -> list[dict[str, str]]:
+    path = next(tmp_path.glob("logs/version_*/metrics.csv"))
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_logs_through_the_trainer_logger_with_gradient_accumulation(tmp_path: Path) -> None:
+    callback = NormWatchCallback(report_dir=str(tmp_path / "reports"))
+    t = trainer(tmp_path, callback, accumulate_grad_batches=2)
+    t.fit(LitLM())
+    watch = callback.watch
+    assert watch is not None and watch.closed  # hooks removed at teardown
+    assert watch.step_count == t.global_step == 10  # one step per optimizer step
+    assert watch.config.flush_every == 5  # from log_every_n_steps
+    snap = watch.last_snapshot
+    assert snap is not None and snap.layers["model.blocks.0.norm1"].calls == 10  # 5 x 2 micro
+    rows = [r for r in csv_rows(tmp_path) if r.get("normwatch/model.norm/absmax")]
+    assert [int(r["step"]) for r in rows] == [5, 10]
+    assert float(rows[-1]["normwatch/model.norm/rms_mean"]) > 0
+    assert rows[-1]["normwatch/alarms/critical"] == "0.0"
+    assert all(not m._forward_hooks for m in t.lightning_module.modules())
+
+
+def test_checkpoint_resume_keeps_the_watch_state(tmp_path: Path) -> None:
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=10)
+    first = NormWatchCallback(report_dir=None, flush_every=1)
+    t1 = pl.Trainer(default_root_dir=str(tmp_path), accelerator="cpu", max_steps=10,
+                    callbacks=[first, ckpt], logger=False, enable_progress_bar=False,
+                    enable_model_summary=False)
+    t1.fit(LitLM())
+    saved = first.state_dict()
+    assert saved["step_count"] == 10 and len(saved["postmortem"]["spikes"]["losses"]) == 10
+    path = next((tmp_path / "ckpt").glob("*.ckpt"))
+    second = NormWatchCallback(report_dir=None, flush_every=1)
+    t2 = pl.Trainer(default_root_dir=str(tmp_path), accelerator="cpu", max_steps=15,
+                    callbacks=[second], logger=False, enable_progress_bar=False,
+                    enable_model_summary=False)
+    t2.fit(LitLM(), ckpt_path=str(path))
+    assert second.watch is not None and second.watch.step_count == 15
+    losses = second.state_dict()["postmortem"]["spikes"]["losses"]
+    assert losses[:10] == saved["postmortem"]["spikes"]["losses"]  # baseline carried over
+    assert len(losses) == 15
+
+
+def test_exception_writes_a_post_mortem_and_removes_hooks(tmp_path: Path) -> None:
+    callback = NormWatchCallback(report_dir=str(tmp_path / "reports"), flush_every=1)
+    t = trainer(tmp_path, callback)
+    module = LitLM(fail_at=4)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        t.fit(module)
+    assert callback.watch is not None and callback.watch.closed
+    report = load_report(callback.watch.reports[-1])
+    assert report["trigger"] == "exception" and report["step"] == 3
+    assert "simulated crash in training_step" in report["exception"]["traceback"]
+    assert all(not m._forward_hooks for m in module.modules())
+
+
+def test_rich_progress_bar_and_nan_verdict(tmp_path: Path) -> None:
+    callback = NormWatchCallback(report_dir=str(tmp_path / "reports"), flush_every=1)
+    t = pl.Trainer(
+        default_root_dir=str(tmp_path), accelerator="cpu", max_steps=8, logger=False,
+        callbacks=[callback, RichProgressBar()], enable_model_summary=False)
+    t.fit(LitLM(nan_at=5))
+    watch = callback.watch
+    assert watch is not None and watch.config.report_console is False
+    verdict = watch.verdicts[0]
+    assert (verdict.trigger, verdict.step, verdict.blame) == (
+        "nonfinite_activation", 5, "not_normalization")
+    assert verdict.layer == "model.norm"
+
+
+def test_bad_options_fail_at_construction() -> None:
+    with pytest.raises(normwatch.ConfigError, match="'flush_every' must be an int >= 1: got 0"):
+        NormWatchCallback(flush_every=0)
+
+
+@pytest.mark.slow
+def test_two_process_ddp(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, str(ROOT / "tests" / "ddp_run.py"), str(tmp_path)],
+                            capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
+                            check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    stats = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
+    for rank, s in stats.items():
+        assert s["rank"] == rank and s["world_size"] == 2
+        assert s["step_count"] == 8
+        # each rank measures its own micro-batch (batch_size 4 per process, 16 tokens)
+        assert s["tokens_per_flush"]["model.norm"] == 4 * 16
+    assert stats[0]["first_batch_sum"] != stats[1]["first_batch_sum"]  # different shards
+    # rank 1 breaks at step 6; rank 0 learns it at that very flush (one all_gather) ...
+    assert stats[1]["verdicts"][0] == ["nonfinite_activation", 6, "not_normalization"]
+    assert stats[0]["remote_verdicts"][0] == [1, "not_normalization", 6]
+    # ... and is itself poisoned one step later through the all-reduced gradients
+    assert stats[0]["verdicts"][0] == ["nonfinite_activation", 7, "not_normalization"]
+    reports = sorted((tmp_path / "reports").iterdir(), key=lambda p: p.name.split("-step")[1])
+    assert "step6-nonfinite_activation-rank1" in reports[0].name
+    assert any(p.name.endswith("step7-nonfinite_activation-rank0") for p in reports)
+    assert load_report(reports[0])["rank"] == 1
+    rows = csv_rows(tmp_path)
+    logged = [r for r in rows if r.get("normwatch/remote_verdicts")]
+    steps = {int(r["step"]): float(r["normwatch/remote_verdicts"]) for r in logged}
+    assert steps[5] == 0.0 and steps[6] == 1.0  # rank 0's logger shows rank 1's verdict
