@@ -53,6 +53,8 @@ class NormWatchCallback(pl.Callback):
         options.setdefault("rank", trainer.global_rank if trainer.world_size > 1 else None)
         if trainer.global_rank != 0:
             options["report_console"] = False
+        if options.get("prometheus_port") and trainer.world_size > 1:
+            options["prometheus_port"] += trainer.local_rank  # one port per rank on a node
         elif _has_rich_bar(trainer):
             options.setdefault("report_console", False)  # do not tear the live progress bar
         model = trainer.strategy.model if trainer.strategy.model is not None else pl_module

@@ -81,7 +81,19 @@ class WatchConfig:
     blame_lookback: int = 200
     """Steps of history a verdict considers."""
     rank: int | None = None
-    """Process rank, for report names (set by the integrations)."""
+    """Process rank, for report names and metric labels (set by the integrations)."""
+    run_id: str | None = None
+    """Identifies the run in metrics and reports (default: generated)."""
+    prometheus_port: int | None = None
+    """Serve Prometheus metrics on this port (0: any free port; ``None``: no server)."""
+    prometheus_addr: str = "127.0.0.1"
+    """Address the metrics server binds to (loopback unless you say otherwise)."""
+    prometheus_certfile: str | None = None
+    """TLS certificate for the metrics server (with ``prometheus_keyfile``)."""
+    prometheus_keyfile: str | None = None
+    """TLS key for the metrics server."""
+    prometheus_aggregate: bool = False
+    """Across ranks: export the max/sum over all ranks (one collective per flush)."""
 
     @classmethod
     def from_options(cls, **options: Any) -> WatchConfig:
@@ -115,6 +127,21 @@ class WatchConfig:
             _int(self.rank, "rank", minimum=0)
         if self.report_dir is not None and not isinstance(self.report_dir, str | os.PathLike):
             raise ConfigError(f"'report_dir' must be a path or None: got {self.report_dir!r}")
+        if self.prometheus_port is not None:
+            _int(self.prometheus_port, "prometheus_port", minimum=0)
+            if self.prometheus_port > 65535:
+                raise ConfigError(f"'prometheus_port' must be <= 65535: got "
+                                  f"{self.prometheus_port}")
+        for key in ("prometheus_addr", "run_id", "prometheus_certfile", "prometheus_keyfile"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(f"{key!r} must be a non-empty str: got {value!r}")
+        if (self.prometheus_certfile is None) != (self.prometheus_keyfile is None):
+            raise ConfigError("'prometheus_certfile' and 'prometheus_keyfile' go together: got "
+                              f"{self.prometheus_certfile!r} and {self.prometheus_keyfile!r}")
+        if not isinstance(self.prometheus_aggregate, bool):
+            raise ConfigError(f"'prometheus_aggregate' must be a bool: got "
+                              f"{self.prometheus_aggregate!r}")
         if not isinstance(self.report_console, bool):
             raise ConfigError(f"'report_console' must be a bool: got {self.report_console!r}")
         _number(self.fp16_limit, "fp16_limit", low=0.0, low_open=True)

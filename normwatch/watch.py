@@ -11,11 +11,13 @@
 from __future__ import annotations
 
 import numbers
+import os
+import time
 import warnings
 from collections import deque
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -26,12 +28,16 @@ from normwatch.blame import Verdict
 from normwatch.config import WatchConfig
 from normwatch.discovery import NormLayer, iter_norm_modules
 from normwatch.dispatch import Dispatcher
+from normwatch.distributed import aggregate
 from normwatch.errors import ConfigError, NumericalHealthError
 from normwatch.hooks import LayerHook, Runtime
 from normwatch.postmortem import PostMortem
 from normwatch.probe import FP16_MAX, ProbeResult, probe_fp16_safety
 from normwatch.snapshot import FirstNonfinite, LayerStats, Snapshot, decode_score, optional
 from normwatch.stats import Thresholds
+
+if TYPE_CHECKING:
+    from normwatch.exporter import Exporter
 
 HISTORY_POINTS = 16
 
@@ -65,6 +71,10 @@ class Watch:
         self._by_name = {layer.name: layer for layer in self.layers}
         self._dispatcher = Dispatcher(c)
         self.postmortem = PostMortem(c, self.layers, self._dispatcher.history)
+        self.run_id = c.run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        self.exporter: Exporter | None = None
+        if c.prometheus_port is not None or c.prometheus_aggregate:
+            self.exporter = self._start_exporter()
         self._history: dict[str, deque[tuple[int, float]]] = {
             layer.name: deque(maxlen=HISTORY_POINTS) for layer in self.layers
         }
@@ -119,9 +129,36 @@ class Watch:
                               {k: tuple(v) for k, v in self._history.items()})
         self.last_findings = evaluate(snapshot, context)
         passed = self._dispatcher.deliver(self.last_findings)
+        verdicts = len(self.postmortem.verdicts)
         self.postmortem.on_flush(snapshot, self.last_findings, passed, self.forward_order)
+        if self.exporter is not None:
+            shared = aggregate(snapshot) if self.config.prometheus_aggregate else snapshot
+            self.exporter.update(shared, passed, self.postmortem.verdicts[verdicts:])
         self._dispatcher.raise_if_fatal(passed)
         return snapshot
+
+    def push_metrics(self, gateway: str, job: str = "normwatch") -> None:
+        """Push the current metrics to a Prometheus Pushgateway (e.g. at the end of a run),
+        grouped by ``run_id`` and rank."""
+        if self.exporter is None:  # no live exporter: replay the kept history into a new one
+            self.exporter = self._start_exporter(serve=False)
+            records = self.postmortem.history.records()
+            for i, record in enumerate(records):
+                last = i == len(records) - 1
+                self.exporter.update(record.snapshot, self.alarms if last else [],
+                                     self.verdicts if last else [])
+        self.exporter.push(gateway, job)
+
+    def _start_exporter(self, serve: bool = True) -> Exporter:
+        from normwatch import __version__
+        from normwatch.exporter import Exporter
+
+        c = self.config
+        exporter = Exporter(self.layers, self.run_id, c.rank, c.fp16_limit, __version__)
+        if serve and c.prometheus_port is not None:
+            exporter.serve(c.prometheus_port, c.prometheus_addr, c.prometheus_certfile,
+                           c.prometheus_keyfile)
+        return exporter
 
     @property
     def forward_order(self) -> list[str]:
@@ -178,6 +215,8 @@ class Watch:
         """Remove every hook; the model is left exactly as it was. Harmless twice."""
         for hook in self._hooks:
             hook.remove()
+        if self.exporter is not None:
+            self.exporter.close()
         self.closed = True
 
     def __enter__(self) -> Watch:

@@ -1,0 +1,162 @@
+"""The Prometheus exporter: collector contents, serving, TLS, port conflicts, aggregation."""
+
+from __future__ import annotations
+
+import math
+import socket
+import ssl
+import subprocess
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from torch import nn
+
+import normwatch
+
+
+def scrape(port: int, scheme: str = "http", context: ssl.SSLContext | None = None) -> str:
+    with urllib.request.urlopen(f"{scheme}://127.0.0.1:{port}/metrics", timeout=10,
+                                context=context) as r:
+        return str(r.read().decode())
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items()
+                                  if k not in ("run_id", "host", "version")))
+            out[(s.name, labels)] = s.value
+    return out
+
+
+def model_and_watch(**options: object) -> tuple[nn.Module, normwatch.Watch]:
+    model = nn.Sequential()
+    model.add_module("lin", nn.Linear(8, 8))
+    model.add_module("norm", nn.LayerNorm(8))
+    options = {"flush_every": 1, "report_dir": None, "prometheus_port": 0, **options}
+    return model, normwatch.watch(model, **options)
+
+
+def test_metrics_follow_the_flushes_and_counters_never_see_nan() -> None:
+    model, w = model_and_watch(run_id="run-a")
+    assert w.exporter is not None and w.exporter.port
+    try:
+        model(torch.randn(4, 8) * 300).sum().backward()
+        w.step(torch.tensor(2.5))
+        first = samples(scrape(w.exporter.port))
+        layer = (("kind", "layernorm"), ("layer", "norm"), ("rank", "0"))
+        assert first[("normwatch_layer_absmax", layer)] == pytest.approx(
+            w.last_snapshot.layers["norm"].absmax)  # type: ignore[union-attr]
+        assert first[("normwatch_layer_fp16_headroom_ratio", layer)] < 1
+        assert first[("normwatch_step", (("rank", "0"),))] == 1
+        assert first[("normwatch_loss", (("rank", "0"),))] == 2.5
+        assert first[("normwatch_fp16_limit_tokens_total", (("layer", "norm"), ("rank", "0")))] == 4
+        assert first[("normwatch_alarms_total", (("kind", "fp16_overflow"), ("rank", "0"),
+                                                 ("severity", "info")))] == 1
+        assert first[("normwatch_alarms_total", (("kind", "nonfinite"), ("rank", "0"),
+                                                 ("severity", "critical")))] == 0
+        model(torch.full((4, 8), float("nan"))).sum().backward()
+        w.step(torch.tensor(float("nan")))
+        second = samples(scrape(w.exporter.port))
+        assert second[("normwatch_nonfinite_values_total",
+                       (("layer", "norm"), ("rank", "0"), ("where", "input")))] == 32
+        assert second[("normwatch_loss", (("rank", "0"),))] == 2.5  # last finite loss
+        assert second[("normwatch_nonfinite_losses_total", (("rank", "0"),))] == 1
+        assert all(math.isfinite(v) for v in second.values())
+        info = next(f for f in text_string_to_metric_families(scrape(w.exporter.port))
+                    if f.name in ("normwatch", "normwatch_info"))
+        assert info.samples[0].labels["run_id"] == "run-a"
+    finally:
+        w.close()
+
+
+def test_binds_to_loopback_and_stops_on_close() -> None:
+    _, w = model_and_watch()
+    assert w.exporter is not None and w.exporter.server is not None
+    assert w.exporter.server.server_address[0] == "127.0.0.1"
+    port = w.exporter.port
+    assert port is not None and "normwatch_step" in scrape(port)
+    w.close()
+    with pytest.raises(urllib.error.URLError):
+        scrape(port)
+
+
+def test_port_conflict_warns_and_training_goes_on() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.warns(RuntimeWarning, match=f"cannot serve Prometheus metrics on "
+                          f"127.0.0.1:{port}"):
+            model, w = model_and_watch(prometheus_port=port)
+        model(torch.randn(2, 8)).sum().backward()
+        assert w.step() is not None  # still measuring
+        w.close()
+
+
+def test_bad_exporter_options() -> None:
+    with pytest.raises(normwatch.ConfigError, match="'prometheus_port' must be <= 65535"):
+        normwatch.watch(nn.LayerNorm(4), prometheus_port=70000)
+    with pytest.raises(normwatch.ConfigError, match="'prometheus_certfile' and "
+                       "'prometheus_keyfile' go together"):
+        normwatch.watch(nn.LayerNorm(4), prometheus_port=0, prometheus_certfile="c.pem")
+
+
+@pytest.mark.skipif(subprocess.run(["which", "openssl"], capture_output=True).returncode != 0,
+                    reason="openssl not installed")
+def test_tls_options_pass_through(tmp_path: Path) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    _, w = model_and_watch(prometheus_certfile=str(cert), prometheus_keyfile=str(key))
+    try:
+        assert w.exporter is not None and w.exporter.port is not None
+        context = ssl.create_default_context(cafile=str(cert))
+        context.check_hostname = False
+        assert "normwatch_step" in scrape(w.exporter.port, "https", context)
+        with pytest.raises(OSError):  # plain HTTP is refused (reset or URLError)
+            scrape(w.exporter.port)
+    finally:
+        w.close()
+
+
+def _aggregate_worker(rank: int, world: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    torch.manual_seed(rank)
+    model, w = model_and_watch(prometheus_aggregate=True, prometheus_port=None, rank=rank)
+    model(torch.randn(4, 8) * (10 if rank == 1 else 1)).sum().backward()
+    snap = w.step()
+    assert snap is not None and w.exporter is not None
+    text = "".join(
+        f"{s.name} {s.labels.get('layer', '')} {s.value}\n"
+        for f in text_string_to_metric_families(
+            __import__("prometheus_client").generate_latest(w.exporter.registry).decode())
+        for s in f.samples if s.name in ("normwatch_layer_absmax", "normwatch_tokens_total"))
+    Path(out, f"rank{rank}.txt").write_text(f"{snap.layers['norm'].absmax}\n{text}")
+    w.close()
+    dist.destroy_process_group()
+
+
+def test_aggregation_across_two_gloo_ranks(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    init = f"file://{tmp_path / 'store'}"
+    mp.spawn(_aggregate_worker, args=(2, init, str(tmp_path)), nprocs=2, join=True)
+    own = {}
+    exported = {}
+    for rank in (0, 1):
+        lines = (tmp_path / f"rank{rank}.txt").read_text().splitlines()
+        own[rank] = float(lines[0])
+        exported[rank] = {tuple(line.split()[:2]): float(line.split()[2]) for line in lines[1:]}
+    assert own[1] > own[0]  # rank 1's activations are 10x larger
+    for rank in (0, 1):  # both export the max and the sum over ranks
+        assert exported[rank][("normwatch_layer_absmax", "norm")] == pytest.approx(own[1])
+        assert exported[rank][("normwatch_tokens_total", "norm")] == 8
