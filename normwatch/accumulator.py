@@ -90,6 +90,11 @@ class Accumulator:
                 out_extras[device] = flat[len(flat) - extra.numel() :]
         return [dict(zip(COLUMNS, row, strict=True)) for row in rows], out_extras
 
+    @property
+    def blocks(self) -> dict[torch.device, torch.Tensor]:
+        """The live ``(n_layers, columns)`` blocks, by device (read-only use)."""
+        return dict(self._blocks)
+
     def reset(self) -> None:
         """Return every device block to the reduction identities."""
         for block in self._blocks.values():

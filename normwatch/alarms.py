@@ -177,7 +177,7 @@ def eps_alarms(stats: LayerStats, layer: NormLayer, step: int, config: WatchConf
     if not stats.eps_dominated_tokens or stats.eps_dominance is None:
         return []
     s_name = "mean square" if stats.kind == "rmsnorm" else "variance"
-    share = f"{stats.eps_dominated_tokens} of {stats.finite_tokens} tokens"
+    share = f"{stats.eps_dominated_tokens} of {stats.stats_tokens} tokens"
     if layer.eps == 0 and stats.eps_dominance >= 1.0:
         return [Alarm(
             "eps_dominance", "critical", stats.name, step, stats.eps_dominance, config.eps_tol,
@@ -195,9 +195,9 @@ def eps_alarms(stats: LayerStats, layer: NormLayer, step: int, config: WatchConf
 
 def common_mode_alarms(stats: LayerStats, step: int, config: WatchConfig) -> list[Alarm]:
     """RMSNorm inputs whose mean dominates their RMS (RMSNorm does not remove it)."""
-    if stats.kind != "rmsnorm" or not stats.finite_tokens or stats.common_mode_max is None:
+    if stats.kind != "rmsnorm" or not stats.stats_tokens or stats.common_mode_max is None:
         return []
-    share = stats.common_mode_tokens / stats.finite_tokens
+    share = stats.common_mode_tokens / stats.stats_tokens
     if share <= config.common_mode_fraction:
         return []
     return [Alarm(

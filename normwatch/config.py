@@ -34,6 +34,15 @@ class WatchConfig:
 
     flush_every: int = 10
     """Copy statistics to the host every this many optimizer steps."""
+    stats_every: int = 4
+    """Full statistics every this many steps; the steps between run the cheap sentinel
+    (max |x| and non-finite values). 1: everything on every step."""
+    early_warning: bool = True
+    """On CUDA: peek at max |x| and non-finite counts every step without stalling (pinned
+    memory + events) and flush at once when something is wrong."""
+    kernel: Literal["auto", "torch", "triton"] = "auto"
+    """Reduction backend: ``auto`` uses the fused Triton kernel for CUDA tensors when
+    Triton imports, torch otherwise."""
     fp16_limit: float = 256.0
     """|x| above this overflows x² in fp16 (256² = 65536 > 65504)."""
     eps_tol: float = 0.01
@@ -115,6 +124,10 @@ class WatchConfig:
         """Raise :class:`ConfigError` naming the first bad option."""
         _int(self.flush_every, "flush_every", minimum=1)
         _int(self.output_check_every, "output_check_every", minimum=0)
+        _int(self.stats_every, "stats_every", minimum=1)
+        if self.kernel not in ("auto", "torch", "triton"):
+            raise ConfigError(f"'kernel' must be one of 'auto', 'torch', 'triton': got "
+                              f"{self.kernel!r}")
         _int(self.headroom_horizon, "headroom_horizon", minimum=1)
         _int(self.spike_window, "spike_window", minimum=3)
         _int(self.spike_warmup, "spike_warmup", minimum=1)
@@ -159,6 +172,8 @@ class WatchConfig:
                         f"{key!r} must be a sequence of str patterns: got "
                         f"{type(pattern).__name__} {pattern!r}"
                     )
+        if not isinstance(self.early_warning, bool):
+            raise ConfigError(f"'early_warning' must be a bool: got {self.early_warning!r}")
         if not isinstance(self.count_eval, bool):
             raise ConfigError(f"'count_eval' must be a bool: got {self.count_eval!r}")
         if self.raise_on is not None and self.raise_on not in SEVERITIES:

@@ -18,8 +18,8 @@ from normwatch.snapshot import LayerStats, Snapshot
 
 MAX_FIELDS = ("absmax", "sumsq_max", "rms_max", "eps_dominance", "common_mode_max",
               "out_absmax", "output_mismatch")
-SUM_FIELDS = ("calls", "tokens", "finite_tokens", "fp16_overflow_tokens", "eps_dominated_tokens",
-              "common_mode_tokens", "nonfinite", "out_nonfinite")
+SUM_FIELDS = ("calls", "tokens", "finite_tokens", "stats_tokens", "fp16_overflow_tokens",
+              "eps_dominated_tokens", "common_mode_tokens", "nonfinite", "out_nonfinite")
 
 
 def active() -> bool:

@@ -6,7 +6,8 @@ The scrape thread only reads plain data copied at the last flush; it never touch
 tensor. Counters are cumulative over the run and never receive non-finite values; gauges
 of a layer not measured in the last interval keep their last value. Every series carries
 ``run_id`` and ``rank``; per-layer series add ``layer`` and ``kind``. Metric reference:
-the README's "Prometheus" section.
+the README's "Prometheus" section. A gauge keeps its last value while its layer is not
+called or, for the full statistics, while only the sentinel tier ran.
 """
 
 from __future__ import annotations
@@ -102,8 +103,9 @@ class Exporter:
                 gauges = {suffix: getattr(stats, attr) for suffix, attr, _ in GAUGES}
                 if stats.absmax:
                     gauges["layer_fp16_headroom_ratio"] = self.fp16_limit / stats.absmax
-                s.layers[name] = {k: v for k, v in gauges.items()
-                                  if v is not None and math.isfinite(v)}
+                # statistics the sentinel tier did not measure keep their last value
+                s.layers.setdefault(name, {}).update(
+                    {k: v for k, v in gauges.items() if v is not None and math.isfinite(v)})
                 s.tokens[name] += stats.tokens
                 s.nonfinite[(name, "input")] += stats.nonfinite
                 s.nonfinite[(name, "output")] += stats.out_nonfinite

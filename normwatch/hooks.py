@@ -27,9 +27,13 @@ from normwatch.stats import (
     Thresholds,
     call_stats,
     mismatch,
+    sentinel_stats,
+    sentinel_template,
     threshold_row,
     token_view,
 )
+from normwatch.triton_stats import available as triton_available
+from normwatch.triton_stats import row_stats_triton
 
 _INPUT_KWARGS = ("hidden_states", "input", "x", "inputs")
 
@@ -45,9 +49,29 @@ class Runtime:
     """The step in progress (1-based); forwards before the first ``watch.step()`` are step 1."""
     calls_this_step: int = 0
     check_outputs: bool = True
+    full_stats: bool = True
+    """Whether this step runs the full statistics (else the sentinel tier)."""
+    kernel: str = "auto"
     paused: bool = False
     forward_order: dict[str, int] = field(default_factory=dict)
     _rows: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    _templates: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict)
+
+    def fused(self, device: torch.device) -> bool:
+        """Whether to use the fused Triton kernel for tensors on ``device``."""
+        if self.kernel == "torch":
+            return False
+        if self.kernel == "triton":
+            return True
+        return device.type == "cuda" and triton_available()
+
+    def sentinel_template(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sentinel tier's identity vector and column index on ``device`` (once)."""
+        template = self._templates.get(device)
+        if template is None:
+            template = self._templates[device] = sentinel_template(device)
+        return template
 
     def threshold_row(self, device: torch.device) -> torch.Tensor:
         """The kernel's threshold row on ``device`` (built once per device)."""
@@ -156,8 +180,19 @@ class LayerHook:
             n_tokens = tokens.shape[0]
             out = y if y is not None and y.is_floating_point() else None
             key = float(rt.step * KEY_STRIDE + call_index)
-            values = call_stats(tokens, out, self.layer.kind, self._eps,
-                                rt.threshold_row(x.device), key)
+            view = (self.layer.kind, self._token_ndim, self.layer.num_groups or 1)
+            if rt.fused(x.device):
+                out_tokens = token_view(out, *view) if out is not None and \
+                    out.shape == x.shape else None
+                values = call_stats(tokens, out_tokens, self.layer.kind, self._eps,
+                                    rt.threshold_row(x.device), key,
+                                    rows=row_stats_triton(tokens, out_tokens))
+            elif rt.full_stats:
+                values = call_stats(tokens, out, self.layer.kind, self._eps,
+                                    rt.threshold_row(x.device), key)
+            else:
+                values = sentinel_stats(tokens, out, rt.thresholds.fp16_limit,
+                                        rt.sentinel_template(x.device), key)
             rt.accumulator.update(self.row, values)
             if rt.check_outputs and out is not None:
                 self._check_output(module, x, out)

@@ -24,6 +24,8 @@ class LayerStats:
     calls: int
     tokens: int
     finite_tokens: int
+    stats_tokens: int
+    """Finite tokens measured with the full statistics (the rest: sentinel tier only)."""
     absmax: float | None
     fp16_overflow_tokens: int
     sumsq_max: float | None

@@ -22,7 +22,7 @@ from normwatch.discovery import Kind
 # Calls and tokens are counted on the host; everything else is one float64 vector per
 # call, laid out as SUM_COLUMNS + MAX_COLUMNS + MIN_COLUMNS.
 SUM_COLUMNS = (
-    "finite_tokens", "fp16_overflow_tokens", "rms_sum", "eps_dominated_tokens",
+    "finite_tokens", "stats_tokens", "fp16_overflow_tokens", "rms_sum", "eps_dominated_tokens",
     "common_mode_tokens", "nonfinite", "out_nonfinite",
 )  # fmt: skip
 MAX_COLUMNS = (
@@ -72,11 +72,10 @@ def token_view(x: torch.Tensor, kind: Kind, token_ndim: int = 1, groups: int = 1
 
 def threshold_row(thresholds: Thresholds, device: torch.device) -> torch.Tensor:
     """Per-column thresholds for the per-token matrix of :func:`call_stats` (absmax, sumsq,
-    rms, eps ratio, common mode): a token counts where its value exceeds the threshold.
-    The sumsq column's -inf counts every finite token; +inf counts nothing."""
+    rms, eps ratio, common mode): a token counts where its value exceeds the threshold;
+    +inf counts nothing."""
     row = torch.full((5,), math.inf, dtype=torch.float32, device=device)
     row[0] = thresholds.fp16_limit
-    row[1] = -math.inf
     row[3] = thresholds.eps_tol
     row[4] = thresholds.common_mode_tol
     return row
@@ -89,48 +88,120 @@ def call_stats(
     eps: float,
     thresholds: torch.Tensor,
     key: float,
+    full: bool = True,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Everything one norm call contributes, as a float64 vector in :data:`COLUMNS` order.
 
     ``tokens`` is the input as ``(tokens, elements)`` (see :func:`token_view`), never
     empty; ``out`` the layer's output (any shape) or ``None``; ``thresholds`` from
     :func:`threshold_row`; ``key`` the call's position (see :data:`KEY_STRIDE`). Value
-    statistics cover finite tokens only. ``output_mismatch`` is left at -inf.
+    statistics cover finite tokens only; ``output_mismatch`` is left at -inf.
+
+    ``full=False`` is the cheap sentinel tier: max |x| and non-finite values only (counted
+    per token, a lower bound of the elements). ``rows`` are precomputed per-token rows
+    from the fused kernel (:mod:`normwatch.triton_stats`); then ``tokens`` is only read
+    for its width.
     """
     f32, inf = torch.float32, math.inf
-    x = tokens
-    width = x.shape[1]
-    # Four reductions straight from the input dtype, accumulating in fp32: no fp32 copy of
-    # the activation and no full-size temporary (the CPU pays dearly for those).
-    absmax = torch.maximum(x.amax(1), x.amin(1).neg()).to(f32)
-    norm = torch.linalg.vector_norm(x, dim=1, dtype=f32)
-    mean = x.sum(1, dtype=f32) / width
-    sumsq = norm * norm
-    rms = norm / math.sqrt(width)
-    if kind == "rmsnorm":
-        s = sumsq / width
-    else:  # two-pass variance: exact even when |mean|/std is 1e3 (E[x²] - E[x]² is not)
-        s = torch.linalg.vector_norm(x.to(f32) - mean[:, None], dim=1).square() / width
-    ratio = eps / (s + eps) if eps > 0 else (s == 0).to(f32)  # eps = 0, s = 0: 0/0 -> 1
-    common = mean.abs() / rms.clamp_min(1e-30)  # all-zero token: 0, no common mode
-    # A token holding NaN/inf has NaN or inf in absmax and sumsq: -inf drops it out of
-    # every max, every count and the rms sum.
-    per = torch.stack([absmax, sumsq, rms, ratio, common], 1).nan_to_num(-inf, -inf, -inf)
-    counts = (per > thresholds).sum(0, dtype=f32)  # overflow, finite, -, dominated, common
-    nonfinite = count_nonfinite(x)
-    if out is not None and out.numel():
-        out_nonfinite = count_nonfinite(out)
-        out_absmax = torch.maximum(out.amax(), out.amin().neg()).to(f32)
+    width = tokens.shape[1]
+    if rows is not None:  # the fused kernel already read every element once
+        absmax, total, sumsq, m2 = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3]
+        ok = (rows[:, 4] == 0) & torch.isfinite(sumsq)
+        nonfinite, out_nonfinite = rows[:, 4].sum(), rows[:, 6].sum()
+        out_absmax = rows[:, 5].amax() if out is not None else rows.new_full((), -inf)
+        mean = total / width
+        s = sumsq / width if kind == "rmsnorm" else m2 / width
     else:
-        out_nonfinite = nonfinite.new_zeros(())
-        out_absmax = nonfinite.new_full((), -inf)
-    sums = torch.stack([counts[1], counts[0], per[:, 2].clamp_min(0).sum(), counts[3],
-                        counts[4], nonfinite, out_nonfinite])
-    maxes = torch.stack([out_absmax, out_absmax.new_full((), -inf)])
+        x = tokens
+        # Reductions straight from the input dtype, accumulating in fp32: no fp32 copy of
+        # the activation and no full-size temporary (the CPU pays dearly for those).
+        absmax = torch.maximum(x.amax(1), x.amin(1).neg()).to(f32)
+        if full:
+            norm = torch.linalg.vector_norm(x, dim=1, dtype=f32)
+            mean = x.sum(1, dtype=f32) / width
+            sumsq = norm * norm
+            if kind == "rmsnorm":
+                s = sumsq / width
+            else:  # two-pass variance: exact even at |mean|/std = 1e3 (E[x²] - E[x]² is not)
+                s = torch.linalg.vector_norm(x.to(f32) - mean[:, None], dim=1).square() / width
+            ok = torch.isfinite(absmax + sumsq)
+            nonfinite = count_nonfinite(x)
+        else:
+            ok = torch.isfinite(absmax)
+            nonfinite = (~ok).sum(dtype=f32)  # tokens holding NaN/inf
+        if out is not None and out.numel():
+            out_absmax = torch.maximum(out.amax(), out.amin().neg()).to(f32)
+            out_nonfinite = count_nonfinite(out) if full else \
+                (~torch.isfinite(out_absmax)).to(f32)
+        else:
+            out_nonfinite = nonfinite.new_zeros(())
+            out_absmax = nonfinite.new_full((), -inf)
+    if full or rows is not None:
+        rms = (sumsq / width).sqrt()
+        ratio = eps / (s + eps) if eps > 0 else (s == 0).to(f32)  # eps = 0, s = 0: 0/0 -> 1
+        common = mean.abs() / rms.clamp_min(1e-30)  # all-zero token: 0, no common mode
+        cols = [absmax, sumsq, rms, ratio, common]
+    else:
+        rms = absmax.new_full(absmax.shape, inf)
+        cols = [absmax, *([absmax.new_full(absmax.shape, -inf)] * 4)]
+    # Tokens holding NaN/inf drop out of every max, count and sum.
+    per = torch.where(ok[:, None], torch.stack(cols, 1), -inf)
+    counts = (per > thresholds).sum(0, dtype=f32)  # overflow, -, -, dominated, common
+    finite = ok.sum(dtype=f32)
+    sums = torch.stack([finite, finite if (full or rows is not None) else finite * 0,
+                        counts[0], per[:, 2].clamp_min(0).sum(), counts[3], counts[4],
+                        nonfinite.to(f32), out_nonfinite.to(f32)])
+    maxes = torch.stack([out_absmax.to(f32), out_absmax.new_full((), -inf, dtype=f32)])
     score = SCORE_BASE - key
     events = torch.stack([(nonfinite > 0).double(), (out_nonfinite > nonfinite * 1e30).double()])
-    low = rms.nan_to_num(inf, inf).amin(0, keepdim=True).double()
+    low = torch.where(ok, rms, inf).amin(0, keepdim=True).double()
     return torch.cat([torch.cat([sums, per.amax(0), maxes]).double(), events * score, low])
+
+
+SENTINEL_COLUMNS = ("finite_tokens", "fp16_overflow_tokens", "nonfinite", "out_nonfinite",
+                    "absmax", "first_arrived_score", "first_born_score")
+
+
+def sentinel_template(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The constants the sentinel tier fills other columns with, ``(0, -inf)`` as 0-d
+    float64 tensors made on ``device`` by fill kernels (no host-to-device copy)."""
+    f64 = torch.float64
+    return (torch.zeros((), dtype=f64, device=device),
+            torch.full((), -math.inf, dtype=f64, device=device))
+
+
+def sentinel_stats(
+    tokens: torch.Tensor,
+    out: torch.Tensor | None,
+    limit: float,
+    template: tuple[torch.Tensor, torch.Tensor],
+    key: float,
+) -> torch.Tensor:
+    """The cheap tier, as a :data:`COLUMNS` vector: max |x| over finite tokens, tokens over
+    the fp16 limit, and non-finite values (tokens holding NaN/inf in the input; in the
+    output, 1 when any element is non-finite). Two passes over the input, one over the
+    output, no temporaries."""
+    f64 = torch.float64
+    absmax = torch.maximum(tokens.amax(1), tokens.amin(1).neg())
+    finite = torch.isfinite(absmax)
+    peak = torch.where(finite, absmax, -math.inf)
+    n_finite = finite.sum(dtype=f64)
+    nonfinite = tokens.shape[0] - n_finite
+    if out is not None and out.numel():
+        out_nonfinite = (~torch.isfinite(out.sum(dtype=torch.float32))).to(f64)
+    else:
+        out_nonfinite = n_finite * 0
+    score = SCORE_BASE - key
+    zero, low = template
+    by_name = {
+        "finite_tokens": n_finite, "fp16_overflow_tokens": (peak > limit).sum(dtype=f64),
+        "nonfinite": nonfinite, "out_nonfinite": out_nonfinite, "absmax": peak.amax().to(f64),
+        "first_arrived_score": (nonfinite > 0).to(f64) * score,
+        "first_born_score": ((out_nonfinite > 0) & (nonfinite == 0)).to(f64) * score,
+    }
+    identity = [zero] * len(SUM_COLUMNS) + [low] * len(MAX_COLUMNS) + [-low] * len(MIN_COLUMNS)
+    return torch.stack([by_name.get(name, identity[i]) for i, name in enumerate(COLUMNS)])
 
 
 def count_nonfinite(x: torch.Tensor) -> torch.Tensor:

@@ -35,8 +35,10 @@ from normwatch.postmortem import PostMortem
 from normwatch.probe import FP16_MAX, ProbeResult, probe_fp16_safety
 from normwatch.snapshot import FirstNonfinite, LayerStats, Snapshot, decode_score, optional
 from normwatch.stats import Thresholds
+from normwatch.triton_stats import available as triton_available
 
 if TYPE_CHECKING:
+    from normwatch.early import EarlyWarning
     from normwatch.exporter import Exporter
 
 HISTORY_POINTS = 16
@@ -61,10 +63,14 @@ class Watch:
                 stacklevel=3,
             )
         c = self.config
+        if c.kernel == "triton" and not triton_available():
+            raise ConfigError("'kernel' is 'triton' but Triton does not import here: install "
+                              "triton, or use kernel='auto' or 'torch'")
         self._rt = Runtime(
             Accumulator(len(pairs)),
             Thresholds(c.fp16_limit, c.eps_tol, c.common_mode_tol),
             count_eval=c.count_eval,
+            kernel=c.kernel,
         )
         self._hooks = [LayerHook(layer, module, i, self._rt) for i, (layer, module) in
                        enumerate(pairs)]
@@ -73,6 +79,7 @@ class Watch:
         self.postmortem = PostMortem(c, self.layers, self._dispatcher.history)
         self.run_id = c.run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         self.exporter: Exporter | None = None
+        self._early: EarlyWarning | None = None
         if c.prometheus_port is not None or c.prometheus_aggregate:
             self.exporter = self._start_exporter()
         self._history: dict[str, deque[tuple[int, float]]] = {
@@ -99,18 +106,36 @@ class Watch:
         """
         self.step_count += 1
         self._record_loss(loss)
+        early = self._early_check()
         rt = self._rt
         rt.step = self.step_count + 1
         rt.calls_this_step = 0
         rt.check_outputs = False
+        rt.full_stats = self.step_count % self.config.stats_every == 0
         for hook in self._hooks:
             hook.pending_recompute = 0
-        if self.step_count % self.config.flush_every == 0:
+        if early or self.step_count % self.config.flush_every == 0:
             return self.flush()
         return None
 
+    def _early_check(self) -> bool:
+        """Poll the last in-flight peek (no stall), launch the next; ``True``: flush now."""
+        blocks = {d: b for d, b in self._rt.accumulator.blocks.items()
+                  if d.type == "cuda" or self._early is not None}
+        if not blocks or not self.config.early_warning:
+            return False
+        if self._early is None:
+            from normwatch.early import EarlyWarning
+
+            self._early = EarlyWarning(self.config.fp16_limit)
+        trouble = self._early.poll()
+        self._early.launch(blocks)
+        return bool(trouble)
+
     def flush(self) -> Snapshot:
         """Copy the interval's statistics to the host (the only sync), reset, run alarms."""
+        if self._early is not None:
+            self._early.reset()
         rows, extras = self._rt.accumulator.read(self._loss_tensors())
         snapshot = self._snapshot(rows, extras)
         self._rt.accumulator.reset()
@@ -318,17 +343,19 @@ class Watch:
 def _layer_stats(hook: LayerHook, row: dict[str, float]) -> LayerStats:
     c = hook.counts
     finite = int(row["finite_tokens"])
+    full = int(row["stats_tokens"])
     return LayerStats(
         name=hook.layer.name,
         kind=hook.layer.kind,
         calls=c.calls,
         tokens=c.tokens,
         finite_tokens=finite,
+        stats_tokens=full,
         absmax=optional(row["absmax"]),
         fp16_overflow_tokens=int(row["fp16_overflow_tokens"]),
         sumsq_max=optional(row["sumsq_max"]),
         rms_min=optional(row["rms_min"]),
-        rms_mean=row["rms_sum"] / finite if finite else None,
+        rms_mean=row["rms_sum"] / full if full else None,
         rms_max=optional(row["rms_max"]),
         eps_dominance=optional(row["eps_dominance"]),
         eps_dominated_tokens=int(row["eps_dominated_tokens"]),

@@ -72,7 +72,8 @@ def test_healthy_run_has_no_verdict() -> None:
 
 def stats(name: str, absmax: float, out_absmax: float) -> LayerStats:
     return LayerStats(
-        name=name, kind="layernorm", calls=1, tokens=8, finite_tokens=8, absmax=absmax,
+        name=name, kind="layernorm", calls=1, tokens=8, finite_tokens=8, stats_tokens=8,
+        absmax=absmax,
         fp16_overflow_tokens=0, sumsq_max=absmax**2, rms_min=1.0, rms_mean=1.0, rms_max=1.0,
         eps_dominance=1e-6, eps_dominated_tokens=0, common_mode_max=0.1, common_mode_tokens=0,
         nonfinite=0, out_nonfinite=0, out_absmax=out_absmax, output_mismatch=None,

@@ -13,7 +13,8 @@ from normwatch.snapshot import LayerStats, Snapshot
 
 def stats(name: str, absmax: float, nonfinite: int = 0) -> LayerStats:
     return LayerStats(
-        name=name, kind="rmsnorm", calls=1, tokens=8, finite_tokens=8, absmax=absmax,
+        name=name, kind="rmsnorm", calls=1, tokens=8, finite_tokens=8, stats_tokens=8,
+        absmax=absmax,
         fp16_overflow_tokens=0, sumsq_max=absmax**2, rms_min=0.5, rms_mean=1.0, rms_max=2.0,
         eps_dominance=1e-6, eps_dominated_tokens=0, common_mode_max=0.1, common_mode_tokens=0,
         nonfinite=nonfinite, out_nonfinite=0, out_absmax=3.0, output_mismatch=None,

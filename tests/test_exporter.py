@@ -43,7 +43,7 @@ def model_and_watch(**options: object) -> tuple[nn.Module, normwatch.Watch]:
 
 
 def test_metrics_follow_the_flushes_and_counters_never_see_nan() -> None:
-    model, w = model_and_watch(run_id="run-a")
+    model, w = model_and_watch(run_id="run-a", stats_every=1)
     assert w.exporter is not None and w.exporter.port
     try:
         model(torch.randn(4, 8) * 300).sum().backward()

@@ -32,7 +32,7 @@ def test_trainer_callback_logs_normwatch_metrics(tmp_path: Path) -> None:
                              per_device_train_batch_size=4, gradient_accumulation_steps=2,
                              report_to=[], use_cpu=True, save_strategy="no",
                              learning_rate=1e-3)
-    callback = NormWatchTrainerCallback(report_dir=str(tmp_path / "reports"))
+    callback = NormWatchTrainerCallback(report_dir=str(tmp_path / "reports"), stats_every=1)
     trainer = Trainer(model=model, args=args, train_dataset=Ids(), callbacks=[callback])
     trainer.train()
     watch = callback.watch

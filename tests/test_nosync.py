@@ -103,8 +103,8 @@ def test_no_host_sync_between_flushes(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_trap_catches_a_sync_in_the_hook(monkeypatch: pytest.MonkeyPatch) -> None:
     real = normwatch.hooks.call_stats
 
-    def leaky(*args: Any) -> torch.Tensor:
-        values = real(*args)
+    def leaky(*args: Any, **kwargs: Any) -> torch.Tensor:
+        values = real(*args, **kwargs)
         if float(values[0]) < 0:  # a host sync hidden in the hot path
             pass
         return values

@@ -160,11 +160,11 @@ def test_hook_failure_disables_that_hook_with_one_warning(monkeypatch: pytest.Mo
 
     real = hooks.call_stats
 
-    def broken(*args):  # type: ignore[no-untyped-def]
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
         if broken.calls == 0:  # type: ignore[attr-defined]
             broken.calls += 1  # type: ignore[attr-defined]
             raise RuntimeError("kernel exploded")
-        return real(*args)
+        return real(*args, **kwargs)
 
     broken.calls = 0  # type: ignore[attr-defined]
     monkeypatch.setattr(hooks, "call_stats", broken)

@@ -56,8 +56,11 @@ def anomaly() -> Iterator[None]:
 def modes() -> list[Mode]:
     return [
         Mode("unmonitored", lambda m: None),
-        Mode("normwatch (defaults)", lambda m: normwatch.watch(m)),
-        Mode("normwatch flush_every=1", lambda m: normwatch.watch(m, flush_every=1)),
+        Mode("normwatch (defaults)", lambda m: normwatch.watch(m, report_dir=None)),
+        Mode("normwatch stats_every=1", lambda m: normwatch.watch(m, stats_every=1,
+                                                                 report_dir=None)),
+        Mode("normwatch stats_every=8", lambda m: normwatch.watch(m, stats_every=8,
+                                                                 report_dir=None)),
         Mode("DebugUnderflowOverflow", debug_underflow_overflow),
         Mode("detect_anomaly", lambda m: None, anomaly),
     ]

@@ -1,0 +1,110 @@
+"""Tiers (sentinel every step, full statistics every ``stats_every``), early warnings
+without stalls, and a memory soak."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+from torch import nn
+
+import normwatch
+from normwatch.early import EarlyWarning
+from normwatch.toymodel import TinyLM, lm_loss, synthetic_batch
+
+
+def test_sentinel_steps_still_catch_overflow_and_nan() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16))
+    w = normwatch.watch(model, flush_every=3, stats_every=3, report_dir=None)
+    scales = [1.0, 500.0, 1.0]  # step 1: full; steps 2 and 3: sentinel
+    for scale in scales:
+        model(torch.randn(4, 8) * scale).sum().backward()
+        w.step()
+    model(torch.randn(4, 8)).sum().backward()  # step 4: full again
+    snap = w.step()
+    assert snap is None
+    first = w.postmortem.history.records()[0].snapshot.layers["1"]
+    assert (first.tokens, first.finite_tokens, first.stats_tokens) == (12, 12, 4)
+    assert first.absmax is not None and first.absmax > 256  # seen on a sentinel step
+    assert first.fp16_overflow_tokens > 0
+    assert first.rms_mean is not None  # from the full step only
+    nan = torch.full((4, 8), float("nan"))
+    model(nan).sum().backward()  # step 5 (sentinel): NaN counted per token
+    w.step()
+    snap = w.step()  # step 6 ends the interval 4-6
+    assert snap is not None
+    assert snap.layers["1"].nonfinite == 4
+    assert snap.first_nonfinite is not None and snap.first_nonfinite.step == 5
+    model(nan).sum().backward()  # step 7 (full): every element counted
+    w.step()
+    w.step()
+    snap = w.step()
+    assert snap is not None and snap.layers["1"].nonfinite == 4 * 16  # 4 tokens x 16
+
+
+class FakeEvent:
+    """Reports the copy as landed on the second query, like a busy GPU would."""
+
+    def __init__(self) -> None:
+        self.queries = 0
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.queries >= 2
+
+
+def test_early_warning_flushes_within_two_steps_without_waiting() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16))
+    w = normwatch.watch(model, flush_every=100, report_dir=None)
+    w._early = EarlyWarning(256.0, event_factory=FakeEvent, pin=False)
+    flushed_at = []
+    for step in range(1, 9):
+        x = torch.randn(4, 8) * (1000.0 if step == 3 else 1.0)
+        model(x).sum().backward()
+        if w.step() is not None:
+            flushed_at.append(step)
+    assert flushed_at and 3 < flushed_at[0] <= 5  # seen one or two steps late, no stall
+    assert any(a.kind == "fp16_overflow" for a in w.alarms)
+
+
+def test_early_warning_is_quiet_on_healthy_steps() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16))
+    w = normwatch.watch(model, flush_every=100, report_dir=None)
+    w._early = EarlyWarning(256.0, event_factory=FakeEvent, pin=False)
+    for _ in range(20):
+        model(torch.randn(4, 8)).sum().backward()
+        assert w.step() is None
+
+
+def _rss_kb() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4
+
+
+def _live_tensors() -> int:
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+def test_soak_2000_steps_memory_is_flat() -> None:
+    torch.manual_seed(0)
+    model = TinyLM(dim=16, depth=1, heads=2)
+    w = normwatch.watch(model, flush_every=10, report_dir=None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(0)
+    samples = {}
+    for step in range(1, 2001):
+        tokens = synthetic_batch(gen, batch=2, seq=8)
+        loss = lm_loss(model(tokens), tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        w.step(loss)
+        if step in (300, 2000):
+            gc.collect()
+            samples[step] = (_rss_kb(), _live_tensors())
+    (rss_a, tensors_a), (rss_b, tensors_b) = samples[300], samples[2000]
+    assert tensors_b == tensors_a, (tensors_a, tensors_b)
+    assert rss_b - rss_a < 8 * 1024, (rss_a, rss_b)  # < 8 MiB drift over 1,700 steps
