@@ -31,6 +31,46 @@ class Accumulator:
         self.n_layers = n_layers
         self._blocks: dict[torch.device, torch.Tensor] = {}
         self._views: dict[tuple[torch.device, int], tuple[torch.Tensor, ...]] = {}
+        self._staged: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+        self._indices: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+
+    def stage(self, row: int, values: torch.Tensor) -> None:
+        """Queue one call's vector for layer ``row``; :meth:`commit` folds the queue.
+
+        Staging costs no tensor op per call; the fold is a handful of ops per step.
+        """
+        self._staged.setdefault(values.device, []).append((row, values))
+
+    def commit(self) -> None:
+        """Fold every staged vector into the state (in place, no host sync)."""
+        for device, staged in self._staged.items():
+            if not staged:
+                continue
+            rows = tuple(r for r, _ in staged)
+            values = torch.stack([v for _, v in staged])
+            staged.clear()
+            index = self._index(device, rows)
+            block = self._block(device)
+            block[:, :_N_SUM].index_add_(0, index, values[:, :_N_SUM])
+            # amax/amin of scatter_reduce propagate NaN: NaN never beats a value
+            inf = math.inf
+            peaks = values[:, _N_SUM:_MAX_END].nan_to_num(-inf, inf, -inf)
+            block[:, _N_SUM:_MAX_END].scatter_reduce_(
+                0, index[:, None].expand_as(peaks), peaks, "amax")
+            lows = values[:, _MAX_END:].nan_to_num(inf, inf, -inf)
+            block[:, _MAX_END:].scatter_reduce_(0, index[:, None].expand_as(lows), lows, "amin")
+
+    def _index(self, device: torch.device, rows: tuple[int, ...]) -> torch.Tensor:
+        """A device tensor of ``rows``, built by fill kernels (no host-to-device copy) and
+        cached: the same forward pass gives the same sequence every step."""
+        index = self._indices.get((device, rows))
+        if index is None:
+            index = torch.cat([torch.full((1,), r, dtype=torch.int64, device=device)
+                               for r in rows])
+            if len(self._indices) > 64:
+                self._indices.clear()
+            self._indices[(device, rows)] = index
+        return index
 
     def _block(self, device: torch.device) -> torch.Tensor:
         block = self._blocks.get(device)
@@ -70,6 +110,7 @@ class Accumulator:
         Returns per-layer ``{column: value}`` dicts (combined across devices) and each
         extra as a list of floats. Does not reset.
         """
+        self.commit()
         extras = dict(extras or {})
         rows = [identity_row() for _ in range(self.n_layers)]
         out_extras: dict[torch.device, list[float]] = {}
@@ -97,6 +138,7 @@ class Accumulator:
 
     def reset(self) -> None:
         """Return every device block to the reduction identities."""
+        self._staged.clear()
         for block in self._blocks.values():
             _reset(block)
 

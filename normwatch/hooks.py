@@ -55,8 +55,7 @@ class Runtime:
     paused: bool = False
     forward_order: dict[str, int] = field(default_factory=dict)
     _rows: dict[torch.device, torch.Tensor] = field(default_factory=dict)
-    _templates: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(
-        default_factory=dict)
+    _templates: dict[torch.device, tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
     def fused(self, device: torch.device) -> bool:
         """Whether to use the fused Triton kernel for tensors on ``device``."""
@@ -66,7 +65,7 @@ class Runtime:
             return True
         return device.type == "cuda" and triton_available()
 
-    def sentinel_template(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def sentinel_template(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """The sentinel tier's identity vector and column index on ``device`` (once)."""
         template = self._templates.get(device)
         if template is None:
@@ -193,7 +192,7 @@ class LayerHook:
             else:
                 values = sentinel_stats(tokens, out, rt.thresholds.fp16_limit,
                                         rt.sentinel_template(x.device), key)
-            rt.accumulator.update(self.row, values)
+            rt.accumulator.stage(self.row, values)
             if rt.check_outputs and out is not None:
                 self._check_output(module, x, out)
         # Host bookkeeping last, so a failed measurement leaves no half-counted call.

@@ -159,49 +159,45 @@ def call_stats(
     return torch.cat([torch.cat([sums, per.amax(0), maxes]).double(), events * score, low])
 
 
-SENTINEL_COLUMNS = ("finite_tokens", "fp16_overflow_tokens", "nonfinite", "out_nonfinite",
-                    "absmax", "first_arrived_score", "first_born_score")
-
-
-def sentinel_template(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The constants the sentinel tier fills other columns with, ``(0, -inf)`` as 0-d
-    float64 tensors made on ``device`` by fill kernels (no host-to-device copy)."""
+def sentinel_template(device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Constant pieces of the sentinel vector, made on ``device`` by fill kernels (no
+    host-to-device copy), once per device: runs of 0, -inf and +inf in column order."""
     f64 = torch.float64
-    return (torch.zeros((), dtype=f64, device=device),
-            torch.full((), -math.inf, dtype=f64, device=device))
+
+    def run(n: int, value: float) -> torch.Tensor:
+        return torch.full((n,), value, dtype=f64, device=device)
+
+    # finite | stats 0 | overflow | rms_sum, eps_dom, common 0 | nonfinite, out_nonfinite |
+    # absmax | 6 x -inf | arrived, born | rms_min +inf
+    return run(1, 0.0), run(3, 0.0), run(6, -math.inf), run(1, math.inf)
 
 
 def sentinel_stats(
     tokens: torch.Tensor,
     out: torch.Tensor | None,
     limit: float,
-    template: tuple[torch.Tensor, torch.Tensor],
+    template: tuple[torch.Tensor, ...],
     key: float,
 ) -> torch.Tensor:
     """The cheap tier, as a :data:`COLUMNS` vector: max |x| over finite tokens, tokens over
     the fp16 limit, and non-finite values (tokens holding NaN/inf in the input; in the
     output, 1 when any element is non-finite). Two passes over the input, one over the
-    output, no temporaries."""
-    f64 = torch.float64
-    absmax = torch.maximum(tokens.amax(1), tokens.amin(1).neg())
-    finite = torch.isfinite(absmax)
-    peak = torch.where(finite, absmax, -math.inf)
-    n_finite = finite.sum(dtype=f64)
-    nonfinite = tokens.shape[0] - n_finite
+    output, no temporaries, few small ops."""
+    f64, inf = torch.float64, math.inf
+    peak = torch.maximum(tokens.amax(1), tokens.amin(1).neg()).nan_to_num(-inf, -inf, -inf)
     if out is not None and out.numel():
-        out_nonfinite = (~torch.isfinite(out.sum(dtype=torch.float32))).to(f64)
+        out_sum = out.sum(dtype=torch.float32).reshape(1)
     else:
-        out_nonfinite = n_finite * 0
-    score = SCORE_BASE - key
-    zero, low = template
-    by_name = {
-        "finite_tokens": n_finite, "fp16_overflow_tokens": (peak > limit).sum(dtype=f64),
-        "nonfinite": nonfinite, "out_nonfinite": out_nonfinite, "absmax": peak.amax().to(f64),
-        "first_arrived_score": (nonfinite > 0).to(f64) * score,
-        "first_born_score": ((out_nonfinite > 0) & (nonfinite == 0)).to(f64) * score,
-    }
-    identity = [zero] * len(SUM_COLUMNS) + [low] * len(MAX_COLUMNS) + [-low] * len(MIN_COLUMNS)
-    return torch.stack([by_name.get(name, identity[i]) for i, name in enumerate(COLUMNS)])
+        out_sum = peak.new_zeros(1, dtype=torch.float32)
+    counts = torch.stack([(peak > -inf).sum(), (peak > limit).sum()]).to(f64)
+    n_tokens = float(tokens.shape[0])
+    nonfinite = n_tokens - counts[:1]
+    out_bad = (~torch.isfinite(out_sum)).to(f64)
+    events = torch.cat([nonfinite > 0, (out_bad > 0) & (nonfinite == 0)]).to(f64)
+    zero1, zero3, low6, high1 = template
+    return torch.cat([counts[:1], zero1, counts[1:], zero3, nonfinite, out_bad,
+                      peak.amax().to(f64).reshape(1), low6, events * (SCORE_BASE - key),
+                      high1])
 
 
 def count_nonfinite(x: torch.Tensor) -> torch.Tensor:

@@ -106,6 +106,7 @@ class Watch:
         """
         self.step_count += 1
         self._record_loss(loss)
+        self._rt.accumulator.commit()
         early = self._early_check()
         rt = self._rt
         rt.step = self.step_count + 1

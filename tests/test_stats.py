@@ -141,3 +141,24 @@ def test_output_statistics_and_first_event_scores() -> None:
     ref = torch.tensor([[1.0, 0.0], [3.0, 4.0]])
     out = torch.tensor([[1.0, 0.0], [3.0, 4.5]])
     assert float(mismatch(out, ref)) == pytest.approx(0.1)
+
+
+def test_sentinel_vector_columns() -> None:
+    from normwatch.stats import sentinel_stats, sentinel_template
+
+    x = torch.randn(5, 16)
+    x[1, 3] = 400.0
+    x[2, 0] = float("nan")
+    y = torch.randn(5, 16)
+    y[4, 4] = float("inf")
+    got = dict(zip(COLUMNS, sentinel_stats(x, y, 256.0, sentinel_template(x.device),
+                                           99.0).tolist(), strict=True))
+    assert (got["finite_tokens"], got["fp16_overflow_tokens"], got["nonfinite"],
+            got["out_nonfinite"]) == (4, 1, 1, 1)
+    assert got["absmax"] == 400.0
+    assert got["first_arrived_score"] == SCORE_BASE - 99.0 and got["first_born_score"] == 0
+    assert got["stats_tokens"] == 0 and got["rms_sum"] == 0  # full statistics not measured
+    assert got["sumsq_max"] == -math.inf and got["rms_min"] == math.inf
+    clean = dict(zip(COLUMNS, sentinel_stats(x[:2], y[:2], 256.0, sentinel_template(x.device),
+                                             5.0).tolist(), strict=True))
+    assert clean["nonfinite"] == 0 and clean["first_arrived_score"] == 0
