@@ -131,8 +131,9 @@ def run_demo(
     result = DemoResult(fault.name, 0, [])
     console.print(f"[bold]normwatch demo[/] · fault [bold]{fault.name}[/]: {fault.summary}")
     sink = [lambda a: console.print(alarm_text(a))]
+    # A small model: full statistics on every step make the live table richest.
     with watch(model, flush_every=flush_every, sinks=sink, report_dir=report_dir,
-               report_console=False) as w:
+               report_console=False, stats_every=1) as w:
         display = Live(console=console, refresh_per_second=8, transient=True) if live else None
         with display or nullcontext():
             for step in range(1, steps + 1):
