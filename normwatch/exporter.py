@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -187,42 +187,32 @@ class Exporter:
         yield from self._counters(state, ids, base)
 
     def _counters(self, s: _State, ids: list[str], base: list[str]) -> Iterator[Any]:
-        c = CounterMetricFamily("normwatch_flushes", "Flushes (device-to-host copies).",
-                                labels=base)
-        c.add_metric(ids, s.flushes)
-        yield c
-        c = CounterMetricFamily("normwatch_tokens", "Tokens measured per layer.",
-                                labels=[*base, "layer"])
-        for name, v in s.tokens.items():
-            c.add_metric([*ids, name], v)
-        yield c
-        c = CounterMetricFamily("normwatch_nonfinite_values",
-                                "NaN/inf elements seen in a layer's input or output.",
-                                labels=[*base, "layer", "where"])
-        for (name, where), v in s.nonfinite.items():
-            c.add_metric([*ids, name, where], v)
-        yield c
-        c = CounterMetricFamily("normwatch_fp16_limit_tokens",
-                                "Tokens whose max |x| exceeded the fp16 limit.",
-                                labels=[*base, "layer"])
-        for name, v in s.overflow.items():
-            c.add_metric([*ids, name], v)
-        yield c
-        c = CounterMetricFamily("normwatch_alarms", "Alarms emitted, by kind and severity.",
-                                labels=[*base, "kind", "severity"])
-        for (kind, severity), v in s.alarms.items():
-            c.add_metric([*ids, kind, severity], v)
-        yield c
-        c = CounterMetricFamily("normwatch_loss_spikes",
-                                "Loss spikes and non-finite losses, by verdict.",
-                                labels=[*base, "blame"])
-        for blame, v in s.spikes.items():
-            c.add_metric([*ids, blame], v)
-        yield c
-        c = CounterMetricFamily("normwatch_nonfinite_losses", "Non-finite losses.",
-                                labels=base)
-        c.add_metric(ids, s.nonfinite_losses)
-        yield c
+        per_layer = [*base, "layer"]
+        yield _counter("normwatch_flushes", "Flushes (device-to-host copies).", base,
+                       {(): s.flushes}, ids)
+        yield _counter("normwatch_tokens", "Tokens measured per layer.", per_layer,
+                       {(n,): v for n, v in s.tokens.items()}, ids)
+        yield _counter("normwatch_nonfinite_values",
+                       "NaN/inf elements seen in a layer's input or output.",
+                       [*per_layer, "where"], s.nonfinite, ids)
+        yield _counter("normwatch_fp16_limit_tokens",
+                       "Tokens whose max |x| exceeded the fp16 limit.", per_layer,
+                       {(n,): v for n, v in s.overflow.items()}, ids)
+        yield _counter("normwatch_alarms", "Alarms emitted, by kind and severity.",
+                       [*base, "kind", "severity"], s.alarms, ids)
+        yield _counter("normwatch_loss_spikes", "Loss spikes and non-finite losses, by verdict.",
+                       [*base, "blame"], {(b,): v for b, v in s.spikes.items()}, ids)
+        yield _counter("normwatch_nonfinite_losses", "Non-finite losses.", base,
+                       {(): s.nonfinite_losses}, ids)
+
+
+def _counter(name: str, help_: str, labels: list[str], values: Mapping[Any, float],
+             ids: list[str]) -> CounterMetricFamily:
+    """A counter family: one sample per label tuple (after the run_id/rank labels)."""
+    family = CounterMetricFamily(name, help_, labels=labels)
+    for key, value in values.items():
+        family.add_metric([*ids, *key], value)
+    return family
 
 
 class _Collector(Collector):
