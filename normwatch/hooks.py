@@ -157,7 +157,7 @@ class LayerHook:
     def _observe(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], output: Any
     ) -> None:
-        x = _first_tensor(args, kwargs)
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else _first_tensor(args, kwargs)
         if x is None:
             return self._skip("no tensor argument")
         if not x.is_floating_point():
@@ -166,9 +166,10 @@ class LayerHook:
             return self._skip("meta-device input")
         if not self._counted(module):
             return
-        y = _first_tensor(output if isinstance(output, tuple | list) else (output,), {})
-        with torch.no_grad():
-            self._measure(module, x.detach(), None if y is None else y.detach())
+        y = output if isinstance(output, torch.Tensor) else \
+            _first_tensor(output if isinstance(output, tuple | list) else (output,), {})
+        # Detached inputs record no autograd graph: no no_grad() context needed.
+        self._measure(module, x.detach(), None if y is None else y.detach())
 
     def _measure(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None) -> None:
         rt = self.rt
