@@ -179,25 +179,27 @@ def sentinel_stats(
     template: tuple[torch.Tensor, ...],
     key: float,
 ) -> torch.Tensor:
-    """The cheap tier, as a :data:`COLUMNS` vector: max |x| over finite tokens, tokens over
-    the fp16 limit, and non-finite values (tokens holding NaN/inf in the input; in the
-    output, 1 when any element is non-finite). Two passes over the input, one over the
-    output, no temporaries, few small ops."""
+    """The cheap tier, as a :data:`COLUMNS` vector: one ``aminmax`` pass over the input and
+    one over the output. It measures max |x| and whether any value is non-finite; per-token
+    counts (fp16-limit tokens) come from the full tier. A call holding NaN/inf counts as
+    one non-finite value (a lower bound) and contributes no finite tokens."""
     f64, inf = torch.float64, math.inf
-    peak = torch.maximum(tokens.amax(1), tokens.amin(1).neg()).nan_to_num(-inf, -inf, -inf)
+    lo, hi = torch.aminmax(tokens)
+    peak = torch.maximum(hi, lo.neg()).to(f64).reshape(1)
+    finite = torch.isfinite(peak)
+    bad = (~finite).to(f64)
     if out is not None and out.numel():
-        out_sum = out.sum(dtype=torch.float32).reshape(1)
+        out_lo, out_hi = torch.aminmax(out)
+        out_peak = torch.maximum(out_hi, out_lo.neg()).to(f64).reshape(1)
+        out_bad = (~torch.isfinite(out_peak)).to(f64)
     else:
-        out_sum = peak.new_zeros(1, dtype=torch.float32)
-    counts = torch.stack([(peak > -inf).sum(), (peak > limit).sum()]).to(f64)
-    n_tokens = float(tokens.shape[0])
-    nonfinite = n_tokens - counts[:1]
-    out_bad = (~torch.isfinite(out_sum)).to(f64)
-    events = torch.cat([nonfinite > 0, (out_bad > 0) & (nonfinite == 0)]).to(f64)
+        out_peak, out_bad = peak.new_full((1,), -inf), bad * 0
+    n_finite = finite.to(f64) * float(tokens.shape[0])
     zero1, zero3, low6, high1 = template
-    return torch.cat([counts[:1], zero1, counts[1:], zero3, nonfinite, out_bad,
-                      peak.amax().to(f64).reshape(1), low6, events * (SCORE_BASE - key),
-                      high1])
+    events = torch.cat([bad, out_bad * (1 - bad)]) * (SCORE_BASE - key)
+    return torch.cat([n_finite, zero1, zero1, zero3, bad, out_bad,
+                      peak.nan_to_num(-inf, -inf, -inf), low6[:4],
+                      out_peak.nan_to_num(-inf, -inf, -inf), low6[:1], events, high1])
 
 
 def count_nonfinite(x: torch.Tensor) -> torch.Tensor:

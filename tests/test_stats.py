@@ -153,12 +153,19 @@ def test_sentinel_vector_columns() -> None:
     y[4, 4] = float("inf")
     got = dict(zip(COLUMNS, sentinel_stats(x, y, 256.0, sentinel_template(x.device),
                                            99.0).tolist(), strict=True))
+    # a call holding NaN: one non-finite value (a lower bound), no finite tokens, no max
     assert (got["finite_tokens"], got["fp16_overflow_tokens"], got["nonfinite"],
-            got["out_nonfinite"]) == (4, 1, 1, 1)
-    assert got["absmax"] == 400.0
+            got["out_nonfinite"]) == (0, 0, 1, 1)
+    assert got["absmax"] == -math.inf
     assert got["first_arrived_score"] == SCORE_BASE - 99.0 and got["first_born_score"] == 0
+    born = dict(zip(COLUMNS, sentinel_stats(x[:2], y, 256.0, sentinel_template(x.device),
+                                            7.0).tolist(), strict=True))
+    assert born["first_born_score"] == SCORE_BASE - 7.0 and born["first_arrived_score"] == 0
     assert got["stats_tokens"] == 0 and got["rms_sum"] == 0  # full statistics not measured
     assert got["sumsq_max"] == -math.inf and got["rms_min"] == math.inf
     clean = dict(zip(COLUMNS, sentinel_stats(x[:2], y[:2], 256.0, sentinel_template(x.device),
                                              5.0).tolist(), strict=True))
     assert clean["nonfinite"] == 0 and clean["first_arrived_score"] == 0
+    assert (clean["finite_tokens"], clean["absmax"]) == (2, 400.0)
+    assert clean["out_absmax"] == pytest.approx(float(y[:2].abs().max()))
+    assert clean["fp16_overflow_tokens"] == 0  # per-token counts: full tier only
