@@ -131,7 +131,8 @@ def call_stats(
             ok = torch.isfinite(absmax)
             nonfinite = (~ok).sum(dtype=f32)  # tokens holding NaN/inf
         if out is not None and out.numel():
-            out_absmax = torch.maximum(out.amax(), out.amin().neg()).to(f32)
+            out_lo, out_hi = torch.aminmax(out)  # one pass for both
+            out_absmax = torch.maximum(out_hi, out_lo.neg()).to(f32)
             out_nonfinite = count_nonfinite(out) if full else \
                 (~torch.isfinite(out_absmax)).to(f32)
         else:
