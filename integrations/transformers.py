@@ -43,7 +43,7 @@ class NormWatchTrainerCallback(TrainerCallback):
         if not state.is_world_process_zero:
             options["report_console"] = False
         self.watch = Watch(model, WatchConfig.from_options(**options))
-        self.watch.step_count = state.global_step  # resuming: continue the step numbering
+        self.watch.set_step(state.global_step)  # resuming: continue the step numbering
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState,
                     control: TrainerControl, **kwargs: Any) -> None:

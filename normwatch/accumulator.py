@@ -30,7 +30,6 @@ class Accumulator:
     def __init__(self, n_layers: int) -> None:
         self.n_layers = n_layers
         self._blocks: dict[torch.device, torch.Tensor] = {}
-        self._views: dict[tuple[torch.device, int], tuple[torch.Tensor, ...]] = {}
         self._staged: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         self._indices: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
 
@@ -80,22 +79,6 @@ class Accumulator:
             _reset(block)
             self._blocks[device] = block
         return block
-
-    def update(self, row: int, values: torch.Tensor) -> None:
-        """Fold one call's vector (``COLUMNS`` order) into layer ``row``, in place.
-
-        Max and min ignore NaN, so a non-finite call cannot erase finite statistics.
-        """
-        views = self._views.get((values.device, row))
-        if views is None:
-            acc = self._block(values.device)[row]
-            views = self._views[(values.device, row)] = (
-                acc[:_N_SUM], acc[_N_SUM:_MAX_END], acc[_MAX_END:])
-        total, peak, low = views
-        new_total, new_peak, new_low = torch.split_with_sizes(values, (_N_SUM, _N_MAX, _N_MIN))
-        total.add_(new_total)
-        torch.fmax(peak, new_peak, out=peak)
-        torch.fmin(low, new_low, out=low)
 
     def update_mismatch(self, row: int, value: torch.Tensor) -> None:
         """Fold an output-mismatch measurement (0-d tensor) into layer ``row``."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from normwatch.alarms import Alarm
-from normwatch.history import Record
+from normwatch.history import Record, first_nonfinite
 from normwatch.snapshot import FirstNonfinite, LayerStats
 
 Trigger = Literal["loss_spike", "nonfinite_loss", "nonfinite_activation", "critical_alarm",
@@ -61,7 +61,7 @@ def judge(trigger: Trigger, step: int, records: Sequence[Record], order: Sequenc
     """The verdict for ``trigger`` at ``step`` given recent ``records`` (oldest first) and
     the layers' forward ``order``."""
     position = {name: i for i, name in enumerate(order)}
-    first = _first_nonfinite(records)
+    first = first_nonfinite(records)
     failures = sorted(
         (a for r in records for a in r.findings if is_norm_failure(a)),
         key=lambda a: (a.step, position.get(a.layer or "", len(order))),
@@ -107,13 +107,6 @@ def judge(trigger: Trigger, step: int, records: Sequence[Record], order: Sequenc
         f"Look {where}: a corrupted or mislabelled batch, the learning rate or its schedule, "
         "gradient clipping.",
     ))
-
-
-def _first_nonfinite(records: Sequence[Record]) -> FirstNonfinite | None:
-    for record in records:
-        if record.snapshot.first_nonfinite is not None:
-            return record.snapshot.first_nonfinite
-    return None
 
 
 def _arrived(trigger: Trigger, step: int, first: FirstNonfinite, order: Sequence[str]

@@ -32,7 +32,7 @@ class _Seen:
 
 
 class Dispatcher:
-    """Stateful alarm router; :meth:`emit` returns the alarms that passed the filter."""
+    """Stateful alarm router; :meth:`deliver` returns the alarms that passed the filter."""
 
     def __init__(self, config: WatchConfig) -> None:
         self.config = config
@@ -80,12 +80,6 @@ class Dispatcher:
             fatal = [a for a in passed if SEVERITY_RANK[a.severity] >= SEVERITY_RANK[threshold]]
             if fatal:
                 raise NumericalHealthError(fatal)
-
-    def emit(self, alarms: Iterable[Alarm]) -> list[Alarm]:
-        """:meth:`deliver`, then :meth:`raise_if_fatal`."""
-        passed = self.deliver(alarms)
-        self.raise_if_fatal(passed)
-        return passed
 
     def _call_sink(self, sink: object, alarm: Alarm) -> None:
         if id(sink) in self._broken_sinks:

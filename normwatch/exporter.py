@@ -43,6 +43,9 @@ GAUGES = (  # (metric suffix, LayerStats field, help)
     ("layer_common_mode_ratio", "common_mode_max", "Max over tokens of |mean| / RMS."),
     ("layer_output_absmax", "out_absmax", "Max |y| of the layer's output."),
 )
+LAYER_GAUGE_HELP = {suffix: help_ for suffix, _, help_ in GAUGES} | {
+    "layer_fp16_headroom_ratio":
+        "fp16 limit / max |x|: below 1 the layer's input overflows x^2 in fp16."}
 
 
 @dataclass
@@ -176,10 +179,8 @@ class Exporter:
             g.add_metric(ids, state.loss)
             yield g
         layer_labels = [*base, "layer", "kind"]
-        for suffix, _, help_ in (*GAUGES, ("layer_fp16_headroom_ratio", "", "")):
-            g = GaugeMetricFamily(f"normwatch_{suffix}", help_ or
-                                  "fp16 limit / max |x|: below 1 the layer's input overflows "
-                                  "x^2 in fp16.", labels=layer_labels)
+        for suffix, help_ in LAYER_GAUGE_HELP.items():
+            g = GaugeMetricFamily(f"normwatch_{suffix}", help_, labels=layer_labels)
             for name, values in state.layers.items():
                 if suffix in values:
                     g.add_metric([*ids, name, self.kinds.get(name, "")], values[suffix])

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from normwatch.alarms import Alarm
-from normwatch.snapshot import LayerStats, Snapshot
+from normwatch.snapshot import FirstNonfinite, LayerStats, Snapshot
 
 
 @dataclass(frozen=True)
@@ -45,3 +45,11 @@ class History:
             if stats is not None and stats.seen:
                 out.append((record.snapshot.step, stats))
         return out
+
+
+def first_nonfinite(records: Sequence[Record]) -> FirstNonfinite | None:
+    """The earliest first-non-finite event among ``records`` (oldest first)."""
+    for record in records:
+        if record.snapshot.first_nonfinite is not None:
+            return record.snapshot.first_nonfinite
+    return None

@@ -66,7 +66,7 @@ class Runtime:
         return device.type == "cuda" and triton_available()
 
     def sentinel_template(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """The sentinel tier's identity vector and column index on ``device`` (once)."""
+        """The sentinel tier's constant pieces on ``device`` (built once per device)."""
         template = self._templates.get(device)
         if template is None:
             template = self._templates[device] = sentinel_template(device)

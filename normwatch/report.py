@@ -27,8 +27,7 @@ import torch
 from normwatch.alarms import Alarm
 from normwatch.blame import Verdict
 from normwatch.discovery import NormLayer
-from normwatch.history import Record
-from normwatch.snapshot import FirstNonfinite
+from normwatch.history import Record, first_nonfinite
 from normwatch.spikes import Spike
 
 SCHEMA = "normwatch.report"
@@ -57,7 +56,7 @@ def build_report(
     exception: BaseException | None = None,
 ) -> dict[str, Any]:
     """The report document as plain JSON-able data (pure: no I/O)."""
-    first = _first(records)
+    first = first_nonfinite(records)
     position = {name: i for i, name in enumerate(order)}
     ordered = sorted(layers, key=lambda x: position.get(x.name, len(order) + layers.index(x)))
     return {
@@ -166,13 +165,6 @@ def number(value: Any) -> float | None:
         return float(value)
     if value in ("nan", "inf", "-inf"):
         return float(value)
-    return None
-
-
-def _first(records: Sequence[Record]) -> FirstNonfinite | None:
-    for record in records:
-        if record.snapshot.first_nonfinite is not None:
-            return record.snapshot.first_nonfinite
     return None
 
 

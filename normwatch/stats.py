@@ -88,7 +88,6 @@ def call_stats(
     eps: float,
     thresholds: torch.Tensor,
     key: float,
-    full: bool = True,
     rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Everything one norm call contributes, as a float64 vector in :data:`COLUMNS` order.
@@ -98,10 +97,9 @@ def call_stats(
     :func:`threshold_row`; ``key`` the call's position (see :data:`KEY_STRIDE`). Value
     statistics cover finite tokens only; ``output_mismatch`` is left at -inf.
 
-    ``full=False`` is the cheap sentinel tier: max |x| and non-finite values only (counted
-    per token, a lower bound of the elements). ``rows`` are precomputed per-token rows
-    from the fused kernel (:mod:`normwatch.triton_stats`); then ``tokens`` is only read
-    for its width.
+    This is the full tier; :func:`sentinel_stats` is the cheap one. ``rows`` are
+    precomputed per-token rows from the fused kernel (:mod:`normwatch.triton_stats`); then
+    ``tokens`` is only read for its width.
     """
     f32, inf = torch.float32, math.inf
     width = tokens.shape[1]
@@ -117,42 +115,31 @@ def call_stats(
         # Reductions straight from the input dtype, accumulating in fp32: no fp32 copy of
         # the activation and no full-size temporary (the CPU pays dearly for those).
         absmax = torch.maximum(x.amax(1), x.amin(1).neg()).to(f32)
-        if full:
-            norm = torch.linalg.vector_norm(x, dim=1, dtype=f32)
-            mean = x.sum(1, dtype=f32) / width
-            sumsq = norm * norm
-            if kind == "rmsnorm":
-                s = sumsq / width
-            else:  # two-pass variance: exact even at |mean|/std = 1e3 (E[x²] - E[x]² is not)
-                s = torch.linalg.vector_norm(x.to(f32) - mean[:, None], dim=1).square() / width
-            ok = torch.isfinite(absmax + sumsq)
-            nonfinite = count_nonfinite(x)
-        else:
-            ok = torch.isfinite(absmax)
-            nonfinite = (~ok).sum(dtype=f32)  # tokens holding NaN/inf
+        norm = torch.linalg.vector_norm(x, dim=1, dtype=f32)
+        mean = x.sum(1, dtype=f32) / width
+        sumsq = norm * norm
+        if kind == "rmsnorm":
+            s = sumsq / width
+        else:  # two-pass variance: exact even at |mean|/std = 1e3 (E[x²] - E[x]² is not)
+            s = torch.linalg.vector_norm(x.to(f32) - mean[:, None], dim=1).square() / width
+        ok = torch.isfinite(absmax + sumsq)
+        nonfinite = count_nonfinite(x)
         if out is not None and out.numel():
             out_lo, out_hi = torch.aminmax(out)  # one pass for both
             out_absmax = torch.maximum(out_hi, out_lo.neg()).to(f32)
-            out_nonfinite = count_nonfinite(out) if full else \
-                (~torch.isfinite(out_absmax)).to(f32)
+            out_nonfinite = count_nonfinite(out)
         else:
             out_nonfinite = nonfinite.new_zeros(())
             out_absmax = nonfinite.new_full((), -inf)
-    if full or rows is not None:
-        rms = (sumsq / width).sqrt()
-        ratio = eps / (s + eps) if eps > 0 else (s == 0).to(f32)  # eps = 0, s = 0: 0/0 -> 1
-        common = mean.abs() / rms.clamp_min(1e-30)  # all-zero token: 0, no common mode
-        cols = [absmax, sumsq, rms, ratio, common]
-    else:
-        rms = absmax.new_full(absmax.shape, inf)
-        cols = [absmax, *([absmax.new_full(absmax.shape, -inf)] * 4)]
+    rms = (sumsq / width).sqrt()
+    ratio = eps / (s + eps) if eps > 0 else (s == 0).to(f32)  # eps = 0, s = 0: 0/0 -> 1
+    common = mean.abs() / rms.clamp_min(1e-30)  # all-zero token: 0, no common mode
     # Tokens holding NaN/inf drop out of every max, count and sum.
-    per = torch.where(ok[:, None], torch.stack(cols, 1), -inf)
+    per = torch.where(ok[:, None], torch.stack([absmax, sumsq, rms, ratio, common], 1), -inf)
     counts = (per > thresholds).sum(0, dtype=f32)  # overflow, -, -, dominated, common
     finite = ok.sum(dtype=f32)
-    sums = torch.stack([finite, finite if (full or rows is not None) else finite * 0,
-                        counts[0], per[:, 2].clamp_min(0).sum(), counts[3], counts[4],
-                        nonfinite.to(f32), out_nonfinite.to(f32)])
+    sums = torch.stack([finite, finite, counts[0], per[:, 2].clamp_min(0).sum(), counts[3],
+                        counts[4], nonfinite.to(f32), out_nonfinite.to(f32)])
     maxes = torch.stack([out_absmax.to(f32), out_absmax.new_full((), -inf, dtype=f32)])
     score = SCORE_BASE - key
     events = torch.stack([(nonfinite > 0).double(), (out_nonfinite > nonfinite * 1e30).double()])

@@ -121,9 +121,11 @@ class Watch:
 
     def _early_check(self) -> bool:
         """Poll the last in-flight peek (no stall), launch the next; ``True``: flush now."""
+        if not self.config.early_warning:
+            return False
         blocks = {d: b for d, b in self._rt.accumulator.blocks.items()
                   if d.type == "cuda" or self._early is not None}
-        if not blocks or not self.config.early_warning:
+        if not blocks:
             return False
         if self._early is None:
             from normwatch.early import EarlyWarning
@@ -221,10 +223,14 @@ class Watch:
         if not isinstance(state, dict) or state.get("version") != 1:
             raise ConfigError(f"'state' must be a normwatch state dict (version 1): "
                               f"got {state!r:.80}")
-        self.step_count = int(state["step_count"])
-        self._rt.step = self.step_count + 1
-        self._interval_start = self.step_count + 1
+        self.set_step(int(state["step_count"]))
         self.postmortem.load_state_dict(state["postmortem"])
+
+    def set_step(self, step: int) -> None:
+        """Continue the step numbering from ``step`` completed steps (e.g. on resume)."""
+        self.step_count = step
+        self._rt.step = step + 1
+        self._interval_start = step + 1
 
     @property
     def alarms(self) -> list[Alarm]:
@@ -267,7 +273,7 @@ class Watch:
     def add_loss(self, loss: Any, step: int | None = None) -> None:
         """Record a loss for ``step`` (default: the last completed step) without stepping;
         for loops that learn the loss later than the step (e.g. from a logger)."""
-        self._record_loss(loss, self.step_count if step is None else step)
+        self._record_loss(loss, step)
 
     def _record_loss(self, loss: Any, step: int | None = None) -> None:
         step = self.step_count if step is None else step

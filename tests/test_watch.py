@@ -277,3 +277,13 @@ def test_state_dict_round_trip_keeps_steps_and_loss_baseline() -> None:
     assert [(v.trigger, v.step) for v in resumed.verdicts] == [("loss_spike", 21)]
     with pytest.raises(normwatch.ConfigError, match="'state' must be a normwatch state dict"):
         resumed.load_state_dict({"version": 7})
+
+
+def test_set_step_continues_the_numbering_of_events() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8))
+    w = normwatch.watch(model, flush_every=1, report_dir=None)
+    w.set_step(100)  # resuming after 100 completed steps
+    model(torch.full((2, 4), float("nan"))).sum().backward()
+    snap = w.step()
+    assert snap is not None and (snap.first_step, snap.step) == (101, 101)
+    assert snap.first_nonfinite is not None and snap.first_nonfinite.step == 101
