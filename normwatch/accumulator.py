@@ -9,67 +9,95 @@ over those declarations. Updates are in-place tensor ops with no host synchronis
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
-from normwatch.stats import COLUMNS, MAX_COLUMNS, MIN_COLUMNS, SUM_COLUMNS
+from normwatch.stats import (
+    COLUMNS,
+    MAX_COLUMNS,
+    MIN_COLUMNS,
+    SUM_COLUMNS,
+    CallRows,
+    FoldPlan,
+    Thresholds,
+    fold_calls,
+    fold_plan,
+    identity_row,
+)
 
 _N_SUM, _N_MAX, _N_MIN = len(SUM_COLUMNS), len(MAX_COLUMNS), len(MIN_COLUMNS)
 _MAX_END = _N_SUM + _N_MAX
 MISMATCH_COLUMN = COLUMNS.index("output_mismatch")
 
 
-def identity_row() -> list[float]:
-    """The reduction identities: 0 for sums, -inf for maxes, +inf for mins."""
-    return [0.0] * _N_SUM + [-math.inf] * _N_MAX + [math.inf] * _N_MIN
-
-
 class Accumulator:
-    """Sum/max/min state for ``n_layers`` layers: one ``(n_layers, columns)`` block per device."""
+    """Sum/max/min state for ``n_layers`` layers: one ``(n_layers, columns)`` block per device.
 
-    def __init__(self, n_layers: int) -> None:
+    Hooks :meth:`stage` each call's per-token rows; :meth:`commit` folds them with
+    :func:`normwatch.stats.fold_calls`, at the flush (or every step where early warnings
+    peek at the state): a few dozen ops per fold, however many calls. Staging more than
+    ``max_staged_tokens`` tokens commits at once, so the staged rows stay small.
+    """
+
+    def __init__(self, n_layers: int, thresholds: Thresholds | None = None,
+                 max_staged_tokens: int = 1 << 20) -> None:
         self.n_layers = n_layers
+        self.thresholds = thresholds or Thresholds()
+        self.max_staged_tokens = max_staged_tokens
         self._blocks: dict[torch.device, torch.Tensor] = {}
-        self._staged: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
-        self._indices: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+        self._staged: list[CallRows] = []
+        self._staged_tokens = 0
+        self._plans: dict[tuple[Any, ...], tuple[FoldPlan, torch.Tensor]] = {}
 
-    def stage(self, row: int, values: torch.Tensor) -> None:
-        """Queue one call's vector for layer ``row``; :meth:`commit` folds the queue.
+    def stage(self, call: CallRows) -> None:
+        """Queue one call's rows; no tensor op (the fold is a few dozen ops per step)."""
+        self._staged.append(call)
+        self._staged_tokens += call.hi.shape[0]
+        if self._staged_tokens >= self.max_staged_tokens:
+            self.commit()
 
-        Staging costs no tensor op per call; the fold is a handful of ops per step.
-        """
-        self._staged.setdefault(values.device, []).append((row, values))
+    def on_cuda(self) -> bool:
+        """Whether any state or staged call lives on a CUDA device."""
+        return any(d.type == "cuda" for d in self._blocks) or \
+            (bool(self._staged) and self._staged[0].hi.device.type == "cuda")
 
     def commit(self) -> None:
-        """Fold every staged vector into the state (in place, no host sync)."""
-        for device, staged in self._staged.items():
-            if not staged:
-                continue
-            rows = tuple(r for r, _ in staged)
-            values = torch.stack([v for _, v in staged])
-            staged.clear()
-            index = self._index(device, rows)
+        """Fold every staged call into the state (in place, no host sync). Staged rows
+        are dropped even when the fold fails."""
+        groups: dict[tuple[torch.device, bool], list[CallRows]] = {}
+        for call in self._staged:  # one fold per device and tier
+            groups.setdefault((call.hi.device, call.full), []).append(call)
+        self._staged = []
+        self._staged_tokens = 0
+        for (device, _), calls in groups.items():
+            plan, index = self._plan(device, calls)
+            values = fold_calls(calls, plan)
             block = self._block(device)
-            block[:, :_N_SUM].index_add_(0, index, values[:, :_N_SUM])
+            block[:, :_N_SUM].index_add_(0, index, values[:, :_N_SUM].to(block.dtype))
             # amax/amin of scatter_reduce propagate NaN: NaN never beats a value
             inf = math.inf
-            peaks = values[:, _N_SUM:_MAX_END].nan_to_num(-inf, inf, -inf)
+            peaks = values[:, _N_SUM:_MAX_END].nan_to_num(-inf, inf, -inf).to(block.dtype)
             block[:, _N_SUM:_MAX_END].scatter_reduce_(
                 0, index[:, None].expand_as(peaks), peaks, "amax")
-            lows = values[:, _MAX_END:].nan_to_num(inf, inf, -inf)
+            lows = values[:, _MAX_END:].nan_to_num(inf, inf, -inf).to(block.dtype)
             block[:, _MAX_END:].scatter_reduce_(0, index[:, None].expand_as(lows), lows, "amin")
 
-    def _index(self, device: torch.device, rows: tuple[int, ...]) -> torch.Tensor:
-        """A device tensor of ``rows``, built by fill kernels (no host-to-device copy) and
-        cached: the same forward pass gives the same sequence every step."""
-        index = self._indices.get((device, rows))
-        if index is None:
+    def _plan(self, device: torch.device,
+              calls: list[CallRows]) -> tuple[FoldPlan, torch.Tensor]:
+        """The fold's constant vectors and the call-to-row index, cached: the same forward
+        pass stages the same sequence of calls every step."""
+        key0 = calls[0].key
+        signature = (device, calls[0].full, tuple(c.signature(key0) for c in calls))
+        cached = self._plans.get(signature)
+        if cached is None:
+            rows = [c.row for c in calls]
             index = torch.cat([torch.full((1,), r, dtype=torch.int64, device=device)
-                               for r in rows])
-            if len(self._indices) > 64:
-                self._indices.clear()
-            self._indices[(device, rows)] = index
-        return index
+                               for r in rows])  # fill kernels: no host-to-device copy
+            if len(self._plans) >= 64:
+                self._plans.clear()
+            cached = self._plans[signature] = (fold_plan(calls, self.thresholds), index)
+        return cached
 
     def _block(self, device: torch.device) -> torch.Tensor:
         block = self._blocks.get(device)
@@ -121,7 +149,8 @@ class Accumulator:
 
     def reset(self) -> None:
         """Return every device block to the reduction identities."""
-        self._staged.clear()
+        self._staged = []
+        self._staged_tokens = 0
         for block in self._blocks.values():
             _reset(block)
 

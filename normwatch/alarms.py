@@ -109,8 +109,7 @@ def fp16_alarms(stats: LayerStats, layer: NormLayer, step: int, ctx: RuleContext
     name = stats.name
     out: list[Alarm] = []
     if stats.absmax is not None and stats.absmax > limit:
-        share = (f"{stats.fp16_overflow_tokens} of {stats.stats_tokens} fully measured tokens"
-                 if stats.stats_tokens else "the sentinel's measurement")
+        share = f"{stats.fp16_overflow_tokens} of {stats.finite_tokens} tokens"
         if fp16 and probe is not None and probe.element_safe is False:
             sev: Severity = "critical"
             msg = (

@@ -36,7 +36,8 @@ class WatchConfig:
     """Copy statistics to the host every this many optimizer steps."""
     stats_every: int = 4
     """Full statistics every this many steps; the steps between run the cheap sentinel
-    (max |x| and non-finite values). 1: everything on every step."""
+    (per-token max |x| and non-finite flags of input and output). 1: everything on every
+    step."""
     early_warning: bool = True
     """On CUDA: peek at max |x| and non-finite counts every step without stalling (pinned
     memory + events) and flush at once when something is wrong."""

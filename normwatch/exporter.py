@@ -193,8 +193,8 @@ class Exporter:
                        {(): s.flushes}, ids)
         yield _counter("normwatch_tokens", "Tokens measured per layer.", per_layer,
                        {(n,): v for n, v in s.tokens.items()}, ids)
-        yield _counter("normwatch_nonfinite_values",
-                       "NaN/inf elements seen in a layer's input or output.",
+        yield _counter("normwatch_nonfinite_tokens",
+                       "Tokens holding NaN/inf in a layer's input or output.",
                        [*per_layer, "where"], s.nonfinite, ids)
         yield _counter("normwatch_fp16_limit_tokens",
                        "Tokens whose max |x| exceeded the fp16 limit.", per_layer,

@@ -13,6 +13,7 @@ import math
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -24,12 +25,10 @@ from normwatch.discovery import NormLayer
 from normwatch.reference import expected_output
 from normwatch.stats import (
     KEY_STRIDE,
-    Thresholds,
-    call_stats,
+    CallRows,
     mismatch,
-    sentinel_stats,
-    sentinel_template,
-    threshold_row,
+    reduce_call,
+    rows_from_fused,
     token_view,
 )
 from normwatch.triton_stats import available as triton_available
@@ -43,7 +42,6 @@ class Runtime:
     """State shared by a watch and its hooks (host-side, plain Python)."""
 
     accumulator: Accumulator
-    thresholds: Thresholds
     count_eval: bool = False
     step: int = 1
     """The step in progress (1-based); forwards before the first ``watch.step()`` are step 1."""
@@ -54,30 +52,14 @@ class Runtime:
     kernel: str = "auto"
     paused: bool = False
     forward_order: dict[str, int] = field(default_factory=dict)
-    _rows: dict[torch.device, torch.Tensor] = field(default_factory=dict)
-    _templates: dict[torch.device, tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
-    def fused(self, device: torch.device) -> bool:
-        """Whether to use the fused Triton kernel for tensors on ``device``."""
+    def fused(self, x: torch.Tensor) -> bool:
+        """Whether to use the fused Triton kernel for ``x`` (by its device)."""
         if self.kernel == "torch":
             return False
         if self.kernel == "triton":
             return True
-        return device.type == "cuda" and triton_available()
-
-    def sentinel_template(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """The sentinel tier's constant pieces on ``device`` (built once per device)."""
-        template = self._templates.get(device)
-        if template is None:
-            template = self._templates[device] = sentinel_template(device)
-        return template
-
-    def threshold_row(self, device: torch.device) -> torch.Tensor:
-        """The kernel's threshold row on ``device`` (built once per device)."""
-        row = self._rows.get(device)
-        if row is None:
-            row = self._rows[device] = threshold_row(self.thresholds, device)
-        return row
+        return x.is_cuda and triton_available()
 
 
 @dataclass
@@ -113,6 +95,11 @@ class LayerHook:
         self._token_ndim = len(layer.normalized_shape) if layer.normalized_shape else 1
         self._eps = 0.0 if math.isnan(layer.eps) else layer.eps
         self._signature: tuple[Any, ...] = ()
+        self._view = (layer.kind, self._token_ndim, layer.num_groups or 1)
+        self._tokens = _last_dim_tokens if layer.kind in ("layernorm", "rmsnorm") and \
+            self._token_ndim == 1 else partial(token_view, kind=layer.kind,
+                                               token_ndim=self._token_ndim,
+                                               groups=layer.num_groups or 1)
         self.handle: RemovableHandle | None = module.register_forward_hook(self, with_kwargs=True)
 
     def remove(self) -> None:
@@ -162,7 +149,7 @@ class LayerHook:
             return self._skip("no tensor argument")
         if not x.is_floating_point():
             return self._skip(f"non-floating-point input ({x.dtype})")
-        if x.device.type == "meta":
+        if x.is_meta:
             return self._skip("meta-device input")
         if not self._counted(module):
             return
@@ -176,24 +163,11 @@ class LayerHook:
         call_index = rt.calls_this_step
         n_tokens = 0
         if x.numel() > 0:
-            tokens = token_view(x, self.layer.kind, self._token_ndim, self.layer.num_groups or 1)
+            tokens = self._tokens(x)
             n_tokens = tokens.shape[0]
             out = y if y is not None and y.is_floating_point() else None
             key = float(rt.step * KEY_STRIDE + call_index)
-            view = (self.layer.kind, self._token_ndim, self.layer.num_groups or 1)
-            if rt.fused(x.device):
-                out_tokens = token_view(out, *view) if out is not None and \
-                    out.shape == x.shape else None
-                values = call_stats(tokens, out_tokens, self.layer.kind, self._eps,
-                                    rt.threshold_row(x.device), key,
-                                    rows=row_stats_triton(tokens, out_tokens))
-            elif rt.full_stats:
-                values = call_stats(tokens, out, self.layer.kind, self._eps,
-                                    rt.threshold_row(x.device), key)
-            else:
-                values = sentinel_stats(tokens, out, rt.thresholds.fp16_limit,
-                                        rt.sentinel_template(x.device), key)
-            rt.accumulator.stage(self.row, values)
+            rt.accumulator.stage(self._reduce(tokens, x, out, key))
             if rt.check_outputs and out is not None:
                 self._check_output(module, x, out)
         # Host bookkeeping last, so a failed measurement leaves no half-counted call.
@@ -203,6 +177,25 @@ class LayerHook:
         self.counts.tokens += n_tokens
         self._record_metadata(module, x, y)
 
+    def _reduce(self, tokens: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None,
+                key: float) -> CallRows:
+        """One call's per-token rows: the fused kernel on its devices, else torch."""
+        kind, eps = self.layer.kind, self._eps
+        if out is None or out.numel() == 0:
+            out_tokens = None
+        elif out.shape == x.shape:
+            out_tokens = self._tokens(out)
+        else:  # a wrong-shaped output: its last dim as tokens, whatever they mean
+            out_tokens = out.reshape(-1, out.shape[-1]) if out.dim() else out.reshape(1, 1)
+        if not self.rt.fused(x):
+            return reduce_call(tokens, out_tokens, kind, eps, self.rt.full_stats, self.row, key)
+        same = out_tokens is not None and out_tokens.shape == tokens.shape
+        rows = row_stats_triton(tokens, out_tokens if same else None)
+        call = rows_from_fused(rows, kind, eps, tokens.shape[1], same, self.row, key)
+        if out_tokens is not None and not same:
+            call = call._replace(out_hi=out_tokens.amax(1), out_lo=out_tokens.amin(1))
+        return call
+
     def _check_output(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
         ref = expected_output(self.layer, module, x)
         if ref is None:
@@ -210,8 +203,7 @@ class LayerHook:
         if ref.shape != y.shape:
             err = torch.ones((), device=y.device)  # wrong-shaped output: fully wrong
         else:
-            view = (self.layer.kind, self._token_ndim, self.layer.num_groups or 1)
-            err = mismatch(token_view(y, *view), token_view(ref, *view))
+            err = mismatch(token_view(y, *self._view), token_view(ref, *self._view))
         self.rt.accumulator.update_mismatch(self.row, err.to(torch.float64))
 
     def _record_metadata(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None) -> None:
@@ -236,6 +228,11 @@ class LayerHook:
             self._skipped.add(why)
             warnings.warn(f"normwatch: {self.layer.name!r} called with {why}; such calls are "
                           "not measured", RuntimeWarning, stacklevel=4)
+
+
+def _last_dim_tokens(x: torch.Tensor) -> torch.Tensor:
+    """:func:`token_view` of a layer/RMS norm over the last dim (the common case)."""
+    return x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
 
 
 def _first_tensor(

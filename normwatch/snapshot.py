@@ -37,7 +37,9 @@ class LayerStats:
     common_mode_max: float | None
     common_mode_tokens: int
     nonfinite: int
+    """Input tokens holding at least one NaN/inf."""
     out_nonfinite: int
+    """Output tokens holding at least one NaN/inf."""
     out_absmax: float | None
     output_mismatch: float | None
     input_dtype: str | None

@@ -1,26 +1,33 @@
-"""Per-call statistics of a norm's input and output: the functional kernel.
+"""Per-call reductions of a norm's input and output, and their per-step fold.
 
 Pure tensor functions, no host synchronisation: every result stays on the input's
 device. A *token* is one normalized vector: the trailing dims of a layer/RMS norm,
 one group of a GroupNorm, one channel of a BatchNorm, one (sample, channel) of an
 InstanceNorm. All arithmetic is fp32 (or wider) whatever the input dtype.
 
-The statistics of one call come back as one small float64 vector whose columns are
-declared once, by reduction (:data:`SUM_COLUMNS`, :data:`MAX_COLUMNS`,
-:data:`MIN_COLUMNS`); :mod:`normwatch.accumulator` folds it into the per-layer state.
+Two stages keep the hook cheap. In the hook, :func:`reduce_call` reads the activation
+with a few row reductions and keeps a few floats per token (:class:`CallRows`). Once per
+step, :func:`fold_calls` turns the rows of every call into one float64 vector per call,
+columns declared once by reduction (:data:`SUM_COLUMNS`, :data:`MAX_COLUMNS`,
+:data:`MIN_COLUMNS`), which :mod:`normwatch.accumulator` folds into the per-layer state.
+The per-token arithmetic thus runs once per step over all calls together, not once per
+call: on the CPU each tensor op costs microseconds whatever its size.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from normwatch.discovery import Kind
 
 # Calls and tokens are counted on the host; everything else is one float64 vector per
-# call, laid out as SUM_COLUMNS + MAX_COLUMNS + MIN_COLUMNS.
+# call, laid out as SUM_COLUMNS + MAX_COLUMNS + MIN_COLUMNS. ``nonfinite`` and
+# ``out_nonfinite`` count tokens holding at least one NaN/inf.
 SUM_COLUMNS = (
     "finite_tokens", "stats_tokens", "fp16_overflow_tokens", "rms_sum", "eps_dominated_tokens",
     "common_mode_tokens", "nonfinite", "out_nonfinite",
@@ -39,9 +46,16 @@ KEY_STRIDE = 1 << 20
 SCORE_BASE = float(1 << 52)
 
 
+def identity_row() -> list[float]:
+    """The reduction identities, in :data:`COLUMNS` order: 0 for sums, -inf for maxes,
+    +inf for mins."""
+    return [0.0] * len(SUM_COLUMNS) + [-math.inf] * len(MAX_COLUMNS) + \
+        [math.inf] * len(MIN_COLUMNS)
+
+
 @dataclass(frozen=True)
 class Thresholds:
-    """The constants the kernel compares against (from the watch's config)."""
+    """The constants the fold compares against (from the watch's config)."""
 
     fp16_limit: float = 256.0
     eps_tol: float = 0.01
@@ -70,134 +84,284 @@ def token_view(x: torch.Tensor, kind: Kind, token_ndim: int = 1, groups: int = 1
     return x.transpose(0, 1).reshape(x.shape[1], -1)
 
 
-def threshold_row(thresholds: Thresholds, device: torch.device) -> torch.Tensor:
-    """Per-column thresholds for the per-token matrix of :func:`call_stats` (absmax, sumsq,
-    rms, eps ratio, common mode): a token counts where its value exceeds the threshold;
-    +inf counts nothing."""
-    row = torch.full((5,), math.inf, dtype=torch.float32, device=device)
-    row[0] = thresholds.fp16_limit
-    row[3] = thresholds.eps_tol
-    row[4] = thresholds.common_mode_tol
-    return row
+class CallRows(NamedTuple):
+    """One norm call, reduced to a few per-token vectors on its device (a named tuple:
+    built on the hot path, where a frozen dataclass costs several times more).
 
-
-def call_stats(
-    tokens: torch.Tensor,
-    out: torch.Tensor | None,
-    kind: Kind,
-    eps: float,
-    thresholds: torch.Tensor,
-    key: float,
-    rows: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Everything one norm call contributes, as a float64 vector in :data:`COLUMNS` order.
-
-    ``tokens`` is the input as ``(tokens, elements)`` (see :func:`token_view`), never
-    empty; ``out`` the layer's output (any shape) or ``None``; ``thresholds`` from
-    :func:`threshold_row`; ``key`` the call's position (see :data:`KEY_STRIDE`). Value
-    statistics cover finite tokens only; ``output_mismatch`` is left at -inf.
-
-    This is the full tier; :func:`sentinel_stats` is the cheap one. ``rows`` are
-    precomputed per-token rows from the fused kernel (:mod:`normwatch.triton_stats`); then
-    ``tokens`` is only read for its width.
+    ``hi``/``lo`` are each token's max and min (NaN where the token holds a NaN, ±inf
+    where it holds ±inf): max |x| and the non-finite flag in two plain reductions. The
+    full tier adds the sum, the L2 norm and the *spread* (the L2 norm of the centred
+    token for norms that subtract the mean, the L2 norm itself for RMS norms): what eps
+    competes with. ``out_hi``/``out_lo`` are the same for the output's tokens.
     """
-    f32, inf = torch.float32, math.inf
-    width = tokens.shape[1]
-    if rows is not None:  # the fused kernel already read every element once
-        absmax, total, sumsq, m2 = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3]
-        ok = (rows[:, 4] == 0) & torch.isfinite(sumsq)
-        nonfinite, out_nonfinite = rows[:, 4].sum(), rows[:, 6].sum()
-        out_absmax = rows[:, 5].amax() if out is not None else rows.new_full((), -inf)
-        mean = total / width
-        s = sumsq / width if kind == "rmsnorm" else m2 / width
-    else:
-        x = tokens
-        # Reductions straight from the input dtype, accumulating in fp32: no fp32 copy of
-        # the activation and no full-size temporary (the CPU pays dearly for those).
-        absmax = torch.maximum(x.amax(1), x.amin(1).neg()).to(f32)
-        norm = torch.linalg.vector_norm(x, dim=1, dtype=f32)
-        mean = x.sum(1, dtype=f32) / width
-        sumsq = norm * norm
-        if kind == "rmsnorm":
-            s = sumsq / width
-        else:  # two-pass variance: exact even at |mean|/std = 1e3 (E[x²] - E[x]² is not)
-            s = torch.linalg.vector_norm(x.to(f32) - mean[:, None], dim=1).square() / width
-        ok = torch.isfinite(absmax + sumsq)
-        nonfinite = count_nonfinite(x)
-        if out is not None and out.numel():
-            out_lo, out_hi = torch.aminmax(out)  # one pass for both
-            out_absmax = torch.maximum(out_hi, out_lo.neg()).to(f32)
-            out_nonfinite = count_nonfinite(out)
-        else:
-            out_nonfinite = nonfinite.new_zeros(())
-            out_absmax = nonfinite.new_full((), -inf)
-    rms = (sumsq / width).sqrt()
-    ratio = eps / (s + eps) if eps > 0 else (s == 0).to(f32)  # eps = 0, s = 0: 0/0 -> 1
-    common = mean.abs() / rms.clamp_min(1e-30)  # all-zero token: 0, no common mode
-    # Tokens holding NaN/inf drop out of every max, count and sum.
-    per = torch.where(ok[:, None], torch.stack([absmax, sumsq, rms, ratio, common], 1), -inf)
-    counts = (per > thresholds).sum(0, dtype=f32)  # overflow, -, -, dominated, common
-    finite = ok.sum(dtype=f32)
-    sums = torch.stack([finite, finite, counts[0], per[:, 2].clamp_min(0).sum(), counts[3],
-                        counts[4], nonfinite.to(f32), out_nonfinite.to(f32)])
-    maxes = torch.stack([out_absmax.to(f32), out_absmax.new_full((), -inf, dtype=f32)])
-    score = SCORE_BASE - key
-    events = torch.stack([(nonfinite > 0).double(), (out_nonfinite > nonfinite * 1e30).double()])
-    low = torch.where(ok, rms, inf).amin(0, keepdim=True).double()
-    return torch.cat([torch.cat([sums, per.amax(0), maxes]).double(), events * score, low])
+
+    row: int
+    """The layer's accumulator row."""
+    key: float
+    """The call's position (see :data:`KEY_STRIDE`)."""
+    width: int
+    eps: float
+    hi: torch.Tensor
+    lo: torch.Tensor
+    out_hi: torch.Tensor | None = None
+    out_lo: torch.Tensor | None = None
+    total: torch.Tensor | None = None
+    norm: torch.Tensor | None = None
+    spread: torch.Tensor | None = None
+
+    @property
+    def full(self) -> bool:
+        """Whether the full statistics were measured (else the sentinel tier)."""
+        return self.total is not None
+
+    def signature(self, key0: float) -> tuple[int, int, int, int, float, float]:
+        """What the fold's constant vectors depend on (the same every step for the same
+        forward pass): row, token counts, width, eps and the key relative to ``key0``."""
+        n_out = 0 if self.out_hi is None else self.out_hi.shape[0]
+        return self.row, self.hi.shape[0], n_out, self.width, self.eps, self.key - key0
 
 
-def sentinel_template(device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Constant pieces of the sentinel vector, made on ``device`` by fill kernels (no
-    host-to-device copy), once per device: runs of 0, -inf and +inf in column order."""
-    f64 = torch.float64
-
-    def run(n: int, value: float) -> torch.Tensor:
-        return torch.full((n,), value, dtype=f64, device=device)
-
-    # finite | stats 0 | overflow | rms_sum, eps_dom, common 0 | nonfinite, out_nonfinite |
-    # absmax | 6 x -inf | arrived, born | rms_min +inf
-    return run(1, 0.0), run(3, 0.0), run(6, -math.inf), run(1, math.inf)
+# The most elements a call's temporaries may hold (1 MiB of fp32): a few floats per token
+# for activations of 64k tokens, and never an fp32 copy of a whole activation.
+CHUNK_ELEMENTS = 1 << 18
 
 
-def sentinel_stats(
-    tokens: torch.Tensor,
-    out: torch.Tensor | None,
-    limit: float,
-    template: tuple[torch.Tensor, ...],
-    key: float,
-) -> torch.Tensor:
-    """The cheap tier, as a :data:`COLUMNS` vector: one ``aminmax`` pass over the input and
-    one over the output. It measures max |x| and whether any value is non-finite; per-token
-    counts (fp16-limit tokens) come from the full tier. A call holding NaN/inf counts as
-    one non-finite value (a lower bound) and contributes no finite tokens."""
-    f64, inf = torch.float64, math.inf
-    lo, hi = torch.aminmax(tokens)
-    peak = torch.maximum(hi, lo.neg()).to(f64).reshape(1)
-    finite = torch.isfinite(peak)
-    bad = (~finite).to(f64)
+def reduce_call(tokens: torch.Tensor, out: torch.Tensor | None, kind: Kind, eps: float,
+                full: bool, row: int, key: float) -> CallRows:
+    """Read one call: ``tokens`` is the input as ``(tokens, elements)`` (see
+    :func:`token_view`), never empty; ``out`` the output in the same layout (any token
+    count) or ``None``. Plain row reductions: no temporary for the sentinel tier, nor for
+    the full tier of an fp32 RMS norm; otherwise temporaries of at most
+    :data:`CHUNK_ELEMENTS` (see :func:`_moments`)."""
+    x = tokens
+    out_hi = out_lo = total = norm = spread = None
     if out is not None and out.numel():
-        out_lo, out_hi = torch.aminmax(out)
-        out_peak = torch.maximum(out_hi, out_lo.neg()).to(f64).reshape(1)
-        out_bad = (~torch.isfinite(out_peak)).to(f64)
-    else:
-        out_peak, out_bad = peak.new_full((1,), -inf), bad * 0
-    n_finite = finite.to(f64) * float(tokens.shape[0])
-    zero1, zero3, low6, high1 = template
-    events = torch.cat([bad, out_bad * (1 - bad)]) * (SCORE_BASE - key)
-    return torch.cat([n_finite, zero1, zero1, zero3, bad, out_bad,
-                      peak.nan_to_num(-inf, -inf, -inf), low6[:4],
-                      out_peak.nan_to_num(-inf, -inf, -inf), low6[:1], events, high1])
+        out_hi, out_lo = out.amax(1), out.amin(1)
+    if full:
+        total, norm, spread = _moments(x, centred=kind != "rmsnorm")
+    return CallRows(row, key, x.shape[1], eps, x.amax(1), x.amin(1), out_hi, out_lo, total,
+                    norm, spread)
 
 
-def count_nonfinite(x: torch.Tensor) -> torch.Tensor:
-    """Number of NaN/inf elements, as a float32 scalar.
+def _moments(x: torch.Tensor, centred: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token sum, L2 norm and *spread* (the L2 norm of the centred token if
+    ``centred``, else the L2 norm), accumulated in fp32 or wider.
 
-    ``x * 0`` is NaN exactly at the non-finite elements and 0 elsewhere, so counting its
-    non-zeros counts them: on the CPU several times cheaper than ``isfinite().sum()``.
+    Two-pass centring is exact even at |mean|/std = 1e3 (E[x²] - E[x]² is not). On the
+    CPU a reduction with ``dtype=float32`` over a bf16/fp16 tensor materialises an fp32
+    copy, and centring needs one: both are done on chunks of at most
+    :data:`CHUNK_ELEMENTS` elements.
     """
-    count: torch.Tensor = torch.count_nonzero(x * 0).float()
-    return count
+    wide = x.dtype in (torch.float32, torch.float64)
+    if wide and not centred:  # no temporary at all
+        norm = torch.linalg.vector_norm(x, dim=1)
+        return x.sum(1), norm, norm
+    width = x.shape[1]
+    step = max(1, CHUNK_ELEMENTS // width)
+    parts = []
+    for start in range(0, x.shape[0], step):
+        chunk = x[start : start + step]
+        chunk = chunk if wide else chunk.float()
+        total = chunk.sum(1)
+        norm = torch.linalg.vector_norm(chunk, dim=1)
+        spread = torch.linalg.vector_norm(chunk - (total / width)[:, None], dim=1) \
+            if centred else norm
+        parts.append((total, norm, spread))
+    if len(parts) == 1:
+        return parts[0]
+    total, norm, spread = (torch.cat(p) for p in zip(*parts, strict=True))
+    return total, norm, spread
+
+
+def rows_from_fused(rows: torch.Tensor, kind: Kind, eps: float, width: int, has_out: bool,
+                    row: int, key: float) -> CallRows:
+    """:class:`CallRows` from the fused kernel's ``(tokens, 7)`` rows
+    (:mod:`normwatch.triton_stats`). The kernel's moments skip non-finite elements; here,
+    as on the torch path, a token holding one gets NaN everywhere. Max |x| stands for
+    both ``hi`` and ``lo`` (``max(|hi|, |lo|)`` is then max |x|)."""
+    bad = rows[:, 4:5] > 0
+    moments = torch.where(bad, math.nan, rows[:, :4])  # absmax, sum, sumsq, m2
+    absmax, total = moments[:, 0], moments[:, 1]
+    norm = moments[:, 2].sqrt()
+    spread = norm if kind == "rmsnorm" else moments[:, 3].sqrt()
+    out_absmax = torch.where(rows[:, 6] > 0, math.nan, rows[:, 5]) if has_out else None
+    return CallRows(row, key, width, eps, absmax, absmax, out_absmax, out_absmax, total, norm,
+                    spread)
+
+
+@dataclass(frozen=True)
+class FoldPlan:
+    """The constant vectors of a fold, built once per distinct forward pass (by fill
+    kernels: no host-to-device copy) and reused every step.
+
+    Per call (length ``calls``): ``n_in``/``n_out`` token counts, ``width``, ``eps`` and
+    ``key_offset`` (the key minus the first call's, float64). Per input token:
+    ``segment`` (its call), ``inv_width`` and ``inv_sqrt_width`` (1/w and 1/sqrt(w)) and
+    ``dominated_below`` (eps dominates where sqrt of the mean square or variance is below
+    it). ``out_segment``: the call of each output token.
+    """
+
+    n_calls: int
+    uniform: int
+    """Tokens per call when every call has the same count (per-call reductions are then
+    plain reductions over a view), else 0."""
+    aligned: bool
+    """Whether every call's output has exactly its input's token count."""
+    out_uniform: int
+    n_in: torch.Tensor
+    n_out: torch.Tensor
+    width: torch.Tensor
+    eps: torch.Tensor
+    key_offset: torch.Tensor
+    segment: torch.Tensor
+    out_segment: torch.Tensor
+    inv_width: torch.Tensor
+    inv_sqrt_width: torch.Tensor
+    dominated_below: torch.Tensor
+    identity: torch.Tensor
+    """``(columns, calls)`` float64: each column's reduction identity (what a call that
+    did not measure a statistic contributes)."""
+    thresholds: Thresholds
+
+    def per_call(self, x: torch.Tensor, how: str, out: bool = False) -> torch.Tensor:
+        """Reduce the ``(k, tokens)`` rows of ``x`` per call (``how``: sum, amax or amin):
+        a ``(k, calls)`` tensor. ``out``: ``x`` holds output tokens."""
+        uniform = self.out_uniform if out else self.uniform
+        if uniform:
+            v = x.reshape(x.shape[0], self.n_calls, uniform)
+            return v.sum(2) if how == "sum" else v.amax(2) if how == "amax" else v.amin(2)
+        segment = self.out_segment if out else self.segment
+        if how == "sum":
+            return x.new_zeros(x.shape[0], self.n_calls).index_add_(1, segment, x)
+        fill = -math.inf if how == "amax" else math.inf
+        index = segment[None].expand_as(x)
+        return x.new_full((x.shape[0], self.n_calls), fill).scatter_reduce_(1, index, x, how)
+
+
+def fold_plan(calls: Sequence[CallRows], thresholds: Thresholds) -> FoldPlan:
+    """The constant vectors :func:`fold_calls` needs for ``calls`` (see :class:`FoldPlan`)."""
+    device = calls[0].hi.device
+
+    def runs(values: Sequence[float], counts: Sequence[int] | None = None,
+             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        counts = counts or [1] * len(values)
+        parts = [torch.full((n,), v, dtype=dtype, device=device)
+                 for v, n in zip(values, counts, strict=True)]
+        return torch.cat(parts)
+
+    sig = [c.signature(calls[0].key) for c in calls]
+    n_in, n_out = [s[1] for s in sig], [s[2] for s in sig]
+    width = [float(s[3]) for s in sig]
+    tol = thresholds.eps_tol
+    # eps/(s + eps) > tol  <=>  sqrt(s) < sqrt(eps (1 - tol) / tol); eps = 0: sqrt(s) == 0
+    # counts, i.e. sqrt(s) below the smallest float32 subnormal
+    below = [math.sqrt(s[4] * (1 - tol) / tol) if s[4] > 0 else 2.0**-149 for s in sig]
+    index = list(range(len(calls)))
+    return FoldPlan(
+        n_calls=len(calls),
+        uniform=n_in[0] if len(set(n_in)) == 1 else 0,
+        aligned=n_out == n_in,
+        out_uniform=n_out[0] if len(set(n_out)) == 1 and n_out[0] else 0,
+        n_in=runs(n_in), n_out=runs(n_out), width=runs(width), eps=runs([s[4] for s in sig]),
+        key_offset=runs([s[5] for s in sig], dtype=torch.float64),
+        segment=runs(index, n_in, torch.int64),
+        out_segment=runs(index, n_out, torch.int64) if sum(n_out) else
+        torch.empty(0, dtype=torch.int64, device=device),
+        inv_width=runs([1 / w for w in width], n_in),
+        inv_sqrt_width=runs([1 / math.sqrt(w) for w in width], n_in),
+        dominated_below=runs(below, n_in),
+        identity=runs([v for v in identity_row() for _ in calls], dtype=torch.float64)
+        .view(len(COLUMNS), len(calls)),
+        thresholds=thresholds,
+    )
+
+
+def fold_calls(calls: Sequence[CallRows], plan: FoldPlan) -> torch.Tensor:
+    """Every call's contribution, as a ``(calls, columns)`` float64 matrix in
+    :data:`COLUMNS` order. All calls share a device and a tier; ``plan`` comes from
+    :func:`fold_plan` for the same calls.
+
+    Value statistics cover finite tokens only: tokens holding NaN/inf count in
+    ``nonfinite`` and drop out of every max, count and sum. ``output_mismatch`` is left at
+    -inf; columns the sentinel tier does not measure keep their reduction identity.
+    Written for few, whole-vector ops (on the CPU each op costs microseconds whatever its
+    size): per-token rows are stacked and reduced per call together, and eps dominance,
+    monotonic in the variance, is derived from each call's smallest one.
+    """
+    inf, t = math.inf, plan.thresholds
+    # max |x| per token, NaN/inf exactly on tokens holding NaN/inf: (inputs[, outputs])
+    his, los = [c.hi for c in calls], [c.lo for c in calls]
+    if plan.aligned:  # every output token lines up with an input token: fold them together
+        his += [c.out_hi for c in calls]  # type: ignore[misc]
+        los += [c.out_lo for c in calls]  # type: ignore[misc]
+    g = 2 if plan.aligned else 1
+    absmax = _absmax(his, los, g)
+    peaks = [absmax.nan_to_num(-inf, -inf, -inf)]
+    summed = [torch.isfinite(absmax), peaks[0][:1] > t.fp16_limit]
+    if calls[0].full:
+        f = _cat([c.total for c in calls] + [c.norm for c in calls] + [c.spread for c in calls])
+        f = f.view(3, -1)
+        roots = f[1:] * plan.inv_sqrt_width  # RMS and sqrt(mean square or variance)
+        common = (f[0] * plan.inv_width).abs() / roots[0].clamp_min(1e-30)  # |mean| / RMS
+        peaks.append(torch.stack([roots[0], common]).nan_to_num(-inf, -inf, -inf))
+        lows = roots.nan_to_num(inf, inf, inf)
+        summed += [peaks[1][1:] > t.common_mode_tol, lows[1:] < plan.dominated_below,
+                   roots[:1].nan_to_num(0.0, 0.0, 0.0)]
+    # rows: finite (in[, out]), fp16 overflow[, common mode, eps dominated, RMS sum]
+    sums = plan.per_call(torch.cat(summed).float(), "sum")
+    # rows: max |x| (in[, out])[, RMS, common mode]
+    maxes = plan.per_call(torch.cat(peaks), "amax")
+    nonfinite = plan.n_in - sums[0]
+    if plan.aligned:
+        out_bad, out_absmax = plan.n_out - sums[1], maxes[1]
+    else:
+        out_bad, out_absmax = _outputs(calls, plan)
+    cols = dict(finite_tokens=sums[0], fp16_overflow_tokens=sums[g], nonfinite=nonfinite,
+                out_nonfinite=out_bad, absmax=maxes[0], out_absmax=out_absmax)
+    if calls[0].full:
+        rms_max = maxes[g].double()
+        rms_min, root_min = plan.per_call(lows, "amin")
+        ratio = (plan.eps / (root_min.square() + plan.eps)).nan_to_num(1.0)  # eps = s = 0: 1
+        cols.update(
+            stats_tokens=sums[0], common_mode_tokens=sums[g + 1],
+            eps_dominated_tokens=sums[g + 2], rms_sum=sums[g + 3], rms_max=rms_max,
+            rms_min=rms_min, common_mode_max=maxes[g + 1],
+            sumsq_max=rms_max * rms_max.abs() * plan.width,
+            eps_dominance=torch.where(sums[0] > 0, ratio, -inf),
+        )
+    # events: a non-finite token arrived in the input; or the output has one, the input none
+    score = (SCORE_BASE - calls[0].key) - plan.key_offset
+    cols["first_arrived_score"] = score * (nonfinite > 0)
+    cols["first_born_score"] = score * ((out_bad > 0) & (nonfinite == 0))
+    return torch.stack([cols.get(name, plan.identity[i]) for i, name in enumerate(COLUMNS)],
+                       1).double()
+
+
+def _cat(parts: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """Concatenate per-call vectors into one float32 vector (one op when the dtypes agree)."""
+    present = [p for p in parts if p is not None]
+    if len({p.dtype for p in present}) > 1:
+        present = [p.float() for p in present]
+    return torch.cat(present).float()
+
+
+def _absmax(his: list[torch.Tensor], los: list[torch.Tensor], groups: int = 1) -> torch.Tensor:
+    """``max(|hi|, |lo|)`` per token as ``(groups, tokens)``: ``his`` and ``los`` line
+    up, each holding ``groups`` equal-length runs of vectors (inputs, then outputs)."""
+    return _cat(his + los).view(2, groups, -1).abs().amax(0)
+
+
+def _outputs(calls: Sequence[CallRows], plan: FoldPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per call: output tokens holding NaN/inf and max |y| over the finite ones, for
+    outputs that do not line up with the inputs (missing or wrong-shaped)."""
+    outs = [c for c in calls if c.out_hi is not None]
+    if not outs:
+        return plan.identity[COLUMNS.index("out_nonfinite")], \
+            plan.identity[COLUMNS.index("out_absmax")]
+    absmax = _absmax([c.out_hi for c in outs], [c.out_lo for c in outs])  # type: ignore[misc]
+    bad = plan.per_call((~torch.isfinite(absmax)).float(), "sum", out=True)[0]
+    peak = plan.per_call(absmax.nan_to_num(-math.inf, -math.inf, -math.inf), "amax", out=True)
+    return bad, peak[0]
 
 
 def mismatch(out_tokens: torch.Tensor, ref_tokens: torch.Tensor) -> torch.Tensor:

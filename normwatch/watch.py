@@ -67,8 +67,7 @@ class Watch:
             raise ConfigError("'kernel' is 'triton' but Triton does not import here: install "
                               "triton, or use kernel='auto' or 'torch'")
         self._rt = Runtime(
-            Accumulator(len(pairs)),
-            Thresholds(c.fp16_limit, c.eps_tol, c.common_mode_tol),
+            Accumulator(len(pairs), Thresholds(c.fp16_limit, c.eps_tol, c.common_mode_tol)),
             count_eval=c.count_eval,
             kernel=c.kernel,
         )
@@ -88,6 +87,7 @@ class Watch:
         self._probes: dict[tuple[str, str], ProbeResult] = {}
         self._losses: list[tuple[int, torch.Tensor | float]] = []
         self._loss_warned = False
+        self._commit_failed = False
         self.step_count = 0
         self._interval_start = 1
         self.flushes = 0
@@ -106,7 +106,9 @@ class Watch:
         """
         self.step_count += 1
         self._record_loss(loss)
-        self._rt.accumulator.commit()
+        if self.config.early_warning and (self._early is not None or
+                                          self._rt.accumulator.on_cuda()):
+            self._commit()  # the early-warning peek reads the folded state every step
         early = self._early_check()
         rt = self._rt
         rt.step = self.step_count + 1
@@ -118,6 +120,17 @@ class Watch:
         if early or self.step_count % self.config.flush_every == 0:
             return self.flush()
         return None
+
+    def _commit(self) -> None:
+        """Fold the staged calls; a failure drops them with one warning, training goes on."""
+        try:
+            self._rt.accumulator.commit()
+        except Exception as exc:  # never take the training run down
+            if not self._commit_failed:
+                self._commit_failed = True
+                warnings.warn(f"normwatch: folding the step's statistics failed "
+                              f"({type(exc).__name__}: {exc}); those measurements are dropped, "
+                              "training continues", RuntimeWarning, stacklevel=3)
 
     def _early_check(self) -> bool:
         """Poll the last in-flight peek (no stall), launch the next; ``True``: flush now."""
@@ -139,6 +152,7 @@ class Watch:
         """Copy the interval's statistics to the host (the only sync), reset, run alarms."""
         if self._early is not None:
             self._early.reset()
+        self._commit()
         rows, extras = self._rt.accumulator.read(self._loss_tensors())
         snapshot = self._snapshot(rows, extras)
         self._rt.accumulator.reset()

@@ -63,8 +63,8 @@ def test_metrics_follow_the_flushes_and_counters_never_see_nan() -> None:
         model(torch.full((4, 8), float("nan"))).sum().backward()
         w.step(torch.tensor(float("nan")))
         second = samples(scrape(w.exporter.port))
-        assert second[("normwatch_nonfinite_values_total",
-                       (("layer", "norm"), ("rank", "0"), ("where", "input")))] == 32
+        assert second[("normwatch_nonfinite_tokens_total",
+                       (("layer", "norm"), ("rank", "0"), ("where", "input")))] == 4  # 4 tokens
         assert second[("normwatch_loss", (("rank", "0"),))] == 2.5  # last finite loss
         assert second[("normwatch_nonfinite_losses_total", (("rank", "0"),))] == 1
         assert all(math.isfinite(v) for v in second.values())

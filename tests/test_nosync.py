@@ -20,6 +20,7 @@ import torch
 
 import normwatch
 import normwatch.hooks
+from normwatch.stats import CallRows
 from normwatch.toymodel import TinyLM, lm_loss, synthetic_batch
 
 PACKAGE = str(Path(normwatch.__file__).parent)
@@ -77,9 +78,11 @@ def sync_trap(monkeypatch: pytest.MonkeyPatch) -> Iterator[SyncTrap]:
     yield trap
 
 
-def run(steps: int, nan_at: int | None = None) -> normwatch.Watch:
+def run(steps: int, nan_at: int | None = None, fold_in_hook: bool = False) -> normwatch.Watch:
     model = TinyLM(dim=32, depth=2)
     w = normwatch.watch(model, flush_every=4, output_check_every=1)
+    if fold_in_hook:  # every staged call folds at once: the fold runs outside flush()
+        w._rt.accumulator.max_staged_tokens = 1
     gen = torch.Generator().manual_seed(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for step in range(1, steps + 1):
@@ -92,25 +95,27 @@ def run(steps: int, nan_at: int | None = None) -> normwatch.Watch:
     return w
 
 
-def test_no_host_sync_between_flushes(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("fold_in_hook", [False, True])
+def test_no_host_sync_between_flushes(monkeypatch: pytest.MonkeyPatch,
+                                      fold_in_hook: bool) -> None:
     with sync_trap(monkeypatch) as trap:
-        w = run(steps=12, nan_at=6)
+        w = run(steps=12, nan_at=6, fold_in_hook=fold_in_hook)
     assert trap.violations == []
     assert w.flushes == 3
     assert any(a.kind == "nonfinite" for a in w.alarms)  # the NaN path was exercised
 
 
 def test_the_trap_catches_a_sync_in_the_hook(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = normwatch.hooks.call_stats
+    real = normwatch.hooks.reduce_call
 
-    def leaky(*args: Any, **kwargs: Any) -> torch.Tensor:
-        values = real(*args, **kwargs)
-        if float(values[0]) < 0:  # a host sync hidden in the hot path
+    def leaky(*args: Any, **kwargs: Any) -> CallRows:
+        call = real(*args, **kwargs)
+        if float(call.hi[0]) < 0:  # a host sync hidden in the hot path
             pass
-        return values
+        return call
 
     leaky.__code__ = leaky.__code__.replace(co_filename=normwatch.hooks.__file__)
-    monkeypatch.setattr(normwatch.hooks, "call_stats", leaky)
+    monkeypatch.setattr(normwatch.hooks, "reduce_call", leaky)
     with sync_trap(monkeypatch) as trap:
         run(steps=2)
     assert trap.violations and trap.violations[0] == "__float__ from hooks.py"

@@ -11,14 +11,14 @@ from normwatch.stats import (
     COLUMNS,
     SCORE_BASE,
     Thresholds,
-    call_stats,
+    fold_calls,
+    fold_plan,
     mismatch,
-    threshold_row,
+    reduce_call,
     token_view,
 )
 
-TH = threshold_row(Thresholds(fp16_limit=256.0, eps_tol=0.01, common_mode_tol=0.9),
-                   torch.device("cpu"))
+TH = Thresholds(fp16_limit=256.0, eps_tol=0.01, common_mode_tol=0.9)
 
 
 def reference(tokens: torch.Tensor, kind: str, eps: float) -> dict[str, float]:
@@ -41,16 +41,18 @@ def reference(tokens: torch.Tensor, kind: str, eps: float) -> dict[str, float]:
         fp16_overflow_tokens=float(sum(a > 256 for a in absmax)),
         eps_dominated_tokens=float(sum(r > 0.01 for r in ratio)),
         common_mode_tokens=float(sum(c > 0.9 for c in common)),
-        nonfinite=float((~torch.isfinite(x)).sum()),
+        nonfinite=float((~torch.isfinite(x)).any(1).sum()),  # tokens holding NaN/inf
     )
     return out
 
 
 def kernel(tokens: torch.Tensor, kind: str, eps: float, out: torch.Tensor | None = None,
-           key: float = 0.0) -> dict[str, float]:
-    values = call_stats(tokens, out, kind, eps, TH, key)  # type: ignore[arg-type]
-    assert values.dtype == torch.float64
-    return dict(zip(COLUMNS, values.tolist(), strict=True))
+           key: float = 0.0, full: bool = True) -> dict[str, float]:
+    """One call through the hook's reduction and the per-step fold."""
+    call = reduce_call(tokens, out, kind, eps, full, 0, key)  # type: ignore[arg-type]
+    values = fold_calls([call], fold_plan([call], TH))
+    assert values.dtype == torch.float64 and values.shape == (1, len(COLUMNS))
+    return dict(zip(COLUMNS, values[0].tolist(), strict=True))
 
 
 def hard_tokens(dtype: torch.dtype, d: int = 64) -> torch.Tensor:
@@ -96,7 +98,7 @@ def test_nonfinite_tokens_are_counted_and_excluded() -> None:
     tokens[2, 0] = float("inf")
     tokens[2, 1] = float("-inf")
     got = kernel(tokens, "rmsnorm", 1e-6)
-    assert got["nonfinite"] == 3
+    assert got["nonfinite"] == 2  # tokens holding NaN/inf, not elements
     assert got["finite_tokens"] == 2
     want = reference(tokens, "rmsnorm", 1e-6)
     assert got["absmax"] == pytest.approx(want["absmax"], rel=1e-6)
@@ -129,7 +131,7 @@ def test_output_statistics_and_first_event_scores() -> None:
     x = torch.randn(3, 2)
     y = torch.tensor([[1.0, -5.0], [float("nan"), 2.0], [float("inf"), float("-inf")]])
     got = kernel(x, "rmsnorm", 1e-6, out=y, key=12345.0)
-    assert got["out_nonfinite"] == 3 and math.isnan(got["out_absmax"])
+    assert got["out_nonfinite"] == 2 and got["out_absmax"] == 5.0  # max over finite tokens
     assert got["first_arrived_score"] == 0  # input finite: nothing arrived
     assert got["first_born_score"] == SCORE_BASE - 12345.0  # born in the norm
     assert got["output_mismatch"] == -math.inf  # filled only by the output check
@@ -143,29 +145,80 @@ def test_output_statistics_and_first_event_scores() -> None:
     assert float(mismatch(out, ref)) == pytest.approx(0.1)
 
 
-def test_sentinel_vector_columns() -> None:
-    from normwatch.stats import sentinel_stats, sentinel_template
-
+def test_sentinel_tier_columns() -> None:
     x = torch.randn(5, 16)
     x[1, 3] = 400.0
     x[2, 0] = float("nan")
     y = torch.randn(5, 16)
     y[4, 4] = float("inf")
-    got = dict(zip(COLUMNS, sentinel_stats(x, y, 256.0, sentinel_template(x.device),
-                                           99.0).tolist(), strict=True))
-    # a call holding NaN: one non-finite value (a lower bound), no finite tokens, no max
+    got = kernel(x, "rmsnorm", 1e-6, out=y, key=99.0, full=False)
+    # max |x| and non-finite flags per token: exact counts on every step
     assert (got["finite_tokens"], got["fp16_overflow_tokens"], got["nonfinite"],
-            got["out_nonfinite"]) == (0, 0, 1, 1)
-    assert got["absmax"] == -math.inf
+            got["out_nonfinite"]) == (4, 1, 1, 1)
+    assert got["absmax"] == 400.0
+    assert got["out_absmax"] == pytest.approx(float(y[:4].abs().max()))
     assert got["first_arrived_score"] == SCORE_BASE - 99.0 and got["first_born_score"] == 0
-    born = dict(zip(COLUMNS, sentinel_stats(x[:2], y, 256.0, sentinel_template(x.device),
-                                            7.0).tolist(), strict=True))
-    assert born["first_born_score"] == SCORE_BASE - 7.0 and born["first_arrived_score"] == 0
     assert got["stats_tokens"] == 0 and got["rms_sum"] == 0  # full statistics not measured
     assert got["sumsq_max"] == -math.inf and got["rms_min"] == math.inf
-    clean = dict(zip(COLUMNS, sentinel_stats(x[:2], y[:2], 256.0, sentinel_template(x.device),
-                                             5.0).tolist(), strict=True))
+    assert got["eps_dominance"] == -math.inf and got["eps_dominated_tokens"] == 0
+    born = kernel(x[:2], "rmsnorm", 1e-6, out=y, key=7.0, full=False)  # 5 output tokens
+    assert born["first_born_score"] == SCORE_BASE - 7.0 and born["first_arrived_score"] == 0
+    assert born["out_nonfinite"] == 1
+    clean = kernel(x[:2], "rmsnorm", 1e-6, out=y[:2], key=5.0, full=False)
     assert clean["nonfinite"] == 0 and clean["first_arrived_score"] == 0
     assert (clean["finite_tokens"], clean["absmax"]) == (2, 400.0)
-    assert clean["out_absmax"] == pytest.approx(float(y[:2].abs().max()))
-    assert clean["fp16_overflow_tokens"] == 0  # per-token counts: full tier only
+
+
+KEY = 1 << 20
+Spec = tuple[torch.Tensor, "torch.Tensor | None", str, float, float]
+
+
+def calls_for_fold(uniform: bool) -> list[Spec]:
+    """Calls of four layers: token counts, widths, eps, kinds, keys and values differ."""
+    g = torch.Generator().manual_seed(3)
+    shapes = [(6, 32), (6, 8), (6, 32), (6, 64)] if uniform else [(6, 32), (3, 8), (1, 32),
+                                                                  (9, 64)]
+    specs: list[Spec] = []
+    for i, (n, d) in enumerate(shapes):
+        x = torch.randn(n, d, generator=g) * (10.0 ** (i - 1)) + (3.0 if i == 3 else 0.0)
+        y = torch.randn(n, d, generator=g)
+        if i == 1:
+            x[0, 2] = float("nan")
+        if i == 2:
+            y[0, 0] = float("inf")
+        specs.append((x, y, "rmsnorm" if i % 2 else "layernorm", [1e-5, 0.0, 1e-3, 1e-6][i],
+                      float(5 * KEY + i)))
+    return specs
+
+
+@pytest.mark.parametrize("full", [True, False])
+@pytest.mark.parametrize("uniform", [True, False])
+@pytest.mark.parametrize("outputs", ["aligned", "mixed"])
+def test_fold_of_many_calls_matches_each_call_alone(full: bool, uniform: bool,
+                                                    outputs: str) -> None:
+    specs = calls_for_fold(uniform)
+    if outputs == "mixed":  # a missing and a wrong-shaped output: outputs folded apart
+        specs[0] = (specs[0][0], None, *specs[0][2:])
+        y3 = specs[3][1]
+        assert y3 is not None
+        specs[3] = (specs[3][0], y3[:, :5], *specs[3][2:])
+    calls = [reduce_call(x, y, kind, eps, full, row, key)  # type: ignore[arg-type]
+             for row, (x, y, kind, eps, key) in enumerate(specs)]
+    plan = fold_plan(calls, TH)
+    assert bool(plan.uniform) == uniform and plan.aligned == (outputs == "aligned")
+    together = fold_calls(calls, plan)
+    for i, call in enumerate(calls):
+        alone = fold_calls([call], fold_plan([call], TH))[0]
+        assert together[i].tolist() == pytest.approx(alone.tolist(), rel=1e-6), i
+        want = reference(specs[i][0], specs[i][2], specs[i][3])
+        got = dict(zip(COLUMNS, together[i].tolist(), strict=True))
+        for key in ("finite_tokens", "nonfinite", "absmax", "fp16_overflow_tokens"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5), (i, key)
+        if full:
+            for key in ("rms_max", "rms_min", "rms_sum", "eps_dominance", "sumsq_max",
+                        "common_mode_max", "eps_dominated_tokens", "common_mode_tokens"):
+                assert got[key] == pytest.approx(want[key], rel=1e-4), (i, key)
+    got = dict(zip(COLUMNS, together[1].tolist(), strict=True))
+    assert got["nonfinite"] == 1 and got["first_arrived_score"] == SCORE_BASE - (5 * KEY + 1)
+    born = dict(zip(COLUMNS, together[2].tolist(), strict=True))
+    assert born["first_born_score"] == SCORE_BASE - (5 * KEY + 2)

@@ -4,12 +4,16 @@ without stalls, and a memory soak."""
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
+from functools import partial
 
+import pytest
 import torch
 from torch import nn
 
 import normwatch
 from normwatch.early import EarlyWarning
+from normwatch.stats import CHUNK_ELEMENTS, reduce_call
 from normwatch.toymodel import TinyLM, lm_loss, synthetic_batch
 
 
@@ -17,29 +21,34 @@ def test_sentinel_steps_still_catch_overflow_and_nan() -> None:
     model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16))
     w = normwatch.watch(model, flush_every=3, stats_every=3, report_dir=None)
     scales = [1.0, 500.0, 1.0]  # step 1: full; steps 2 and 3: sentinel
+    seen: list[torch.Tensor] = []
+    model[1].register_forward_hook(lambda m, args, out: seen.append(args[0].detach().double()))
     for scale in scales:
         model(torch.randn(4, 8) * scale).sum().backward()
         w.step()
+    over = sum(int((x.abs().amax(1) > 256).sum()) for x in seen)
+    assert over > 0
     model(torch.randn(4, 8)).sum().backward()  # step 4: full again
     snap = w.step()
     assert snap is None
     first = w.postmortem.history.records()[0].snapshot.layers["1"]
     assert (first.tokens, first.finite_tokens, first.stats_tokens) == (12, 12, 4)
     assert first.absmax is not None and first.absmax > 256  # seen on a sentinel step
-    assert first.fp16_overflow_tokens == 0  # per-token counts come from full steps only
+    assert first.fp16_overflow_tokens == over  # per-token max |x| on every step
     assert first.rms_mean is not None  # from the full step only
     nan = torch.full((4, 8), float("nan"))
     model(nan).sum().backward()  # step 5 (sentinel): NaN counted per token
     w.step()
     snap = w.step()  # step 6 ends the interval 4-6
     assert snap is not None
-    assert snap.layers["1"].nonfinite == 1  # sentinel: one per call holding NaN/inf
+    assert snap.layers["1"].nonfinite == 4  # sentinel: every token holding NaN/inf
     assert snap.first_nonfinite is not None and snap.first_nonfinite.step == 5
-    model(nan).sum().backward()  # step 7 (full): every element counted
+    model(nan).sum().backward()  # step 7 (full): the same count
     w.step()
     w.step()
     snap = w.step()
-    assert snap is not None and snap.layers["1"].nonfinite == 4 * 16  # 4 tokens x 16
+    assert snap is not None and snap.layers["1"].nonfinite == 4
+    assert snap.layers["1"].out_nonfinite == 4
 
 
 class FakeEvent:
@@ -108,3 +117,40 @@ def test_soak_2000_steps_memory_is_flat() -> None:
     (rss_a, tensors_a), (rss_b, tensors_b) = samples[300], samples[2000]
     assert tensors_b == tensors_a, (tensors_a, tensors_b)
     assert rss_b - rss_a < 8 * 1024, (rss_a, rss_b)  # < 8 MiB drift over 1,700 steps
+
+
+def peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak of the bytes allocated and not yet freed while ``fn`` runs (CPU allocator,
+    from the profiler's memory events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    # an op's own allocations count from its start, its own frees from its end
+    moves = sorted((e.time_range.start if e.self_cpu_memory_usage > 0 else e.time_range.end,
+                    e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage)
+    live = peak = 0
+    for _, size in moves:
+        live += size
+        peak = max(peak, live)
+    return peak
+
+
+def test_peak_bytes_sees_temporaries() -> None:  # the measuring stick itself
+    x = torch.randn(1 << 20)
+    assert peak_bytes(lambda: torch.empty(1 << 20).add_(1)) >= 4 << 20
+    assert peak_bytes(lambda: (x - 1).sum()) >= 4 << 20  # an op's own output
+    assert peak_bytes(lambda: x.half().sum(dtype=torch.float32)) >= 2 << 20
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+def test_transient_memory_per_call_is_a_few_floats_per_token(dtype: torch.dtype,
+                                                            kind: str) -> None:
+    x = torch.randn(8192, 1024).to(dtype)  # 8192 tokens: 16-32 MiB of activation
+    activation = x.numel() * x.element_size()
+    for full in (True, False):
+        peak = peak_bytes(partial(reduce_call, x, x, kind, 1e-5, full, 0, 1.0))
+        # two chunk temporaries at most, plus ~16 floats of results per token
+        assert peak <= 2 * CHUNK_ELEMENTS * 4 + 16 * 4 * x.shape[0], (full, peak)
+        assert peak < activation / 4

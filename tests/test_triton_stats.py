@@ -12,7 +12,7 @@ from torch import nn
 pytest.importorskip("triton")
 
 import normwatch
-from normwatch.stats import COLUMNS, Thresholds, call_stats, threshold_row
+from normwatch.stats import COLUMNS, Thresholds, fold_calls, fold_plan, reduce_call, rows_from_fused
 from normwatch.triton_stats import ROW_COLUMNS, row_stats_torch, row_stats_triton
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -80,9 +80,11 @@ def test_bad_shapes_are_rejected_clearly() -> None:
 def test_fused_and_torch_paths_fold_to_the_same_statistics(kind: str) -> None:
     x = hard(6, 256, torch.bfloat16).to(DEVICE)
     y = torch.randn(6, 256, device=DEVICE).to(torch.bfloat16)
-    th = threshold_row(Thresholds(), DEVICE)
-    a = call_stats(x, y, kind, 1e-5, th, 42.0)  # type: ignore[arg-type]
-    b = call_stats(x, y, kind, 1e-5, th, 42.0, rows=row_stats_triton(x, y))  # type: ignore[arg-type]
+    y[5, 3] = float("inf")
+    plain = reduce_call(x, y, kind, 1e-5, True, 0, 42.0)  # type: ignore[arg-type]
+    fused = rows_from_fused(row_stats_triton(x, y), kind, 1e-5, x.shape[1], True,  # type: ignore[arg-type]
+                            0, 42.0)
+    a, b = (fold_calls([c], fold_plan([c], Thresholds()))[0] for c in (plain, fused))
     for name, va, vb in zip(COLUMNS, a.tolist(), b.tolist(), strict=True):
         assert va == pytest.approx(vb, rel=1e-4, abs=1e-6), name
 
@@ -108,3 +110,32 @@ def test_watch_with_the_fused_kernel_agrees_with_torch() -> None:
             assert getattr(g, field) == pytest.approx(getattr(w, field), rel=1e-4), field
         assert (g.tokens, g.nonfinite, g.out_nonfinite) == (w.tokens, w.nonfinite,
                                                             w.out_nonfinite)
+
+
+class HalfOut(nn.Module):
+    """A norm with a wrong-shaped output (half the features): measured apart."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.eps = 1e-6
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return y[..., : x.shape[-1] // 2] * 3
+
+
+def test_fused_kernel_with_a_wrong_shaped_output_agrees_with_torch() -> None:
+    normwatch.register_norm(HalfOut, kind="rmsnorm")
+    model = nn.Sequential(nn.Linear(8, 32), HalfOut(32)).to(DEVICE)
+    x = torch.randn(6, 8, device=DEVICE)
+    got = {}
+    for kernel in ("triton", "torch"):
+        w = normwatch.watch(model, kernel=kernel, stats_every=1, report_dir=None)
+        model(x).sum().backward()
+        got[kernel] = w.flush().layers["1"]
+        w.close()
+    fused, plain = got["triton"], got["torch"]
+    assert fused.out_absmax == pytest.approx(plain.out_absmax, rel=1e-5)
+    assert fused.out_absmax is not None and fused.out_absmax > 0
+    assert (fused.finite_tokens, fused.out_nonfinite) == (plain.finite_tokens, 0) == (6, 0)

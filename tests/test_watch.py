@@ -158,7 +158,7 @@ def test_hook_failure_disables_that_hook_with_one_warning(monkeypatch: pytest.Mo
     w = normwatch.watch(model)
     import normwatch.hooks as hooks
 
-    real = hooks.call_stats
+    real = hooks.reduce_call
 
     def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
         if broken.calls == 0:  # type: ignore[attr-defined]
@@ -167,7 +167,7 @@ def test_hook_failure_disables_that_hook_with_one_warning(monkeypatch: pytest.Mo
         return real(*args, **kwargs)
 
     broken.calls = 0  # type: ignore[attr-defined]
-    monkeypatch.setattr(hooks, "call_stats", broken)
+    monkeypatch.setattr(hooks, "reduce_call", broken)
     with pytest.warns(RuntimeWarning, match="measuring 'blocks.0.norm1' failed") as record:
         train(model, w, steps=3)
     assert sum("failed" in str(r.message) for r in record) == 1
@@ -287,3 +287,39 @@ def test_set_step_continues_the_numbering_of_events() -> None:
     snap = w.step()
     assert snap is not None and (snap.first_step, snap.step) == (101, 101)
     assert snap.first_nonfinite is not None and snap.first_nonfinite.step == 101
+
+
+def test_a_failing_fold_drops_its_measurements_with_one_warning(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import normwatch.accumulator as accumulator
+
+    model = TinyLM(dim=32, depth=1)
+    w = normwatch.watch(model, flush_every=2, report_dir=None)
+    real = accumulator.fold_calls
+
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("fold exploded")
+
+    monkeypatch.setattr(accumulator, "fold_calls", broken)
+    with pytest.warns(RuntimeWarning, match="folding the step's statistics failed") as record:
+        train(model, w, steps=4)  # two flushes, two failed folds
+    assert sum("folding" in str(r.message) for r in record) == 1
+    assert w.flushes == 2 and w.disabled == {}
+    monkeypatch.setattr(accumulator, "fold_calls", real)
+    train(model, w, steps=2)
+    snap = w.last_snapshot
+    assert snap is not None and snap.layers["norm"].finite_tokens == 2 * 4 * 16
+
+
+def test_forward_only_loops_keep_staged_rows_bounded() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16)).eval()
+    w = normwatch.watch(model, count_eval=True, report_dir=None)
+    acc = w._rt.accumulator
+    acc.max_staged_tokens = 64
+    with torch.no_grad():
+        for _ in range(300):  # evaluation without watch.step(): folds as rows pile up
+            model(torch.randn(5, 8))
+            assert len(acc._staged) * 5 < 64
+    snap = w.flush()
+    assert (snap.layers["1"].calls, snap.layers["1"].tokens) == (300, 1500)
+    assert snap.layers["1"].finite_tokens == 1500
