@@ -1,7 +1,8 @@
 """The forward hook on one norm layer: the hot path.
 
-Per counted call it reduces the layer's input and output to a few numbers on their
-device and folds them into the accumulator, with no host synchronisation (no
+Per counted call it reduces the layer's input and output to a few floats per token on
+their device (:func:`normwatch.stats.reduce_call`, or the fused Triton kernel) and stages
+them in the accumulator, with no host synchronisation (no
 ``.item()``, ``.cpu()``, ``bool(tensor)``, masking or ``nonzero``). Host-side it only
 reads metadata (shapes, dtypes, flags). Any exception disables this hook with one
 warning; training goes on.
@@ -144,38 +145,37 @@ class LayerHook:
     def _observe(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], output: Any
     ) -> None:
+        # The common case first, in few lines: inside a training step every line of
+        # Python costs several times what it costs warm.
         x = args[0] if args and isinstance(args[0], torch.Tensor) else _first_tensor(args, kwargs)
-        if x is None:
-            return self._skip("no tensor argument")
-        if not x.is_floating_point():
-            return self._skip(f"non-floating-point input ({x.dtype})")
-        if x.is_meta:
-            return self._skip("meta-device input")
+        if x is None or not x.is_floating_point() or x.is_meta:
+            return self._skip(x)
         if not self._counted(module):
             return
         y = output if isinstance(output, torch.Tensor) else \
             _first_tensor(output if isinstance(output, tuple | list) else (output,), {})
-        # Detached inputs record no autograd graph: no no_grad() context needed.
-        self._measure(module, x.detach(), None if y is None else y.detach())
-
-    def _measure(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None) -> None:
+        # Detached tensors record no autograd graph: no no_grad() context needed.
+        x = x.detach()
+        y = None if y is None else y.detach()
         rt = self.rt
-        call_index = rt.calls_this_step
         n_tokens = 0
-        if x.numel() > 0:
+        if x.numel():
             tokens = self._tokens(x)
             n_tokens = tokens.shape[0]
             out = y if y is not None and y.is_floating_point() else None
-            key = float(rt.step * KEY_STRIDE + call_index)
+            key = float(rt.step * KEY_STRIDE + rt.calls_this_step)
             rt.accumulator.stage(self._reduce(tokens, x, out, key))
             if rt.check_outputs and out is not None:
                 self._check_output(module, x, out)
         # Host bookkeeping last, so a failed measurement leaves no half-counted call.
-        if self.layer.name not in rt.forward_order:
-            rt.forward_order[self.layer.name] = len(rt.forward_order)
         rt.calls_this_step += 1
-        self.counts.tokens += n_tokens
-        self._record_metadata(module, x, y)
+        c = self.counts
+        c.calls += 1
+        c.tokens += n_tokens
+        c.input_shape = x.shape
+        if c.calls == 1:
+            rt.forward_order.setdefault(self.layer.name, len(rt.forward_order))
+        self._record_dtypes(module, x, y)
 
     def _reduce(self, tokens: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None,
                 key: float) -> CallRows:
@@ -206,24 +206,28 @@ class LayerHook:
             err = mismatch(token_view(y, *self._view), token_view(ref, *self._view))
         self.rt.accumulator.update_mismatch(self.row, err.to(torch.float64))
 
-    def _record_metadata(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None) -> None:
-        c = self.counts
-        c.calls += 1
+    def _record_dtypes(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None) -> None:
         weight = getattr(module, "weight", None)
-        device = x.device
-        amp = (torch.get_autocast_dtype(device.type)
-               if torch.is_autocast_enabled(device.type) else None)
+        device_type = "cpu" if x.is_cpu else x.device.type
+        amp = (torch.get_autocast_dtype(device_type)
+               if torch.is_autocast_enabled(device_type) else None)
         signature = (x.dtype, weight.dtype if isinstance(weight, torch.Tensor) else None,
-                     None if y is None else y.dtype, amp, device)
+                     None if y is None else y.dtype, amp, device_type)
         if signature != self._signature:  # names are built only when something changed
             self._signature = signature
+            c = self.counts
             c.input_dtype, c.weight_dtype, c.output_dtype = (
                 None if d is None else _dtype_name(d) for d in signature[:3])
-            c.autocast = None if amp is None else f"{device.type}:{_dtype_name(amp)}"
-            c.device = device
-        c.input_shape = x.shape
+            c.autocast = None if amp is None else f"{device_type}:{_dtype_name(amp)}"
+            c.device = x.device
 
-    def _skip(self, why: str) -> None:
+    def _skip(self, x: torch.Tensor | None) -> None:
+        if x is None:
+            why = "no tensor argument"
+        elif x.is_meta:
+            why = "meta-device input"
+        else:
+            why = f"non-floating-point input ({x.dtype})"
         if why not in self._skipped:
             self._skipped.add(why)
             warnings.warn(f"normwatch: {self.layer.name!r} called with {why}; such calls are "

@@ -296,8 +296,8 @@ def fold_calls(calls: Sequence[CallRows], plan: FoldPlan) -> torch.Tensor:
         los += [c.out_lo for c in calls]  # type: ignore[misc]
     g = 2 if plan.aligned else 1
     absmax = _absmax(his, los, g)
-    peaks = [absmax.nan_to_num(-inf, -inf, -inf)]
-    summed = [torch.isfinite(absmax), peaks[0][:1] > t.fp16_limit]
+    peaks = [absmax.nan_to_num(-inf, -inf, -inf)]  # max |x| >= 0: -inf marks NaN/inf
+    summed = [peaks[0] >= 0, peaks[0][:1] > t.fp16_limit]
     if calls[0].full:
         f = _cat([c.total for c in calls] + [c.norm for c in calls] + [c.spread for c in calls])
         f = f.view(3, -1)
@@ -359,9 +359,9 @@ def _outputs(calls: Sequence[CallRows], plan: FoldPlan) -> tuple[torch.Tensor, t
         return plan.identity[COLUMNS.index("out_nonfinite")], \
             plan.identity[COLUMNS.index("out_absmax")]
     absmax = _absmax([c.out_hi for c in outs], [c.out_lo for c in outs])  # type: ignore[misc]
-    bad = plan.per_call((~torch.isfinite(absmax)).float(), "sum", out=True)[0]
-    peak = plan.per_call(absmax.nan_to_num(-math.inf, -math.inf, -math.inf), "amax", out=True)
-    return bad, peak[0]
+    absmax = absmax.nan_to_num(-math.inf, -math.inf, -math.inf)  # -inf marks NaN/inf
+    bad = plan.per_call((absmax < 0).float(), "sum", out=True)[0]
+    return bad, plan.per_call(absmax, "amax", out=True)[0]
 
 
 def mismatch(out_tokens: torch.Tensor, ref_tokens: torch.Tensor) -> torch.Tensor:
