@@ -5,7 +5,8 @@ Run: ``python tests/benchmarks/overhead.py [--rounds N] [--steps K]``.
 Every mode trains its own copy of the same model. Modes are interleaved round by round
 in one process, in a shuffled order, and each round's step time is divided by the
 unmonitored step time *of the same round*; the table reports the median of those
-paired ratios (noisy machines: medians, never single timings).
+paired ratios (noisy machines: medians, never single timings). A round runs each mode
+for one flush interval (10 steps), so every sample includes exactly one flush.
 """
 
 from __future__ import annotations
@@ -113,7 +114,9 @@ def table(rows: list[tuple[str, float, float]]) -> str:
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--steps", type=int, default=3, help="steps per mode per round")
+    # 10 steps = one flush interval at the default flush_every: every sample pays exactly
+    # one flush, so the median cannot skip the flushes
+    parser.add_argument("--steps", type=int, default=10, help="steps per mode per round")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
