@@ -16,7 +16,6 @@ import torch
 from normwatch.stats import (
     COLUMNS,
     MAX_COLUMNS,
-    MIN_COLUMNS,
     SUM_COLUMNS,
     CallRows,
     FoldPlan,
@@ -26,7 +25,7 @@ from normwatch.stats import (
     identity_row,
 )
 
-_N_SUM, _N_MAX, _N_MIN = len(SUM_COLUMNS), len(MAX_COLUMNS), len(MIN_COLUMNS)
+_N_SUM, _N_MAX = len(SUM_COLUMNS), len(MAX_COLUMNS)
 _MAX_END = _N_SUM + _N_MAX
 MISMATCH_COLUMN = COLUMNS.index("output_mismatch")
 
@@ -48,7 +47,7 @@ class Accumulator:
         self._blocks: dict[torch.device, torch.Tensor] = {}
         self._staged: list[CallRows] = []
         self._staged_tokens = 0
-        self._plans: dict[tuple[Any, ...], tuple[FoldPlan, torch.Tensor]] = {}
+        self._plans: dict[tuple[Any, ...], FoldPlan] = {}
 
     def stage(self, call: CallRows) -> None:
         """Queue one call's rows; no tensor op (the fold is a few dozen ops per step)."""
@@ -71,7 +70,8 @@ class Accumulator:
         self._staged = []
         self._staged_tokens = 0
         for (device, _), calls in groups.items():
-            plan, index = self._plan(device, calls)
+            plan = self._plan(device, calls)
+            index = plan.rows
             values = fold_calls(calls, plan)
             block = self._block(device)
             block[:, :_N_SUM].index_add_(0, index, values[:, :_N_SUM].to(block.dtype))
@@ -83,21 +83,17 @@ class Accumulator:
             lows = values[:, _MAX_END:].nan_to_num(inf, inf, -inf).to(block.dtype)
             block[:, _MAX_END:].scatter_reduce_(0, index[:, None].expand_as(lows), lows, "amin")
 
-    def _plan(self, device: torch.device,
-              calls: list[CallRows]) -> tuple[FoldPlan, torch.Tensor]:
-        """The fold's constant vectors and the call-to-row index, cached: the same forward
-        pass stages the same sequence of calls every step."""
+    def _plan(self, device: torch.device, calls: list[CallRows]) -> FoldPlan:
+        """The fold's constant vectors, cached: the same forward pass stages the same
+        sequence of calls every step."""
         key0 = calls[0].key
         signature = (device, calls[0].full, tuple(c.signature(key0) for c in calls))
-        cached = self._plans.get(signature)
-        if cached is None:
-            rows = [c.row for c in calls]
-            index = torch.cat([torch.full((1,), r, dtype=torch.int64, device=device)
-                               for r in rows])  # fill kernels: no host-to-device copy
+        plan = self._plans.get(signature)
+        if plan is None:
             if len(self._plans) >= 64:
                 self._plans.clear()
-            cached = self._plans[signature] = (fold_plan(calls, self.thresholds), index)
-        return cached
+            plan = self._plans[signature] = fold_plan(calls, self.thresholds)
+        return plan
 
     def _block(self, device: torch.device) -> torch.Tensor:
         block = self._blocks.get(device)

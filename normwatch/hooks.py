@@ -96,7 +96,6 @@ class LayerHook:
         self._token_ndim = len(layer.normalized_shape) if layer.normalized_shape else 1
         self._eps = 0.0 if math.isnan(layer.eps) else layer.eps
         self._signature: tuple[Any, ...] = ()
-        self._view = (layer.kind, self._token_ndim, layer.num_groups or 1)
         self._tokens = _last_dim_tokens if layer.kind in ("layernorm", "rmsnorm") and \
             self._token_ndim == 1 else partial(token_view, kind=layer.kind,
                                                token_ndim=self._token_ndim,
@@ -203,7 +202,7 @@ class LayerHook:
         if ref.shape != y.shape:
             err = torch.ones((), device=y.device)  # wrong-shaped output: fully wrong
         else:
-            err = mismatch(token_view(y, *self._view), token_view(ref, *self._view))
+            err = mismatch(self._tokens(y), self._tokens(ref))
         self.rt.accumulator.update_mismatch(self.row, err.to(torch.float64))
 
     def _record_dtypes(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None) -> None:

@@ -202,8 +202,9 @@ class FoldPlan:
     """The constant vectors of a fold, built once per distinct forward pass (by fill
     kernels: no host-to-device copy) and reused every step.
 
-    Per call (length ``calls``): ``n_in``/``n_out`` token counts, ``width``, ``eps`` and
-    ``key_offset`` (the key minus the first call's, float64). Per input token:
+    Per call (length ``calls``): ``rows`` (the layer's accumulator row, int64),
+    ``n_in``/``n_out`` token counts, ``width``, ``eps`` and ``key_offset`` (the key minus
+    the first call's, float64). Per input token:
     ``segment`` (its call), ``inv_width`` and ``inv_sqrt_width`` (1/w and 1/sqrt(w)) and
     ``dominated_below`` (eps dominates where sqrt of the mean square or variance is below
     it). ``out_segment``: the call of each output token.
@@ -216,6 +217,7 @@ class FoldPlan:
     aligned: bool
     """Whether every call's output has exactly its input's token count."""
     out_uniform: int
+    rows: torch.Tensor
     n_in: torch.Tensor
     n_out: torch.Tensor
     width: torch.Tensor
@@ -270,6 +272,7 @@ def fold_plan(calls: Sequence[CallRows], thresholds: Thresholds) -> FoldPlan:
         uniform=n_in[0] if len(set(n_in)) == 1 else 0,
         aligned=n_out == n_in,
         out_uniform=n_out[0] if len(set(n_out)) == 1 and n_out[0] else 0,
+        rows=runs([s[0] for s in sig], dtype=torch.int64),
         n_in=runs(n_in), n_out=runs(n_out), width=runs(width), eps=runs([s[4] for s in sig]),
         key_offset=runs([s[5] for s in sig], dtype=torch.float64),
         segment=runs(index, n_in, torch.int64),
