@@ -15,50 +15,43 @@ Its state (step count, loss baseline) rides in checkpoints.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
-from normwatch.config import WatchConfig
-from normwatch.metrics import flat_metrics
+from normwatch.export.crossrank import VerdictExchange
 from normwatch.watch import Watch
 
-_log = logging.getLogger("normwatch")
-BLAME_CODES = {"normalization": 1.0, "not_normalization": 2.0, "inconclusive": 3.0}
+from .common import on_flush, on_training_error, trainer_config, validate
 
 
 class NormWatchCallback(pl.Callback):
     """See the module docstring; keyword options are those of :func:`normwatch.watch`."""
 
     def __init__(self, **watch_options: Any) -> None:
-        WatchConfig.from_options(**watch_options)  # bad options fail here, not mid-run
-        self.options = dict(watch_options)
+        self.options = validate(watch_options)  # bad options fail here, not mid-run
         self.watch: Watch | None = None
-        self.remote_verdicts: list[tuple[int, str, int]] = []
-        """``(rank, blame, step)`` of verdicts reached on other ranks, learnt at flushes."""
+        self._exchange = VerdictExchange()
         self._pending_state: dict[str, Any] | None = None
         self._last_global_step = -1
-        self._verdicts_seen = 0
+
+    @property
+    def remote_verdicts(self) -> list[tuple[int, str, int]]:
+        """``(rank, blame, step)`` of verdicts reached on other ranks, learnt at flushes."""
+        return self._exchange.remote
 
     @property
     def state_key(self) -> str:
         return "NormWatchCallback"
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        options = dict(self.options)
-        every = getattr(trainer, "log_every_n_steps", 50)  # a property the stubs do not show
-        options.setdefault("flush_every", max(1, int(every)))
-        options.setdefault("rank", trainer.global_rank if trainer.world_size > 1 else None)
-        if trainer.global_rank != 0:
-            options["report_console"] = False
-        if options.get("prometheus_port") and trainer.world_size > 1:
-            options["prometheus_port"] += trainer.local_rank  # one port per rank on a node
-        elif _has_rich_bar(trainer):
-            options.setdefault("report_console", False)  # do not tear the live progress bar
+        config = trainer_config(
+            self.options, flush_every=getattr(trainer, "log_every_n_steps", 50),
+            rank=trainer.global_rank, world_size=trainer.world_size,
+            local_rank=trainer.local_rank, quiet=_has_rich_bar(trainer))
         model = trainer.strategy.model if trainer.strategy.model is not None else pl_module
-        self.watch = Watch(model, WatchConfig.from_options(**options))
+        self.watch = Watch(model, config)
         if self._pending_state is not None:
             self.watch.load_state_dict(self._pending_state)
             self._pending_state = None
@@ -73,37 +66,13 @@ class NormWatchCallback(pl.Callback):
         snapshot = watch.step(_loss(outputs))
         if snapshot is None:
             return
-        self._share_verdicts(trainer)
-        metrics = flat_metrics(snapshot, watch.alarms, len(watch.verdicts))
-        metrics["normwatch/remote_verdicts"] = float(len(self.remote_verdicts))
+        metrics = on_flush(watch, snapshot, self._exchange)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 
-    def _share_verdicts(self, trainer: pl.Trainer) -> None:
-        """One collective per flush: every rank learns of new verdicts on any rank."""
-        assert self.watch is not None
-        new = self.watch.verdicts[self._verdicts_seen:]
-        self._verdicts_seen = len(self.watch.verdicts)
-        if trainer.world_size <= 1:
-            return
-        code = BLAME_CODES.get(new[-1].blame, 0.0) if new else 0.0
-        device = trainer.strategy.root_device
-        mine = torch.tensor([float(len(new)), code], device=device)
-        gathered = trainer.strategy.all_gather(mine)
-        rows = gathered.reshape(-1, 2).cpu().tolist()  # at a flush: the one allowed sync
-        names = {v: k for k, v in BLAME_CODES.items()}
-        for rank, (count, blame) in enumerate(rows):
-            if rank != trainer.global_rank and count > 0:
-                self.remote_verdicts.append((rank, names.get(blame, "unknown"),
-                                             trainer.global_step))
-                _log.warning("[verdict] rank %d reached a verdict (%s) at step %d", rank,
-                             names.get(blame, "unknown"), trainer.global_step)
-
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
-        if self.watch is not None:
-            self.watch.report_exception(exception)
-            self.watch.close()
+        on_training_error(self.watch, exception)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.watch is not None:

@@ -10,40 +10,83 @@ The same behaviour as the Lightning callback through the Trainer's events: attac
 ``on_log``, and at each flush add flat ``normwatch/...`` metrics to the Trainer's
 ``state.log_history`` and to the next ``logs`` dict the callbacks after it receive.
 ``flush_every`` defaults to ``args.logging_steps``. Hooks are removed at ``on_train_end``.
+
+The Trainer has no exception event: at ``on_train_begin`` the callback finds the
+``Trainer`` that called it and wraps that instance's ``training_step`` (forward, loss
+and backward), so that an exception there writes a post-mortem and removes the hooks
+before it propagates. ``on_train_end`` restores the method.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import (
+    Trainer,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
 
-from normwatch.config import WatchConfig
-from normwatch.metrics import flat_metrics
+from normwatch.export.crossrank import VerdictExchange
 from normwatch.watch import Watch
+
+from .common import on_flush, on_training_error, trainer_config, validate
 
 
 class NormWatchTrainerCallback(TrainerCallback):
     """See the module docstring; keyword options are those of :func:`normwatch.watch`."""
 
     def __init__(self, **watch_options: Any) -> None:
-        WatchConfig.from_options(**watch_options)  # bad options fail here, not mid-run
-        self.options = dict(watch_options)
+        self.options = validate(watch_options)  # bad options fail here, not mid-run
         self.watch: Watch | None = None
+        self._exchange = VerdictExchange()
         self._pending: dict[str, float] = {}
+        self._trainer: Trainer | None = None
+
+    @property
+    def remote_verdicts(self) -> list[tuple[int, str, int]]:
+        """``(rank, blame, step)`` of verdicts reached on other ranks, learnt at flushes."""
+        return self._exchange.remote
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState,
                        control: TrainerControl, model: Any = None, **kwargs: Any) -> None:
         if model is None:
             return
-        options = dict(self.options)
         steps = args.logging_steps
-        options.setdefault("flush_every", max(1, int(steps)) if steps >= 1 else 10)
-        options.setdefault("rank", args.process_index if args.world_size > 1 else None)
-        if not state.is_world_process_zero:
-            options["report_console"] = False
-        self.watch = Watch(model, WatchConfig.from_options(**options))
+        config = trainer_config(
+            self.options, flush_every=int(steps) if steps >= 1 else 10,
+            rank=args.process_index, world_size=args.world_size,
+            local_rank=max(args.local_process_index, 0))
+        self.watch = Watch(model, config)
         self.watch.set_step(state.global_step)  # resuming: continue the step numbering
+        self._guard(_calling_trainer(self))
+
+    def _guard(self, trainer: Trainer | None) -> None:
+        """Wrap ``trainer.training_step`` so that an exception reaches the watch."""
+        if trainer is None:
+            return
+        step = trainer.training_step
+
+        @functools.wraps(step)
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return step(*args, **kwargs)
+            except BaseException as exc:
+                on_training_error(self.watch, exc)
+                self._release()
+                raise
+
+        trainer.training_step = training_step  # type: ignore[method-assign]
+        self._trainer = trainer
+
+    def _release(self) -> None:
+        if self._trainer is not None:
+            vars(self._trainer).pop("training_step", None)
+            self._trainer = None
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState,
                     control: TrainerControl, **kwargs: Any) -> None:
@@ -51,7 +94,7 @@ class NormWatchTrainerCallback(TrainerCallback):
             return
         snapshot = self.watch.step()
         if snapshot is not None:
-            metrics = flat_metrics(snapshot, self.watch.alarms, len(self.watch.verdicts))
+            metrics = on_flush(self.watch, snapshot, self._exchange)
             state.log_history.append({**metrics, "step": state.global_step})
             self._pending = metrics
 
@@ -67,6 +110,21 @@ class NormWatchTrainerCallback(TrainerCallback):
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState,
                      control: TrainerControl, **kwargs: Any) -> None:
+        self._release()
         if self.watch is not None:
             self.watch.flush()
             self.watch.close()
+
+
+def _calling_trainer(callback: TrainerCallback) -> Trainer | None:
+    """The ``Trainer`` up the call stack whose callbacks include ``callback``."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, Trainer) and callback in owner.callback_handler.callbacks:
+                return owner
+            frame = frame.f_back
+        return None
+    finally:
+        del frame

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from rich.console import Console
 
-from normwatch import __version__
+from normwatch._version import __version__
 
 
 def _positive_int(text: str) -> int:
@@ -23,7 +23,7 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (``--help`` on every subcommand)."""
-    from normwatch.demo import DEFAULT_FAULT, FAULTS
+    from normwatch.demos.demo import DEFAULT_FAULT, FAULTS
 
     parser = argparse.ArgumentParser(
         prog="normwatch",
@@ -67,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 120)
     if args.command == "demo":
-        from normwatch.demo import run_demo
+        from normwatch.demos.demo import run_demo
 
         run_demo(args.fault, steps=args.steps, seed=args.seed, console=console,
                  live=False if args.no_live else None, flush_every=args.flush_every,
@@ -81,9 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _report(path: str, html_out: str | None, console: Console) -> int:
     from pathlib import Path
 
-    from normwatch.console import ReportSummary
-    from normwatch.report import ReportError, load_report
-    from normwatch.report_html import render_html
+    from normwatch.report.console import ReportSummary
+    from normwatch.report.document import ReportError, load_report
+    from normwatch.report.html import render_html
 
     try:
         report = load_report(path)

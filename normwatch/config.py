@@ -17,15 +17,10 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from normwatch.errors import ConfigError
-
-if TYPE_CHECKING:
-    from normwatch.alarms import Alarm
-
-Severity = Literal["info", "warning", "critical"]
-SEVERITIES: tuple[Severity, ...] = ("info", "warning", "critical")
+from normwatch.records import SEVERITIES, Alarm, Limits, Severity
 
 
 @dataclass(frozen=True)
@@ -104,6 +99,12 @@ class WatchConfig:
     """TLS key for the metrics server."""
     prometheus_aggregate: bool = False
     """Across ranks: export the max/sum over all ranks (one collective per flush)."""
+
+    @property
+    def limits(self) -> Limits:
+        """The thresholds measurements are judged against."""
+        return Limits(self.fp16_limit, self.eps_tol, self.common_mode_tol,
+                      self.common_mode_fraction, self.output_tol)
 
     @classmethod
     def from_options(cls, **options: Any) -> WatchConfig:

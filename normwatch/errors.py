@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from normwatch.alarms import Alarm
+from normwatch.records import Alarm
 
 
 class ConfigError(ValueError):

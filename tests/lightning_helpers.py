@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from normwatch.toymodel import TinyLM, lm_loss, synthetic_batch
+from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
 
 
 class Tokens(Dataset[torch.Tensor]):

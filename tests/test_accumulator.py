@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from normwatch.accumulator import Accumulator
-from normwatch.stats import KEY_STRIDE, CallRows, Thresholds, reduce_call
+from normwatch.catalog import KEY_STRIDE
+from normwatch.measure.accumulator import Accumulator
+from normwatch.measure.reductions import CallRows, reduce_call
+from normwatch.records import Limits
 
 
 def some_calls(n: int) -> list[CallRows]:
@@ -22,8 +24,8 @@ def some_calls(n: int) -> list[CallRows]:
 
 
 def test_staging_beyond_the_cap_folds_early_with_the_same_result() -> None:
-    at_once = Accumulator(3, Thresholds(), max_staged_tokens=1 << 20)
-    capped = Accumulator(3, Thresholds(), max_staged_tokens=20)
+    at_once = Accumulator(3, Limits(), max_staged_tokens=1 << 20)
+    capped = Accumulator(3, Limits(), max_staged_tokens=20)
     for call in some_calls(30):
         at_once.stage(call)
         capped.stage(call)

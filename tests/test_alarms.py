@@ -11,9 +11,9 @@ from rich.console import Console
 from torch import nn
 
 import normwatch
-from normwatch.alarms import SEVERITY_RANK, Alarm
-from normwatch.demo import DemoResult, run_demo
-from normwatch.toymodel import NaiveRMSNorm, TinyLM, lm_loss, synthetic_batch
+from normwatch.demos.demo import DemoResult, run_demo
+from normwatch.demos.toymodel import NaiveRMSNorm, TinyLM, lm_loss, synthetic_batch
+from normwatch.records import SEVERITY_RANK, Alarm
 from tests.conftest import tiny_hf
 
 

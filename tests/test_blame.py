@@ -8,11 +8,10 @@ from dataclasses import replace
 
 from rich.console import Console
 
-from normwatch.alarms import Alarm
-from normwatch.blame import judge
-from normwatch.demo import DemoResult, run_demo
-from normwatch.history import Record
-from normwatch.snapshot import LayerStats, Snapshot
+from normwatch.demos.demo import DemoResult, run_demo
+from normwatch.judge.blame import judge
+from normwatch.judge.history import Record
+from normwatch.records import Alarm, LayerStats, Snapshot
 
 
 def drill(fault: str, steps: int = 200) -> DemoResult:

@@ -6,9 +6,8 @@ import io
 
 from rich.console import Console
 
-from normwatch.alarms import Alarm
-from normwatch.console import HealthTable, alarm_text
-from normwatch.snapshot import LayerStats, Snapshot
+from normwatch.records import Alarm, LayerStats, Snapshot
+from normwatch.report.console import HealthTable, alarm_text
 
 
 def stats(name: str, absmax: float, nonfinite: int = 0) -> LayerStats:
@@ -55,7 +54,7 @@ def test_alarm_line() -> None:
 
 
 def test_demo_live_table_on_a_terminal() -> None:
-    from normwatch.demo import run_demo
+    from normwatch.demos.demo import run_demo
 
     buf = io.StringIO()
     console = Console(file=buf, width=120, force_terminal=True, color_system="truecolor")

@@ -23,7 +23,7 @@ import torch
 import yaml
 
 import normwatch
-from normwatch.toymodel import TinyLM, lm_loss, synthetic_batch
+from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = json.loads((ROOT / "dashboards/grafana/normwatch.json").read_text())
@@ -61,13 +61,13 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     model = TinyLM(dim=32, depth=2).half()  # fp16 with a drift: alarms, spikes and NaN data
     w = normwatch.watch(model, flush_every=1, prometheus_port=0, report_dir=str(tmp / "r"),
                         report_console=False, run_id="live-run")
-    assert w.exporter is not None and w.exporter.port is not None
+    assert w.endpoint is not None and w.endpoint.port is not None
     prom_port = free_port()
     (tmp / "prometheus.yml").write_text(yaml.safe_dump({
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(ROOT / "dashboards/prometheus/alerts.yml")],
         "scrape_configs": [{"job_name": "normwatch", "static_configs": [
-            {"targets": [f"127.0.0.1:{w.exporter.port}"]}]}],
+            {"targets": [f"127.0.0.1:{w.endpoint.port}"]}]}],
     }))
     proc = subprocess.Popen(
         ["prometheus", f"--config.file={tmp / 'prometheus.yml'}",
@@ -90,7 +90,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             w.step(loss)
             time.sleep(0.1)
         assert _wait(base, "normwatch_step", 20)
-        yield {"base": base, "watch": w, "port": w.exporter.port, "tmp": tmp}
+        yield {"base": base, "watch": w, "port": w.endpoint.port, "tmp": tmp}
     finally:
         proc.terminate()
         proc.wait(timeout=30)

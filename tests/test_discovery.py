@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import normwatch
-from normwatch.discovery import clean_name
+from normwatch.measure.discovery import clean_name
 from tests.conftest import tiny_hf
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
@@ -44,11 +45,11 @@ def model_and_watch(**options: object) -> tuple[nn.Module, normwatch.Watch]:
 
 def test_metrics_follow_the_flushes_and_counters_never_see_nan() -> None:
     model, w = model_and_watch(run_id="run-a", stats_every=1)
-    assert w.exporter is not None and w.exporter.port
+    assert w.endpoint is not None and w.endpoint.port
     try:
         model(torch.randn(4, 8) * 300).sum().backward()
         w.step(torch.tensor(2.5))
-        first = samples(scrape(w.exporter.port))
+        first = samples(scrape(w.endpoint.port))
         layer = (("kind", "layernorm"), ("layer", "norm"), ("rank", "0"))
         assert first[("normwatch_layer_absmax", layer)] == pytest.approx(
             w.last_snapshot.layers["norm"].absmax)  # type: ignore[union-attr]
@@ -62,13 +63,13 @@ def test_metrics_follow_the_flushes_and_counters_never_see_nan() -> None:
                                                  ("severity", "critical")))] == 0
         model(torch.full((4, 8), float("nan"))).sum().backward()
         w.step(torch.tensor(float("nan")))
-        second = samples(scrape(w.exporter.port))
+        second = samples(scrape(w.endpoint.port))
         assert second[("normwatch_nonfinite_tokens_total",
                        (("layer", "norm"), ("rank", "0"), ("where", "input")))] == 4  # 4 tokens
         assert second[("normwatch_loss", (("rank", "0"),))] == 2.5  # last finite loss
         assert second[("normwatch_nonfinite_losses_total", (("rank", "0"),))] == 1
         assert all(math.isfinite(v) for v in second.values())
-        info = next(f for f in text_string_to_metric_families(scrape(w.exporter.port))
+        info = next(f for f in text_string_to_metric_families(scrape(w.endpoint.port))
                     if f.name in ("normwatch", "normwatch_info"))
         assert info.samples[0].labels["run_id"] == "run-a"
     finally:
@@ -77,9 +78,9 @@ def test_metrics_follow_the_flushes_and_counters_never_see_nan() -> None:
 
 def test_binds_to_loopback_and_stops_on_close() -> None:
     _, w = model_and_watch()
-    assert w.exporter is not None and w.exporter.server is not None
-    assert w.exporter.server.server_address[0] == "127.0.0.1"
-    port = w.exporter.port
+    assert w.endpoint is not None and w.endpoint.server is not None
+    assert w.endpoint.server.server_address[0] == "127.0.0.1"
+    port = w.endpoint.port
     assert port is not None and "normwatch_step" in scrape(port)
     w.close()
     with pytest.raises(urllib.error.URLError):
@@ -116,12 +117,12 @@ def test_tls_options_pass_through(tmp_path: Path) -> None:
                    check=True, capture_output=True)
     _, w = model_and_watch(prometheus_certfile=str(cert), prometheus_keyfile=str(key))
     try:
-        assert w.exporter is not None and w.exporter.port is not None
+        assert w.endpoint is not None and w.endpoint.port is not None
         context = ssl.create_default_context(cafile=str(cert))
         context.check_hostname = False
-        assert "normwatch_step" in scrape(w.exporter.port, "https", context)
+        assert "normwatch_step" in scrape(w.endpoint.port, "https", context)
         with pytest.raises(OSError):  # plain HTTP is refused (reset or URLError)
-            scrape(w.exporter.port)
+            scrape(w.endpoint.port)
     finally:
         w.close()
 
@@ -134,11 +135,12 @@ def _aggregate_worker(rank: int, world: int, init: str, out: str) -> None:
     model, w = model_and_watch(prometheus_aggregate=True, prometheus_port=None, rank=rank)
     model(torch.randn(4, 8) * (10 if rank == 1 else 1)).sum().backward()
     snap = w.step()
-    assert snap is not None and w.exporter is not None
+    assert snap is not None and w.endpoint is None
+    registry = CollectorRegistry()
+    registry.register(w.collector)
     text = "".join(
         f"{s.name} {s.labels.get('layer', '')} {s.value}\n"
-        for f in text_string_to_metric_families(
-            __import__("prometheus_client").generate_latest(w.exporter.registry).decode())
+        for f in text_string_to_metric_families(generate_latest(registry).decode())
         for s in f.samples if s.name in ("normwatch_layer_absmax", "normwatch_tokens_total"))
     Path(out, f"rank{rank}.txt").write_text(f"{snap.layers['norm'].absmax}\n{text}")
     w.close()

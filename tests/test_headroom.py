@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from normwatch.headroom import steps_to_limit
+from normwatch.judge.headroom import steps_to_limit
 
 
 def test_exponential_growth_is_forecast() -> None:

@@ -18,7 +18,7 @@ from lightning.pytorch.loggers import CSVLogger
 from normwatch.integrations.lightning import NormWatchCallback
 
 import normwatch
-from normwatch.report import load_report
+from normwatch.report.document import load_report
 from tests.lightning_helpers import LitLM
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import normwatch
-import normwatch.hooks
-from normwatch.stats import CallRows
-from normwatch.toymodel import TinyLM, lm_loss, synthetic_batch
+import normwatch.measure.hooks
+from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
+from normwatch.measure.reductions import CallRows
 
 PACKAGE = str(Path(normwatch.__file__).parent)
 METHODS = ["item", "cpu", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__",
@@ -82,7 +82,7 @@ def run(steps: int, nan_at: int | None = None, fold_in_hook: bool = False) -> no
     model = TinyLM(dim=32, depth=2)
     w = normwatch.watch(model, flush_every=4, output_check_every=1)
     if fold_in_hook:  # every staged call folds at once: the fold runs outside flush()
-        w._rt.accumulator.max_staged_tokens = 1
+        w._measure.accumulator.max_staged_tokens = 1
     gen = torch.Generator().manual_seed(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for step in range(1, steps + 1):
@@ -115,7 +115,7 @@ def test_the_trap_catches_a_sync_in_the_hook(monkeypatch: pytest.MonkeyPatch) ->
         return call
 
     leaky.__code__ = leaky.__code__.replace(co_filename=normwatch.hooks.__file__)
-    monkeypatch.setattr(normwatch.hooks, "reduce_call", leaky)
+    monkeypatch.setattr(normwatch.measure.hooks, "reduce_call", leaky)
     with sync_trap(monkeypatch) as trap:
         run(steps=2)
     assert trap.violations and trap.violations[0] == "__float__ from hooks.py"

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 import normwatch
-from normwatch.probe import probe_fp16_safety
-from normwatch.toymodel import NaiveRMSNorm
+from normwatch.demos.toymodel import NaiveRMSNorm
+from normwatch.measure.probe import probe_fp16_safety
 
 
 class SumSquaresNorm(nn.Module):

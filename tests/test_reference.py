@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import normwatch
-from normwatch.reference import expected_output, layer_norm, rms_norm
+from normwatch.measure.reference import expected_output, layer_norm, rms_norm
 
 
 def test_worked_values_from_the_design() -> None:

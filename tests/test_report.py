@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 import normwatch
-from normwatch.report import ReportError, load_report
-from normwatch.report_html import render_html
+from normwatch.report.document import ReportError, load_report
+from normwatch.report.html import render_html
 
 SCRIPT = Path(sys.executable).parent / "normwatch"
 
@@ -140,7 +140,7 @@ def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     from PIL import Image, ImageStat
     from rich.console import Console
 
-    from normwatch.demo import run_demo
+    from normwatch.demos.demo import run_demo
 
     result = run_demo("fp16-overflow", console=Console(file=io.StringIO()), live=False,
                       report_dir=str(tmp_path / "reports"))

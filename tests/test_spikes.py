@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from normwatch.spikes import SpikeDetector
+from normwatch.judge.spikes import SpikeDetector
 
 
 def noisy(n: int, seed: int = 0, start: float = 4.0) -> list[float]:

@@ -7,18 +7,17 @@ import math
 import pytest
 import torch
 
-from normwatch.stats import (
-    COLUMNS,
-    SCORE_BASE,
-    Thresholds,
+from normwatch.catalog import COLUMNS, SCORE_BASE
+from normwatch.measure.reductions import (
     fold_calls,
     fold_plan,
     mismatch,
     reduce_call,
     token_view,
 )
+from normwatch.records import Limits
 
-TH = Thresholds(fp16_limit=256.0, eps_tol=0.01, common_mode_tol=0.9)
+TH = Limits(fp16_limit=256.0, eps_tol=0.01, common_mode_tol=0.9)
 
 
 def reference(tokens: torch.Tensor, kind: str, eps: float) -> dict[str, float]:

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 import normwatch
-from normwatch.early import EarlyWarning
-from normwatch.stats import CHUNK_ELEMENTS, reduce_call
-from normwatch.toymodel import TinyLM, lm_loss, synthetic_batch
+from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
+from normwatch.measure.early import EarlyWarning
+from normwatch.measure.reductions import CHUNK_ELEMENTS, reduce_call
 
 
 def test_sentinel_steps_still_catch_overflow_and_nan() -> None:

@@ -12,8 +12,15 @@ from torch import nn
 pytest.importorskip("triton")
 
 import normwatch
-from normwatch.stats import COLUMNS, Thresholds, fold_calls, fold_plan, reduce_call, rows_from_fused
-from normwatch.triton_stats import ROW_COLUMNS, row_stats_torch, row_stats_triton
+from normwatch.catalog import COLUMNS
+from normwatch.measure.reductions import (
+    fold_calls,
+    fold_plan,
+    reduce_call,
+    rows_from_fused,
+)
+from normwatch.measure.triton_kernel import ROW_COLUMNS, row_stats_torch, row_stats_triton
+from normwatch.records import Limits
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -84,7 +91,7 @@ def test_fused_and_torch_paths_fold_to_the_same_statistics(kind: str) -> None:
     plain = reduce_call(x, y, kind, 1e-5, True, 0, 42.0)  # type: ignore[arg-type]
     fused = rows_from_fused(row_stats_triton(x, y), kind, 1e-5, x.shape[1], True,  # type: ignore[arg-type]
                             0, 42.0)
-    a, b = (fold_calls([c], fold_plan([c], Thresholds()))[0] for c in (plain, fused))
+    a, b = (fold_calls([c], fold_plan([c], Limits()))[0] for c in (plain, fused))
     for name, va, vb in zip(COLUMNS, a.tolist(), b.tolist(), strict=True):
         assert va == pytest.approx(vb, rel=1e-4, abs=1e-6), name
 

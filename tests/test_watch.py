@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import normwatch
-from normwatch.toymodel import TinyLM, lm_loss, synthetic_batch
+from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
 from tests.conftest import tiny_hf
 
 
@@ -156,7 +156,7 @@ def test_close_restores_the_model_exactly() -> None:
 def test_hook_failure_disables_that_hook_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
     model = TinyLM(dim=32, depth=1)
     w = normwatch.watch(model)
-    import normwatch.hooks as hooks
+    import normwatch.measure.hooks as hooks
 
     real = hooks.reduce_call
 
@@ -291,7 +291,7 @@ def test_set_step_continues_the_numbering_of_events() -> None:
 
 def test_a_failing_fold_drops_its_measurements_with_one_warning(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import normwatch.accumulator as accumulator
+    import normwatch.measure.accumulator as accumulator
 
     model = TinyLM(dim=32, depth=1)
     w = normwatch.watch(model, flush_every=2, report_dir=None)
@@ -314,7 +314,7 @@ def test_a_failing_fold_drops_its_measurements_with_one_warning(
 def test_forward_only_loops_keep_staged_rows_bounded() -> None:
     model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16)).eval()
     w = normwatch.watch(model, count_eval=True, report_dir=None)
-    acc = w._rt.accumulator
+    acc = w._measure.accumulator
     acc.max_staged_tokens = 64
     with torch.no_grad():
         for _ in range(300):  # evaluation without watch.step(): folds as rows pile up

@@ -18,7 +18,7 @@ import sys
 import torch
 
 import normwatch
-from normwatch.triton_stats import row_stats_triton
+from normwatch.measure.triton_kernel import row_stats_triton
 
 
 def time_cuda(fn, repeat: int = 50) -> float:  # type: ignore[no-untyped-def]

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from normwatch.discovery import NormLayer
+from normwatch.records import NormLayer
 
 
 def rms_norm(x: torch.Tensor, eps: float, token_ndim: int = 1) -> torch.Tensor:

@@ -14,34 +14,20 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
 
-from normwatch.discovery import NormLayer
-from normwatch.reference import expected_output
-from normwatch.stats import token_view
+from normwatch.measure.reductions import token_view
+from normwatch.measure.reference import expected_output
+from normwatch.records import FP16_MAX, LayerStats, NormLayer, ProbeResult, Snapshot
 
-FP16_MAX = 65504.0
+ProbeTarget = tuple[tuple[int, ...] | None, torch.device | None]
+"""A layer's last input shape and device (``None`` before its first counted call)."""
+
 PROBE_VALUE = 300.0
-
-
-@dataclass(frozen=True)
-class ProbeResult:
-    """Outcome of probing one layer in one dtype; ``None`` fields mean unknown."""
-
-    dtype: str
-    element_safe: bool | None
-    sum_safe: bool | None
-    detail: str = ""
-
-    @property
-    def safe(self) -> bool | None:
-        """Safe against both probes (``None`` if either is unknown)."""
-        if self.element_safe is None or self.sum_safe is None:
-            return None
-        return self.element_safe and self.sum_safe
 
 
 def probe_shape(layer: NormLayer, input_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -109,3 +95,40 @@ def _passes(
         err = torch.linalg.vector_norm(out.float() - expected)
         scale = torch.linalg.vector_norm(expected).clamp_min(1e-6)
         return bool(err / scale < 0.05)
+
+
+class ProbeCache:
+    """Probe results per layer and dtype, each layer probed at most once per dtype.
+
+    Only layers of an fp16 run whose inputs came near the limits are worth a probe
+    (:meth:`wanted`); ``paused`` is a context in which the watch's hooks stand aside while
+    the probe runs its copy of the layer.
+    """
+
+    def __init__(self, paused: Callable[[], AbstractContextManager[object]]) -> None:
+        self._paused = paused
+        self._results: dict[tuple[str, str], ProbeResult] = {}
+
+    @staticmethod
+    def wanted(stats: LayerStats, fp16_limit: float) -> bool:
+        """Whether the interval's statistics make the layer's fp16 safety matter."""
+        big = (stats.absmax or 0.0) > fp16_limit or (stats.sumsq_max or 0.0) > FP16_MAX
+        return stats.seen and stats.fp16 and big
+
+    def results(self, snapshot: Snapshot, fp16_limit: float,
+                targets: Iterator[tuple[NormLayer, nn.Module, ProbeTarget]]
+                ) -> dict[str, ProbeResult]:
+        """Probe (once) every wanted layer; ``targets`` yields each layer, its module and
+        where its last input lived."""
+        out: dict[str, ProbeResult] = {}
+        for layer, module, (shape, device) in targets:
+            if shape is None or device is None or \
+                    not self.wanted(snapshot.layers[layer.name], fp16_limit):
+                continue
+            key = (layer.name, "float16")
+            if key not in self._results:
+                with self._paused():
+                    self._results[key] = probe_fp16_safety(layer, module, tuple(shape),
+                                                           torch.float16, device)
+            out[layer.name] = self._results[key]
+        return out

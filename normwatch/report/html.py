@@ -3,9 +3,9 @@
     >>> html = render_html(load_report(folder))
 
 Verdict and evidence first; then max |x| per layer over steps as a heatmap against the
-fp16 limit and as lines against the 256 line, the loss with spike and NaN markers, the
-depth profile of RMS across layers, eps dominance per layer, the alarms and the
-environment. Every string taken from the report is HTML-escaped.
+fp16 limit and as lines against it (the limit ``report.json`` recorded), the loss with
+spike and NaN markers, the depth profile of RMS across layers, eps dominance per layer,
+the alarms and the environment. Every string taken from the report is HTML-escaped.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from html import escape
 from typing import Any
 
-from normwatch.report import number
+from normwatch.records import Limits
+from normwatch.report.document import number, report_limits
 
-FP16_LIMIT = 256.0
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
            "#7f7f7f", "#bcbd22", "#17becf")
 BLAME_COLOURS = {"normalization": "#c62828", "not_normalization": "#2e7d32",
@@ -36,6 +36,7 @@ svg text{font:11px system-ui,sans-serif} .muted{color:#777}
 def render_html(report: dict[str, Any]) -> str:
     """The whole page (see the module docstring)."""
     layers = report.get("layers") or []
+    limit = report_limits(report).fp16_limit
     parts = [
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
         "<meta name='viewport' content='width=device-width,initial-scale=1'>",
@@ -47,8 +48,9 @@ def render_html(report: dict[str, Any]) -> str:
         + (f" · rank {escape(str(report['rank']))}" if report.get("rank") is not None else "")
         + "</div>",
         _verdict(report.get("verdict"), report.get("first_nonfinite")),
-        "<h2>max |x| per layer over steps (heatmap, x / 256)</h2>", heatmap(layers),
-        "<h2>max |x| per layer against the fp16 limit</h2>", absmax_lines(layers),
+        f"<h2>max |x| per layer over steps (heatmap, x / {limit:g})</h2>",
+        heatmap(layers, limit),
+        "<h2>max |x| per layer against the fp16 limit</h2>", absmax_lines(layers, limit),
         "<h2>loss</h2>", loss_chart(report.get("loss_history") or [], report.get("spikes") or []),
         "<h2>depth profile: RMS across layers (last finite flush)</h2>", depth_profile(layers),
         "<h2>eps dominance per layer (max eps / (s + eps))</h2>", eps_bars(layers),
@@ -88,8 +90,9 @@ def _verdict(verdict: dict[str, Any] | None, first: dict[str, Any] | None) -> st
     return "".join(rows)
 
 
-def heatmap(layers: Sequence[dict[str, Any]], width: int = 1040) -> str:
-    """Layers (rows, forward order) by flush steps (columns), coloured by max |x| / 256."""
+def heatmap(layers: Sequence[dict[str, Any]], limit: float = Limits.fp16_limit,
+            width: int = 1040) -> str:
+    """Layers (rows, forward order) by flush steps (columns), coloured by max |x| / limit."""
     steps = sorted({h["step"] for layer in layers for h in layer.get("history", [])})[-120:]
     if not steps or not layers:
         return "<p class='muted'>no data</p>"
@@ -107,25 +110,28 @@ def heatmap(layers: Sequence[dict[str, Any]], width: int = 1040) -> str:
                 continue
             value = number(h.get("absmax"))
             x = label_w + col[h["step"]] * cell_w
-            out.append(f"<rect x='{x:.1f}' y='{y}' width='{cell_w + 0.3:.1f}' height='{row_h - 1}'"
-                       f" fill='{_heat(value)}'><title>{escape(str(layer.get('name')))} step "
-                       f"{h['step']}: max |x| = {_fmt(value)}</title></rect>")
+            out.append(f"<rect x='{x:.1f}' y='{y}' width='{cell_w + 0.3:.1f}' "
+                       f"height='{row_h - 1}' fill='{_heat(value, limit)}'><title>"
+                       f"{escape(str(layer.get('name')))} step {h['step']}: "
+                       f"max |x| = {_fmt(value)}</title></rect>")
     y = 20 + row_h * len(layers)
-    for i, (ratio, text) in enumerate(((0.01, "≤ 2.56"), (0.1, "25.6"), (0.5, "128"),
-                                       (1.0, "256 limit"), (4.0, "> 256"))):
+    legend = ((0.01, f"≤ {0.01 * limit:.3g}"), (0.1, f"{0.1 * limit:.3g}"),
+              (0.5, f"{0.5 * limit:.3g}"), (1.0, f"{limit:g} limit"), (4.0, f"> {limit:g}"))
+    for i, (ratio, text) in enumerate(legend):
         x = label_w + i * 110
-        out.append(f"<rect x='{x}' y='{y}' width='14' height='12' fill='{_heat(ratio * 256)}'/>"
+        out.append(f"<rect x='{x}' y='{y}' width='14' height='12' "
+                   f"fill='{_heat(ratio * limit, limit)}'/>"
                    f"<text x='{x + 18}' y='{y + 10}'>{text}</text>")
     out.append(f"<text x='{steps and label_w}' y='{height - 2}' class='muted'>steps "
                f"{steps[0]}–{steps[-1]}</text></svg>")
     return "".join(out)
 
 
-def absmax_lines(layers: Sequence[dict[str, Any]]) -> str:
-    """Max |x| per layer over steps (log scale) with the 256 line."""
+def absmax_lines(layers: Sequence[dict[str, Any]], limit: float = Limits.fp16_limit) -> str:
+    """Max |x| per layer over steps (log scale) with the fp16 limit's line."""
     series = {str(layer.get("name")): [(h["step"], number(h.get("absmax")))
                                        for h in layer.get("history", [])] for layer in layers}
-    return line_chart(series, log_y=True, hline=(FP16_LIMIT, "fp16 limit 256"))
+    return line_chart(series, log_y=True, hline=(limit, f"fp16 limit {limit:g}"))
 
 
 def loss_chart(losses: Sequence[Sequence[Any]], spikes: Sequence[dict[str, Any]]) -> str:
@@ -282,10 +288,10 @@ def _svg_open(width: int, height: float) -> str:
             f"viewBox='0 0 {width} {height:.0f}' role='img'>")
 
 
-def _heat(value: float | None) -> str:
+def _heat(value: float | None, limit: float) -> str:
     if value is None or not math.isfinite(value):
         return "#000000"
-    ratio = value / FP16_LIMIT
+    ratio = value / limit
     if ratio > 1:
         return "#b71c1c"
     t = min(1.0, max(0.0, (math.log10(max(ratio, 1e-3)) + 3) / 3))  # 1e-3 .. 1

@@ -1,7 +1,7 @@
 """After each flush: detect triggers, ask for a verdict, write the post-mortem.
 
-The decisions (spike test, blame) are pure and live in :mod:`normwatch.spikes` and
-:mod:`normwatch.blame`; this module holds the state between flushes (history ring, loss
+The decisions (spike test, blame) are pure and live in :mod:`normwatch.judge.spikes` and
+:mod:`normwatch.judge.blame`; this module holds the state between flushes (history ring, loss
 log, episode flags) and the side effects (logging, report folders, the console summary).
 Nothing here may take training down: a failing report is one warning.
 """
@@ -15,14 +15,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from normwatch.alarms import Alarm
-from normwatch.blame import Trigger, Verdict, judge
 from normwatch.config import WatchConfig
-from normwatch.discovery import NormLayer
-from normwatch.history import History
-from normwatch.report import build_report, write_report
-from normwatch.snapshot import Snapshot
-from normwatch.spikes import Spike, SpikeDetector
+from normwatch.judge.blame import judge
+from normwatch.judge.history import History
+from normwatch.judge.spikes import Spike, SpikeDetector
+from normwatch.records import Alarm, NormLayer, Snapshot, Trigger, Verdict
+from normwatch.report.document import build_report, write_report
 
 LOSS_LOG = 4096
 PRIORITY: tuple[Trigger, ...] = ("nonfinite_activation", "nonfinite_loss", "loss_spike",
@@ -52,8 +50,9 @@ class PostMortem:
         self._reported_alarms: set[tuple[str, str | None]] = set()
 
     def on_flush(self, snapshot: Snapshot, findings: list[Alarm], passed: list[Alarm],
-                 order: Sequence[str]) -> Verdict | None:
-        """Record the flush; if something triggered, judge it and write a report."""
+                 order: Sequence[str]) -> list[Verdict]:
+        """Record the flush; if something triggered, judge it and write a report. Returns
+        the verdicts this flush reached (none or one)."""
         self.history.append(snapshot, findings)
         triggers: dict[Trigger, int] = {}
         first = snapshot.first_nonfinite
@@ -78,9 +77,9 @@ class PostMortem:
                 self._reported_alarms.add(key)
                 triggers.setdefault("critical_alarm", alarm.step)
         if not triggers:
-            return None
+            return []
         trigger = next(t for t in PRIORITY if t in triggers)
-        return self._conclude(trigger, triggers[trigger], order)
+        return [self._conclude(trigger, triggers[trigger], order)]
 
     def on_exception(self, exc: BaseException, step: int, order: Sequence[str]) -> Verdict:
         """An exception reported by the training loop or an integration."""
@@ -103,7 +102,7 @@ class PostMortem:
     def _write(self, verdict: Verdict, order: Sequence[str], exc: BaseException | None) -> None:
         try:
             report = self.build(verdict, order, exc)
-            from normwatch.report_html import render_html
+            from normwatch.report.html import render_html
 
             folder = write_report(report, self.config.report_dir or ".", render_html(report))
             self.reports.append(folder)
@@ -111,7 +110,7 @@ class PostMortem:
             if self.config.report_console:
                 from rich.console import Console
 
-                from normwatch.console import ReportSummary
+                from normwatch.report.console import ReportSummary
 
                 Console(stderr=True).print(ReportSummary(report, folder))
         except Exception as exc_:  # a report must never take training down
@@ -128,7 +127,7 @@ class PostMortem:
             trigger=trigger, step=step, verdict=verdict, layers=self.layers, order=order,
             records=self.history.records(), alarms=self.alarm_log,
             losses=list(self.losses), spikes=list(self.spikes), rank=self.config.rank,
-            exception=exc,
+            exception=exc, limits=self.config.limits,
         )
 
     def state_dict(self) -> dict[str, Any]:

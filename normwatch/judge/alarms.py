@@ -2,46 +2,29 @@
 
     >>> alarms = evaluate(snapshot, context)   # list[Alarm], no side effects
 
-Side effects (logging, sinks, raising, de-duplication) live in :mod:`normwatch.dispatch`.
+Side effects (logging, sinks, raising, de-duplication) live in :mod:`normwatch.report.dispatch`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
-import torch
+from normwatch.config import WatchConfig
+from normwatch.judge.headroom import steps_to_limit
+from normwatch.records import (
+    FP16_MAX,
+    Alarm,
+    LayerStats,
+    NormLayer,
+    ProbeResult,
+    Severity,
+    Snapshot,
+)
 
-from normwatch.config import Severity, WatchConfig
-from normwatch.discovery import NormLayer
-from normwatch.headroom import steps_to_limit
-from normwatch.probe import FP16_MAX, ProbeResult
-from normwatch.snapshot import LayerStats, Snapshot
-
-AlarmKind = Literal[
-    "fp16_overflow", "fp16_headroom", "nonfinite", "eps_dominance", "common_mode",
-    "dtype_mismatch", "output_mismatch",
-]  # fmt: skip
-SEVERITY_RANK: dict[str, int] = {"info": 0, "warning": 1, "critical": 2}
-
-
-@dataclass(frozen=True)
-class Alarm:
-    """One finding. ``message`` says what it means and what to do."""
-
-    kind: AlarmKind
-    severity: Severity
-    layer: str | None
-    step: int
-    value: float
-    threshold: float
-    message: str
-    count: int = 1
-    """How many occurrences this alarm stands for (see de-duplication)."""
-    tag: str = field(default="", compare=False)
-    """Distinguishes alarms of one kind and layer that must not be merged."""
-
+# Machine epsilon of the float dtypes by name (no torch here: the rules are pure).
+DTYPE_EPS = {"float64": 2.0**-52, "float32": 2.0**-23, "bfloat16": 2.0**-7, "float16": 2.0**-10,
+             "float8_e4m3fn": 2.0**-3, "float8_e5m2": 2.0**-2}
 
 @dataclass(frozen=True)
 class RuleContext:
@@ -51,11 +34,6 @@ class RuleContext:
     layers: Mapping[str, NormLayer]
     probes: Mapping[str, ProbeResult] = field(default_factory=dict)
     absmax_history: Mapping[str, Sequence[tuple[int, float]]] = field(default_factory=dict)
-
-
-def is_fp16_run(stats: LayerStats) -> bool:
-    """The layer's input is fp16, or it runs under fp16 autocast."""
-    return stats.input_dtype == "float16" or (stats.autocast or "").endswith("float16")
 
 
 def evaluate(snapshot: Snapshot, ctx: RuleContext) -> list[Alarm]:
@@ -104,7 +82,7 @@ def nonfinite_alarms(snapshot: Snapshot) -> list[Alarm]:
 def fp16_alarms(stats: LayerStats, layer: NormLayer, step: int, ctx: RuleContext) -> list[Alarm]:
     """Past the fp16 element limit, past the sum-of-squares bound, or heading there."""
     limit = ctx.config.fp16_limit
-    fp16 = is_fp16_run(stats)
+    fp16 = stats.fp16
     probe = ctx.probes.get(stats.name)
     name = stats.name
     out: list[Alarm] = []
@@ -241,8 +219,7 @@ def output_tolerance(config: WatchConfig, dtype: str | None) -> float:
     """Relative error that counts as an output mismatch for outputs of ``dtype``."""
     if config.output_tol is not None:
         return config.output_tol
-    t = getattr(torch, dtype or "float32", torch.float32)
-    eps = torch.finfo(t).eps if isinstance(t, torch.dtype) and t.is_floating_point else 1e-7
+    eps = DTYPE_EPS.get(dtype or "float32", 1e-7)
     return max(1e-3, 4 * eps)
 
 
@@ -262,7 +239,4 @@ def output_alarms(stats: LayerStats, step: int, config: WatchConfig) -> list[Ala
 
 
 def _resolution(dtype: str) -> float:
-    t = getattr(torch, dtype, None)
-    if isinstance(t, torch.dtype) and t.is_floating_point:
-        return float(torch.finfo(t).eps)
-    return 0.0
+    return DTYPE_EPS.get(dtype, 0.0)

@@ -8,8 +8,8 @@ InstanceNorm. All arithmetic is fp32 (or wider) whatever the input dtype.
 Two stages keep the hook cheap. In the hook, :func:`reduce_call` reads the activation
 with a few row reductions and keeps a few floats per token (:class:`CallRows`). Once per
 step, :func:`fold_calls` turns the rows of every call into one float64 vector per call,
-columns declared once by reduction (:data:`SUM_COLUMNS`, :data:`MAX_COLUMNS`,
-:data:`MIN_COLUMNS`), which :mod:`normwatch.accumulator` folds into the per-layer state.
+the device columns of :mod:`normwatch.catalog` (:data:`~normwatch.catalog.COLUMNS`),
+which :mod:`normwatch.measure.accumulator` folds into the per-layer state.
 The per-token arithmetic thus runs once per step over all calls together, not once per
 call: on the CPU each tensor op costs microseconds whatever its size.
 """
@@ -23,43 +23,8 @@ from typing import NamedTuple
 
 import torch
 
-from normwatch.discovery import Kind
-
-# Calls and tokens are counted on the host; everything else is one float64 vector per
-# call, laid out as SUM_COLUMNS + MAX_COLUMNS + MIN_COLUMNS. ``nonfinite`` and
-# ``out_nonfinite`` count tokens holding at least one NaN/inf.
-SUM_COLUMNS = (
-    "finite_tokens", "stats_tokens", "fp16_overflow_tokens", "rms_sum", "eps_dominated_tokens",
-    "common_mode_tokens", "nonfinite", "out_nonfinite",
-)  # fmt: skip
-MAX_COLUMNS = (
-    "absmax", "sumsq_max", "rms_max", "eps_dominance", "common_mode_max",
-    "out_absmax", "output_mismatch", "first_arrived_score", "first_born_score",
-)  # fmt: skip
-MIN_COLUMNS = ("rms_min",)
-COLUMNS = SUM_COLUMNS + MAX_COLUMNS + MIN_COLUMNS
-
-# A forward call's position is key = step * KEY_STRIDE + call index within the step. The
-# first event of an interval has the smallest key, i.e. the largest score SCORE_BASE - key,
-# so it folds into a max column (0 = no event). Exact in float64.
-KEY_STRIDE = 1 << 20
-SCORE_BASE = float(1 << 52)
-
-
-def identity_row() -> list[float]:
-    """The reduction identities, in :data:`COLUMNS` order: 0 for sums, -inf for maxes,
-    +inf for mins."""
-    return [0.0] * len(SUM_COLUMNS) + [-math.inf] * len(MAX_COLUMNS) + \
-        [math.inf] * len(MIN_COLUMNS)
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """The constants the fold compares against (from the watch's config)."""
-
-    fp16_limit: float = 256.0
-    eps_tol: float = 0.01
-    common_mode_tol: float = 0.9
+from normwatch.catalog import COLUMNS, SCORE_BASE, identity_row
+from normwatch.records import Kind, Limits
 
 
 def token_view(x: torch.Tensor, kind: Kind, token_ndim: int = 1, groups: int = 1) -> torch.Tensor:
@@ -184,7 +149,7 @@ def _moments(x: torch.Tensor, centred: bool) -> tuple[torch.Tensor, torch.Tensor
 def rows_from_fused(rows: torch.Tensor, kind: Kind, eps: float, width: int, has_out: bool,
                     row: int, key: float) -> CallRows:
     """:class:`CallRows` from the fused kernel's ``(tokens, 7)`` rows
-    (:mod:`normwatch.triton_stats`). The kernel's moments skip non-finite elements; here,
+    (:mod:`normwatch.measure.triton_kernel`). The kernel's moments skip non-finite elements; here,
     as on the torch path, a token holding one gets NaN everywhere. Max |x| stands for
     both ``hi`` and ``lo`` (``max(|hi|, |lo|)`` is then max |x|)."""
     bad = rows[:, 4:5] > 0
@@ -231,7 +196,7 @@ class FoldPlan:
     identity: torch.Tensor
     """``(columns, calls)`` float64: each column's reduction identity (what a call that
     did not measure a statistic contributes)."""
-    thresholds: Thresholds
+    thresholds: Limits
 
     def per_call(self, x: torch.Tensor, how: str, out: bool = False) -> torch.Tensor:
         """Reduce the ``(k, tokens)`` rows of ``x`` per call (``how``: sum, amax or amin):
@@ -248,7 +213,7 @@ class FoldPlan:
         return x.new_full((x.shape[0], self.n_calls), fill).scatter_reduce_(1, index, x, how)
 
 
-def fold_plan(calls: Sequence[CallRows], thresholds: Thresholds) -> FoldPlan:
+def fold_plan(calls: Sequence[CallRows], thresholds: Limits) -> FoldPlan:
     """The constant vectors :func:`fold_calls` needs for ``calls`` (see :class:`FoldPlan`)."""
     device = calls[0].hi.device
 
@@ -281,7 +246,7 @@ def fold_plan(calls: Sequence[CallRows], thresholds: Thresholds) -> FoldPlan:
         inv_width=runs([1 / w for w in width], n_in),
         inv_sqrt_width=runs([1 / math.sqrt(w) for w in width], n_in),
         dominated_below=runs(below, n_in),
-        identity=runs([v for v in identity_row() for _ in calls], dtype=torch.float64)
+        identity=runs([v for v in identity_row(COLUMNS) for _ in calls], dtype=torch.float64)
         .view(len(COLUMNS), len(calls)),
         thresholds=thresholds,
     )

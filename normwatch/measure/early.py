@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from normwatch.stats import COLUMNS
+from normwatch.catalog import COLUMNS
 
 PEEK_COLUMNS = tuple(COLUMNS.index(c) for c in ("absmax", "nonfinite", "out_nonfinite"))
 

@@ -15,9 +15,9 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from normwatch.alarms import SEVERITY_RANK, Alarm
 from normwatch.config import WatchConfig
 from normwatch.errors import NumericalHealthError
+from normwatch.records import SEVERITY_RANK, Alarm
 
 _LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "critical": logging.CRITICAL}
 _ONCE_KINDS = frozenset({"dtype_mismatch"})

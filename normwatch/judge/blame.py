@@ -16,35 +16,12 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
 
-from normwatch.alarms import Alarm
-from normwatch.history import Record, first_nonfinite
-from normwatch.snapshot import FirstNonfinite, LayerStats
+from normwatch.judge.history import Record, first_nonfinite
+from normwatch.records import Alarm, FirstNonfinite, LayerStats, Trigger, Verdict
 
-Trigger = Literal["loss_spike", "nonfinite_loss", "nonfinite_activation", "critical_alarm",
-                  "exception"]
-Blame = Literal["normalization", "not_normalization", "inconclusive"]
 JUMP_RATIO = 4.0
 MIN_HISTORY = 3
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """What triggered, whether normalization is to blame, and why."""
-
-    trigger: Trigger
-    step: int
-    blame: Blame
-    layer: str | None
-    cause: str | None
-    """An alarm kind (``fp16_overflow``, ``eps_dominance``, ``output_mismatch``,
-    ``nonfinite``), ``stat_jump``, or ``None`` when nothing in the norms explains it."""
-    evidence: tuple[str, ...]
-    block: str | None = None
-    """When a non-finite value arrived from upstream: the code between the last healthy
-    norm and the first sick one."""
 
 
 def is_norm_failure(alarm: Alarm) -> bool:

@@ -17,8 +17,8 @@ from rich.console import Console, ConsoleOptions, RenderResult
 from rich.table import Table
 from rich.text import Text
 
-from normwatch.alarms import SEVERITY_RANK, Alarm
-from normwatch.snapshot import LayerStats, Snapshot
+from normwatch.records import SEVERITY_RANK, Alarm, LayerStats, Limits, Snapshot
+from normwatch.report.document import number, report_limits
 
 STYLES = {"ok": "green", "info": "cyan", "warning": "yellow", "critical": "bold red"}
 LABELS = {"ok": "OK", "info": "INFO", "warning": "WARN", "critical": "CRIT"}
@@ -40,8 +40,8 @@ class HealthTable:
     """Per-layer health of one snapshot, worst first."""
 
     def __init__(
-        self, snapshot: Snapshot, findings: Sequence[Alarm] = (), fp16_limit: float = 256.0,
-        title: str | None = None,
+        self, snapshot: Snapshot, findings: Sequence[Alarm] = (),
+        fp16_limit: float = Limits.fp16_limit, title: str | None = None,
     ) -> None:
         self.snapshot = snapshot
         self.findings = findings
@@ -149,7 +149,8 @@ class ReportSummary:
                        f"({origin})")
         table = Table(title="last flush per layer (forward order)", box=box.ASCII2,
                       title_justify="left")
-        for header in ("layer", "max|x|", "rms", "eps dom", "nonfin", "dtype"):
+        limit = report_limits(r).fp16_limit
+        for header in ("layer", "max|x|", "x/lim", "rms", "eps dom", "nonfin", "dtype"):
             table.add_column(header, no_wrap=header != "layer")
         for layer in r.get("layers") or []:
             history = layer.get("history") or []
@@ -157,7 +158,9 @@ class ReportSummary:
                 continue
             h = history[-1]
             dtypes = layer.get("dtypes") or {}
-            table.add_row(str(layer.get("name")), _num(_float(h.get("absmax"))),
+            absmax = _float(h.get("absmax"))
+            table.add_row(str(layer.get("name")), _num(absmax),
+                          _num(None if absmax is None else absmax / limit),
                           _num(_float(h.get("rms_mean"))), _num(_float(h.get("eps_dominance"))),
                           f"{h.get('nonfinite')}/{h.get('out_nonfinite')}",
                           f"{_short(dtypes.get('input'))}>{_short(dtypes.get('output'))}")
@@ -173,6 +176,4 @@ class ReportSummary:
 
 
 def _float(value: Any) -> float | None:
-    from normwatch.report import number
-
     return number(value)

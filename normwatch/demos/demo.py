@@ -20,10 +20,9 @@ import torch
 from rich.console import Console, Group
 from rich.live import Live
 
-from normwatch.alarms import SEVERITY_RANK, Alarm
-from normwatch.blame import Verdict
-from normwatch.console import HealthTable, alarm_text
-from normwatch.toymodel import TinyLM, lm_loss, synthetic_batch
+from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
+from normwatch.records import SEVERITY_RANK, Alarm, Verdict
+from normwatch.report.console import HealthTable, alarm_text
 from normwatch.watch import Watch, watch
 
 

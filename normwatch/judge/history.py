@@ -6,8 +6,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from normwatch.alarms import Alarm
-from normwatch.snapshot import FirstNonfinite, LayerStats, Snapshot
+from normwatch.records import Alarm, FirstNonfinite, LayerStats, Snapshot
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """The forward hook on one norm layer: the hot path.
 
 Per counted call it reduces the layer's input and output to a few floats per token on
-their device (:func:`normwatch.stats.reduce_call`, or the fused Triton kernel) and stages
-them in the accumulator, with no host synchronisation (no
+their device (:func:`~normwatch.measure.reductions.reduce_call`, or the fused Triton
+kernel) and stages them in the accumulator, with no host synchronisation (no
 ``.item()``, ``.cpu()``, ``bool(tensor)``, masking or ``nonzero``). Host-side it only
 reads metadata (shapes, dtypes, flags). Any exception disables this hook with one
 warning; training goes on.
@@ -21,19 +21,19 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from normwatch.accumulator import Accumulator
-from normwatch.discovery import NormLayer
-from normwatch.reference import expected_output
-from normwatch.stats import (
-    KEY_STRIDE,
+from normwatch.catalog import KEY_STRIDE
+from normwatch.measure.accumulator import Accumulator
+from normwatch.measure.reductions import (
     CallRows,
     mismatch,
     reduce_call,
     rows_from_fused,
     token_view,
 )
-from normwatch.triton_stats import available as triton_available
-from normwatch.triton_stats import row_stats_triton
+from normwatch.measure.reference import expected_output
+from normwatch.measure.triton_kernel import available as triton_available
+from normwatch.measure.triton_kernel import row_stats_triton
+from normwatch.records import NormLayer
 
 _INPUT_KWARGS = ("hidden_states", "input", "x", "inputs")
 

@@ -19,46 +19,18 @@ import math
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import nn
 
 from normwatch.errors import ConfigError
-
-Kind = Literal["layernorm", "rmsnorm", "groupnorm", "batchnorm", "instancenorm"]
-KINDS: tuple[Kind, ...] = ("layernorm", "rmsnorm", "groupnorm", "batchnorm", "instancenorm")
-WeightForm = Literal["w", "1+w"]
+from normwatch.records import KINDS, Kind, NormLayer, WeightForm
 
 EPS_ATTRS = ("eps", "variance_epsilon", "epsilon", "variance_eps")
 # Wrapper modules that add a path component without meaning.
 _WRAPPERS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_forward_module")
 # Hugging Face RMSNorms that scale by (1 + w); their weight is initialised at 0.
 _ONE_PLUS_W = re.compile(r"^(Gemma\d*n?|PaliGemma|RecurrentGemma|T5Gemma|Qwen3Next)\w*RMSNorm$")
-
-
-@dataclass(frozen=True)
-class NormLayer:
-    """One normalization layer found in a model.
-
-    ``normalized_shape`` is the shape of one token: the trailing dims for layer and
-    RMS norms, ``(channels,)`` for group, batch and instance norms.
-    """
-
-    name: str
-    kind: Kind
-    eps: float
-    normalized_shape: tuple[int, ...] | None
-    weight_form: WeightForm
-    class_name: str
-    num_groups: int | None = None
-
-    @property
-    def token_size(self) -> int | None:
-        """Elements per token for layer/RMS norms (``None`` where it depends on the input)."""
-        if self.kind in ("layernorm", "rmsnorm") and self.normalized_shape is not None:
-            return math.prod(self.normalized_shape)
-        return None
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,9 @@
     >>> report = load_report(folder)          # ReportError with a clear message if bad
 
 Schema (``docs/report-schema.md``): ``schema``, ``version``, ``created``, ``trigger``,
-``step``, ``rank``, ``verdict``, ``first_nonfinite``, ``layers`` (with each layer's recent
-``history``), ``alarms``, ``loss_history``, ``spikes``, ``environment``, ``exception``.
+``step``, ``rank``, ``limits``, ``verdict``, ``first_nonfinite``, ``layers`` (with each
+layer's recent ``history``), ``alarms``, ``loss_history``, ``spikes``, ``environment``,
+``exception``.
 Non-finite numbers are stored as the strings ``"nan"``, ``"inf"``, ``"-inf"`` (strict JSON).
 """
 
@@ -24,17 +25,16 @@ from typing import Any
 
 import torch
 
-from normwatch.alarms import Alarm
-from normwatch.blame import Verdict
-from normwatch.discovery import NormLayer
-from normwatch.history import Record, first_nonfinite
-from normwatch.spikes import Spike
+from normwatch._version import __version__
+from normwatch.catalog import TABLE
+from normwatch.judge.history import Record, first_nonfinite
+from normwatch.judge.spikes import Spike
+from normwatch.records import Alarm, Limits, NormLayer, Verdict
 
 SCHEMA = "normwatch.report"
 VERSION = 1
-HISTORY_FIELDS = ("absmax", "sumsq_max", "rms_min", "rms_mean", "rms_max", "eps_dominance",
-                  "eps_dominated_tokens", "common_mode_max", "nonfinite", "out_nonfinite",
-                  "out_absmax", "output_mismatch", "tokens")
+HISTORY_FIELDS = tuple(s.name for s in TABLE if s.history)
+"""Per-flush statistics kept in each layer's ``history`` (declared in the catalog)."""
 
 
 class ReportError(ValueError):
@@ -54,6 +54,7 @@ def build_report(
     spikes: Sequence[Spike],
     rank: int | None = None,
     exception: BaseException | None = None,
+    limits: Limits | None = None,
 ) -> dict[str, Any]:
     """The report document as plain JSON-able data (pure: no I/O)."""
     first = first_nonfinite(records)
@@ -66,6 +67,7 @@ def build_report(
         "trigger": trigger,
         "step": step,
         "rank": rank,
+        "limits": dataclasses.asdict(limits or Limits()),
         "verdict": None if verdict is None else _clean(dataclasses.asdict(verdict)),
         "first_nonfinite": None if first is None else dataclasses.asdict(first),
         "layers": [_layer(layer, position.get(layer.name), records) for layer in ordered],
@@ -95,8 +97,6 @@ def environment(records: Sequence[Record] = ()) -> dict[str, Any]:
                     dtypes[key].add(value)
             if s.autocast:
                 autocast.add(s.autocast)
-    from normwatch import __version__
-
     return {
         "normwatch": __version__,
         "torch": torch.__version__,
@@ -157,6 +157,17 @@ def load_report(path: str | Path) -> dict[str, Any]:
     if missing:
         raise ReportError(f"{file}: missing fields {', '.join(missing)}")
     return data
+
+
+def report_limits(report: Mapping[str, Any]) -> Limits:
+    """The limits a report was judged with (the defaults for reports that predate them)."""
+    stored = report.get("limits")
+    if not isinstance(stored, Mapping):
+        return Limits()
+    known = {f.name for f in dataclasses.fields(Limits)}
+    kept: dict[str, Any] = {k: v for k, v in stored.items() if k in known and (
+        v is None or (isinstance(v, int | float) and not isinstance(v, bool)))}
+    return Limits(**kept)
 
 
 def number(value: Any) -> float | None:

@@ -1,6 +1,6 @@
 """Per-layer accumulators that live on the activations' device.
 
-State is declared once, by reduction, in :mod:`normwatch.stats` (``SUM_COLUMNS``,
+State is declared once, by reduction, in :mod:`normwatch.measure.reductions` (``SUM_COLUMNS``,
 ``MAX_COLUMNS``, ``MIN_COLUMNS``); reset, placement and the host copy are written once
 over those declarations. Updates are in-place tensor ops with no host synchronisation;
 :meth:`Accumulator.read` is the only device→host copy (one per device).
@@ -13,17 +13,9 @@ from typing import Any
 
 import torch
 
-from normwatch.stats import (
-    COLUMNS,
-    MAX_COLUMNS,
-    SUM_COLUMNS,
-    CallRows,
-    FoldPlan,
-    Thresholds,
-    fold_calls,
-    fold_plan,
-    identity_row,
-)
+from normwatch.catalog import COLUMNS, MAX_COLUMNS, SUM_COLUMNS, combine
+from normwatch.measure.reductions import CallRows, FoldPlan, fold_calls, fold_plan
+from normwatch.records import Limits
 
 _N_SUM, _N_MAX = len(SUM_COLUMNS), len(MAX_COLUMNS)
 _MAX_END = _N_SUM + _N_MAX
@@ -34,15 +26,16 @@ class Accumulator:
     """Sum/max/min state for ``n_layers`` layers: one ``(n_layers, columns)`` block per device.
 
     Hooks :meth:`stage` each call's per-token rows; :meth:`commit` folds them with
-    :func:`normwatch.stats.fold_calls`, at the flush (or every step where early warnings
-    peek at the state): a few dozen ops per fold, however many calls. Staging more than
-    ``max_staged_tokens`` tokens commits at once, so the staged rows stay small.
+    :func:`~normwatch.measure.reductions.fold_calls`, at the flush (or every step where
+    early warnings peek at the state): a few dozen ops per fold, however many calls.
+    Staging more than ``max_staged_tokens`` tokens commits at once, so the staged rows
+    stay small.
     """
 
-    def __init__(self, n_layers: int, thresholds: Thresholds | None = None,
+    def __init__(self, n_layers: int, thresholds: Limits | None = None,
                  max_staged_tokens: int = 1 << 20) -> None:
         self.n_layers = n_layers
-        self.thresholds = thresholds or Thresholds()
+        self.thresholds = thresholds or Limits()
         self.max_staged_tokens = max_staged_tokens
         self._blocks: dict[torch.device, torch.Tensor] = {}
         self._staged: list[CallRows] = []
@@ -119,7 +112,7 @@ class Accumulator:
         """
         self.commit()
         extras = dict(extras or {})
-        rows = [identity_row() for _ in range(self.n_layers)]
+        per_device: list[list[dict[str, float]]] = []
         out_extras: dict[torch.device, list[float]] = {}
         for device in dict.fromkeys([*self._blocks, *extras]):
             parts = []
@@ -132,11 +125,12 @@ class Accumulator:
             flat = torch.cat(parts).cpu().tolist()
             if block is not None:
                 width = len(COLUMNS)
-                for i, row in enumerate(rows):
-                    _combine(row, flat[i * width : (i + 1) * width])
+                per_device.append([dict(zip(COLUMNS, flat[i * width : (i + 1) * width],
+                                            strict=True)) for i in range(self.n_layers)])
             if extra is not None:
                 out_extras[device] = flat[len(flat) - extra.numel() :]
-        return [dict(zip(COLUMNS, row, strict=True)) for row in rows], out_extras
+        rows = [combine([d[i] for d in per_device], COLUMNS) for i in range(self.n_layers)]
+        return rows, out_extras
 
     @property
     def blocks(self) -> dict[torch.device, torch.Tensor]:
@@ -155,12 +149,3 @@ def _reset(block: torch.Tensor) -> None:
     block[:, :_N_SUM].zero_()
     block[:, _N_SUM:_MAX_END].fill_(-math.inf)
     block[:, _MAX_END:].fill_(math.inf)
-
-
-def _combine(row: list[float], other: list[float]) -> None:
-    for j in range(_N_SUM):
-        row[j] += other[j]
-    for j in range(_N_SUM, _MAX_END):
-        row[j] = max(row[j], other[j])
-    for j in range(_MAX_END, len(row)):
-        row[j] = min(row[j], other[j])

@@ -1,0 +1,66 @@
+"""What the framework callbacks share: options, flushes, failures (no framework imports).
+
+    >>> config = trainer_config(options, flush_every=50, rank=0, world_size=2, local_rank=0)
+    >>> metrics = on_flush(watch, snapshot, exchange)   # logger metrics; verdicts shared
+    >>> on_training_error(watch, exc)                   # post-mortem, hooks removed
+
+Both callbacks validate their options when constructed (:func:`validate`), so bad
+configuration fails at setup, never mid-run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from normwatch.config import WatchConfig
+from normwatch.export.crossrank import VerdictExchange
+from normwatch.export.metrics import flat_metrics
+from normwatch.records import Snapshot
+from normwatch.watch import Watch
+
+
+def validate(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Check the watch options now; returns a copy to keep."""
+    WatchConfig.from_options(**options)
+    return dict(options)
+
+
+def trainer_config(options: Mapping[str, Any], *, flush_every: int, rank: int,
+                   world_size: int, local_rank: int = 0, quiet: bool = False) -> WatchConfig:
+    """The watch's config inside a trainer: ``flush_every`` defaults to the trainer's
+    logging interval; on several ranks the rank labels reports and metrics, only rank 0
+    prints, and each rank on a node serves Prometheus on ``prometheus_port + local_rank``.
+    ``quiet``: the trainer draws a live display that console output would tear."""
+    merged = dict(options)
+    merged.setdefault("flush_every", max(1, int(flush_every)))
+    merged.setdefault("rank", rank if world_size > 1 else None)
+    if rank != 0:
+        merged["report_console"] = False
+    elif quiet:
+        merged.setdefault("report_console", False)
+    if merged.get("prometheus_port") and world_size > 1:
+        merged["prometheus_port"] += local_rank
+    return WatchConfig.from_options(**merged)
+
+
+def on_flush(watch: Watch, snapshot: Snapshot, exchange: VerdictExchange) -> dict[str, float]:
+    """After a flush: share new verdicts with the other ranks (at regular flushes only,
+    which every rank reaches together) and return the logger metrics, with the watch's
+    thresholds."""
+    if watch.step_count % watch.config.flush_every == 0:
+        exchange.exchange(watch.verdicts, watch.step_count)
+    metrics = flat_metrics(snapshot, watch.alarms, len(watch.verdicts),
+                           limits=watch.config.limits)
+    metrics["normwatch/remote_verdicts"] = float(len(exchange.remote))
+    return metrics
+
+
+def on_training_error(watch: Watch | None, exc: BaseException) -> None:
+    """Training raised: write the post-mortem, then remove every hook."""
+    if watch is None:
+        return
+    try:
+        watch.report_exception(exc)
+    finally:
+        watch.close()

@@ -1,0 +1,1 @@
+"""The toy model and ``normwatch demo``."""

@@ -1,0 +1,1 @@
+"""Sending it out: the Prometheus collector, cross-rank combining, logger metrics."""

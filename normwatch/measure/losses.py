@@ -1,0 +1,59 @@
+"""Losses of the interval, kept on their device until the flush.
+
+    >>> buffer = LossBuffer()
+    >>> buffer.record(loss, step=3)          # a scalar tensor stays where it is
+    >>> values = buffer.resolve(copied)      # at the flush: ((step, float), ...)
+
+A scalar tensor is detached and kept as is (reading it would sync); the flush copies all
+of one device's losses in the same device-to-host copy as the statistics.
+"""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+from typing import Any
+
+import torch
+
+
+class LossBuffer:
+    """``(step, loss)`` pairs of one flush interval; see the module docstring."""
+
+    def __init__(self) -> None:
+        self._losses: list[tuple[int, torch.Tensor | float]] = []
+        self._warned = False
+
+    def record(self, loss: Any, step: int) -> None:
+        """Keep ``loss`` (a scalar tensor or a number) for ``step``; anything else warns
+        once and is ignored."""
+        if loss is None:
+            return
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            self._losses.append((step, loss.detach().reshape(())))
+        elif isinstance(loss, numbers.Real):
+            self._losses.append((step, float(loss)))
+        elif not self._warned:
+            self._warned = True
+            got = (f"tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+                   else type(loss).__name__)
+            warnings.warn(f"normwatch: 'loss' must be a scalar tensor or a number: got {got}; "
+                          "losses are not recorded", RuntimeWarning, stacklevel=4)
+
+    def tensors(self) -> dict[torch.device, torch.Tensor]:
+        """The tensor losses stacked per device (float64), to ride along the flush copy."""
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for _, value in self._losses:
+            if isinstance(value, torch.Tensor):
+                by_device.setdefault(value.device, []).append(value.to(torch.float64))
+        return {d: torch.stack(v) for d, v in by_device.items()}
+
+    def resolve(self, copied: dict[torch.device, list[float]]) -> tuple[tuple[int, float], ...]:
+        """``(step, loss)`` pairs, tensor losses read from ``copied`` (what
+        :meth:`tensors` became on the host, per device)."""
+        iters = {d: iter(v) for d, v in copied.items()}
+        return tuple((step, next(iters[value.device]) if isinstance(value, torch.Tensor)
+                      else value) for step, value in self._losses)
+
+    def clear(self) -> None:
+        self._losses.clear()

@@ -1,0 +1,157 @@
+"""The measurement of one model: its norm hooks, their step flags and the accumulator.
+
+    >>> m = Measurement(iter_norm_modules(model), Limits())
+    >>> m.begin_step(step=2, full=True)       # after each optimizer step
+    >>> rows, copied = m.read(losses)         # the flush: one device-to-host copy
+    >>> snapshot = m.snapshot(rows, ...)      # plain data
+    >>> m.reset(check_outputs=False)
+
+:meth:`read` returns each layer's *raw* row (every combinable column of
+:mod:`normwatch.catalog`, host counts included), so rows from several ranks can be
+combined before :meth:`snapshot` derives the user-facing statistics.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from normwatch.catalog import PUBLIC, decode_score, values
+from normwatch.measure.accumulator import Accumulator
+from normwatch.measure.hooks import HostCounts, LayerHook, Runtime
+from normwatch.measure.probe import ProbeCache, ProbeTarget
+from normwatch.records import FirstNonfinite, LayerStats, Limits, NormLayer, ProbeResult, Snapshot
+
+
+class Measurement:
+    """Hooks on ``pairs`` (``(NormLayer, module)``, e.g. from
+    :func:`~normwatch.measure.discovery.iter_norm_modules`); see the module docstring."""
+
+    def __init__(self, pairs: Iterable[tuple[NormLayer, nn.Module]], limits: Limits,
+                 *, count_eval: bool = False, kernel: str = "auto") -> None:
+        pairs = list(pairs)
+        self.layers: tuple[NormLayer, ...] = tuple(layer for layer, _ in pairs)
+        self.limits = limits
+        self._rt = Runtime(Accumulator(len(pairs), limits), count_eval=count_eval,
+                           kernel=kernel)
+        self._hooks = [LayerHook(layer, module, i, self._rt) for i, (layer, module) in
+                       enumerate(pairs)]
+        self._probes = ProbeCache(self.paused)
+        self._commit_failed = False
+
+    @property
+    def accumulator(self) -> Accumulator:
+        return self._rt.accumulator
+
+    def begin_step(self, step: int, full: bool) -> None:
+        """Start step ``step`` (1-based); ``full``: measure every statistic, else the
+        sentinel tier only."""
+        rt = self._rt
+        rt.step = step
+        rt.calls_this_step = 0
+        rt.full_stats = full
+        for hook in self._hooks:
+            hook.pending_recompute = 0
+
+    def commit(self) -> None:
+        """Fold the staged calls; a failure drops them with one warning, training goes on."""
+        try:
+            self._rt.accumulator.commit()
+        except Exception as exc:  # never take the training run down
+            if not self._commit_failed:
+                self._commit_failed = True
+                warnings.warn(f"normwatch: folding the step's statistics failed "
+                              f"({type(exc).__name__}: {exc}); those measurements are dropped, "
+                              "training continues", RuntimeWarning, stacklevel=4)
+
+    def on_cuda(self) -> bool:
+        """Whether anything measured so far lives on a CUDA device."""
+        return self._rt.accumulator.on_cuda()
+
+    def read(self, extras: Mapping[torch.device, torch.Tensor] | None = None
+             ) -> tuple[list[dict[str, float]], dict[torch.device, list[float]]]:
+        """Every layer's raw row (device columns and host counts) and ``extras``, in one
+        device-to-host copy per device. Does not reset."""
+        self.commit()
+        rows, copied = self._rt.accumulator.read(dict(extras or {}))
+        for row, hook in zip(rows, self._hooks, strict=True):
+            row["calls"] = float(hook.counts.calls)
+            row["tokens"] = float(hook.counts.tokens)
+        return rows, copied
+
+    def reset(self, check_outputs: bool) -> None:
+        """Start a new interval; ``check_outputs``: compare outputs with the formula in it."""
+        self._rt.accumulator.reset()
+        for hook in self._hooks:
+            hook.counts.reset()
+        self._rt.check_outputs = check_outputs
+
+    def snapshot(self, rows: Sequence[Mapping[str, float]], step: int, first_step: int,
+                 losses: tuple[tuple[int, float], ...] = ()) -> Snapshot:
+        """The plain-data snapshot of raw ``rows`` (one per layer, as :meth:`read` gives)."""
+        order = self._rt.forward_order
+        return build_snapshot(self.layers, rows, [h.counts for h in self._hooks], order,
+                              self.limits, step, first_step, losses)
+
+    def probes(self, snapshot: Snapshot) -> dict[str, ProbeResult]:
+        """fp16-safety probes of the layers whose statistics call for one (cached)."""
+        targets: Iterator[tuple[NormLayer, nn.Module, ProbeTarget]] = (
+            (h.layer, h.module, (h.counts.input_shape, h.counts.device)) for h in self._hooks)
+        return self._probes.results(snapshot, self.limits.fp16_limit, targets)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Hooks stand aside (e.g. while a probe runs a copy of a layer)."""
+        self._rt.paused = True
+        try:
+            yield
+        finally:
+            self._rt.paused = False
+
+    @property
+    def forward_order(self) -> list[str]:
+        """Layer names in the order the forward pass first met them (then the unseen)."""
+        seen = self._rt.forward_order
+        return sorted(seen, key=seen.__getitem__) + [
+            layer.name for layer in self.layers if layer.name not in seen]
+
+    @property
+    def disabled(self) -> dict[str, str]:
+        """Layers whose hook failed and was removed, with the reason."""
+        return {h.layer.name: h.disabled_reason for h in self._hooks
+                if h.disabled_reason is not None}
+
+    def close(self) -> None:
+        """Remove every hook (harmless twice)."""
+        for hook in self._hooks:
+            hook.remove()
+
+
+def build_snapshot(layers: Sequence[NormLayer], rows: Sequence[Mapping[str, float]],
+                   counts: Sequence[HostCounts], order: Mapping[str, int], limits: Limits,
+                   step: int, first_step: int, losses: tuple[tuple[int, float], ...] = ()
+                   ) -> Snapshot:
+    """Derive each layer's :class:`LayerStats` from its raw row (pure) and locate the
+    interval's first non-finite value."""
+    stats: dict[str, LayerStats] = {}
+    first: tuple[float, str, str] | None = None
+    for layer, row, c in zip(layers, rows, counts, strict=True):
+        public = {k: v for k, v in values(row, limits).items() if k in PUBLIC}
+        stats[layer.name] = LayerStats(
+            name=layer.name, kind=layer.kind, **public,  # type: ignore[arg-type]
+            input_dtype=c.input_dtype, weight_dtype=c.weight_dtype,
+            output_dtype=c.output_dtype, autocast=c.autocast)
+        for origin, column in (("input", "first_arrived_score"), ("norm", "first_born_score")):
+            score = row[column]
+            if score > 0 and (first is None or score > first[0]):
+                first = (score, layer.name, origin)
+    decoded = decode_score(first[0]) if first is not None else None
+    first_nonfinite = None
+    if first is not None and decoded is not None:
+        first_nonfinite = FirstNonfinite(decoded[0], first[1], order.get(first[1], -1),
+                                         "input" if first[2] == "input" else "norm")
+    return Snapshot(step, first_step, stats, first_nonfinite, losses)

@@ -1,0 +1,217 @@
+"""Plain records shared by every stage: alarms, verdicts, layers, snapshots, limits.
+
+A leaf module: it imports nothing of normwatch's and no torch, so the pure stages
+(:mod:`normwatch.judge`, :mod:`normwatch.report`) and their tests can build these by hand.
+The vocabularies (alarm kinds, severities, blames, triggers, norm kinds) are declared
+here once; everything that lists them (Prometheus label values, the HTML legend, the
+dashboards' tests) reads them from here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+# -- vocabularies ---------------------------------------------------------------------------
+
+Severity = Literal["info", "warning", "critical"]
+SEVERITIES: tuple[Severity, ...] = get_args(Severity)
+SEVERITY_RANK: dict[str, int] = {s: i for i, s in enumerate(SEVERITIES)}
+
+AlarmKind = Literal[
+    "fp16_overflow", "fp16_headroom", "nonfinite", "eps_dominance", "common_mode",
+    "dtype_mismatch", "output_mismatch",
+]  # fmt: skip
+ALARM_KINDS: tuple[AlarmKind, ...] = get_args(AlarmKind)
+
+Kind = Literal["layernorm", "rmsnorm", "groupnorm", "batchnorm", "instancenorm"]
+KINDS: tuple[Kind, ...] = get_args(Kind)
+WeightForm = Literal["w", "1+w"]
+
+Trigger = Literal["loss_spike", "nonfinite_loss", "nonfinite_activation", "critical_alarm",
+                  "exception"]
+TRIGGERS: tuple[Trigger, ...] = get_args(Trigger)
+Blame = Literal["normalization", "not_normalization", "inconclusive"]
+BLAMES: tuple[Blame, ...] = get_args(Blame)
+
+# -- limits ---------------------------------------------------------------------------------
+
+FP16_MAX = 65504.0
+"""The largest finite fp16 value."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The thresholds measurements are judged against; they travel with the data (the
+    fold, the rules, logger metrics, Prometheus, ``report.json``)."""
+
+    fp16_limit: float = 256.0
+    """|x| above this overflows x² in fp16 (256² = 65536 > 65504)."""
+    eps_tol: float = 0.01
+    """A token is eps-dominated when eps/(s + eps) exceeds this."""
+    common_mode_tol: float = 0.9
+    """A token has a common mode when |mean|/RMS exceeds this."""
+    common_mode_fraction: float = 0.1
+    """``common_mode`` fires when more than this fraction of tokens has one."""
+    output_tol: float | None = None
+    """Relative error that counts as an output mismatch (``None``: from the output dtype)."""
+
+    def headroom(self, absmax: float | None) -> float | None:
+        """``fp16_limit / max |x|`` (below 1: overflow), ``None`` without a positive max."""
+        return self.fp16_limit / absmax if absmax else None
+
+
+# -- records --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Alarm:
+    """One finding. ``message`` says what it means and what to do."""
+
+    kind: AlarmKind
+    severity: Severity
+    layer: str | None
+    step: int
+    value: float
+    threshold: float
+    message: str
+    count: int = 1
+    """How many occurrences this alarm stands for (see de-duplication)."""
+    tag: str = field(default="", compare=False)
+    """Distinguishes alarms of one kind and layer that must not be merged."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What triggered, whether normalization is to blame, and why."""
+
+    trigger: Trigger
+    step: int
+    blame: Blame
+    layer: str | None
+    cause: str | None
+    """An alarm kind (``fp16_overflow``, ``eps_dominance``, ``output_mismatch``,
+    ``nonfinite``), ``stat_jump``, or ``None`` when nothing in the norms explains it."""
+    evidence: tuple[str, ...]
+    block: str | None = None
+    """When a non-finite value arrived from upstream: the code between the last healthy
+    norm and the first sick one."""
+
+
+@dataclass(frozen=True)
+class NormLayer:
+    """One normalization layer found in a model.
+
+    ``normalized_shape`` is the shape of one token: the trailing dims for layer and
+    RMS norms, ``(channels,)`` for group, batch and instance norms.
+    """
+
+    name: str
+    kind: Kind
+    eps: float
+    normalized_shape: tuple[int, ...] | None
+    weight_form: WeightForm
+    class_name: str
+    num_groups: int | None = None
+
+    @property
+    def token_size(self) -> int | None:
+        """Elements per token for layer/RMS norms (``None`` where it depends on the input)."""
+        if self.kind in ("layernorm", "rmsnorm") and self.normalized_shape is not None:
+            return math.prod(self.normalized_shape)
+        return None
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """Outcome of probing one layer's fp16 safety in one dtype; ``None`` fields: unknown."""
+
+    dtype: str
+    element_safe: bool | None
+    sum_safe: bool | None
+    detail: str = ""
+
+    @property
+    def safe(self) -> bool | None:
+        """Safe against both probes (``None`` if either is unknown)."""
+        if self.element_safe is None or self.sum_safe is None:
+            return None
+        return self.element_safe and self.sum_safe
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """Statistics of one norm layer, aggregated since the previous flush.
+
+    The numeric fields are the public statistics of :mod:`normwatch.catalog` (where each
+    is declared, with how it combines and is derived). Value statistics cover the finite
+    tokens; they are ``None`` when the layer saw none in the interval. ``rms_*`` are over
+    per-token ``sqrt(mean(x²))``.
+    """
+
+    name: str
+    kind: Kind
+    calls: int
+    tokens: int
+    finite_tokens: int
+    stats_tokens: int
+    """Finite tokens measured with the full statistics (the rest: sentinel tier only)."""
+    absmax: float | None
+    fp16_overflow_tokens: int
+    sumsq_max: float | None
+    rms_min: float | None
+    rms_mean: float | None
+    rms_max: float | None
+    eps_dominance: float | None
+    eps_dominated_tokens: int
+    common_mode_max: float | None
+    common_mode_tokens: int
+    nonfinite: int
+    """Input tokens holding at least one NaN/inf."""
+    out_nonfinite: int
+    """Output tokens holding at least one NaN/inf."""
+    out_absmax: float | None
+    output_mismatch: float | None
+    input_dtype: str | None = None
+    weight_dtype: str | None = None
+    output_dtype: str | None = None
+    autocast: str | None = None
+    """``"<device>:<dtype>"`` when the last call ran under autocast, else ``None``."""
+
+    @property
+    def seen(self) -> bool:
+        """Whether the layer was called (and counted) in the interval."""
+        return self.calls > 0
+
+    @property
+    def fp16(self) -> bool:
+        """The layer's input is fp16, or it ran under fp16 autocast."""
+        return self.input_dtype == "float16" or (self.autocast or "").endswith("float16")
+
+
+@dataclass(frozen=True)
+class FirstNonfinite:
+    """Where the first non-finite value of an interval showed up."""
+
+    step: int
+    layer: str
+    position: int
+    """The layer's index in forward order (0 = first norm the input meets)."""
+    origin: Literal["input", "norm"]
+    """``"input"``: it arrived in the norm's input; ``"norm"``: born inside the norm."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything one flush copied to the host."""
+
+    step: int
+    """The optimizer step the interval ended at (steps counted by ``watch.step``)."""
+    first_step: int
+    """The first step of the interval."""
+    layers: Mapping[str, LayerStats]
+    first_nonfinite: FirstNonfinite | None = None
+    losses: tuple[tuple[int, float], ...] = field(default=())
+    """``(step, loss)`` for each ``watch.step(loss)`` of the interval."""

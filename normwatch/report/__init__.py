@@ -1,0 +1,1 @@
+"""Saying it: alarm dispatch, post-mortems, the JSON document, HTML and the console."""
