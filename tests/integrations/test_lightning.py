@@ -21,7 +21,7 @@ import normwatch
 from normwatch.report.document import load_report
 from tests.lightning_helpers import LitLM
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def trainer(tmp_path: Path, callback: NormWatchCallback, **kw: object) -> pl.Trainer:
@@ -41,7 +41,7 @@ def csv_rows(tmp_path: Path) -> list[dict[str, str]]:
 
 
 def test_logs_through_the_trainer_logger_with_gradient_accumulation(tmp_path: Path) -> None:
-    callback = NormWatchCallback(report_dir=str(tmp_path / "reports"))
+    callback = NormWatchCallback(report_dir=str(tmp_path / "reports"), fp16_limit=64.0)
     t = trainer(tmp_path, callback, accumulate_grad_batches=2)
     t.fit(LitLM())
     watch = callback.watch
@@ -54,6 +54,8 @@ def test_logs_through_the_trainer_logger_with_gradient_accumulation(tmp_path: Pa
     assert [int(r["step"]) for r in rows] == [5, 10]
     assert float(rows[-1]["normwatch/model.norm/rms_mean"]) > 0
     assert rows[-1]["normwatch/alarms/critical"] == "0.0"
+    absmax = float(rows[-1]["normwatch/model.norm/absmax"])  # headroom against the user's limit
+    assert float(rows[-1]["normwatch/model.norm/fp16_headroom"]) == pytest.approx(64.0 / absmax)
     assert all(not m._forward_hooks for m in t.lightning_module.modules())
 
 

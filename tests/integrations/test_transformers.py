@@ -32,7 +32,8 @@ def test_trainer_callback_logs_normwatch_metrics(tmp_path: Path) -> None:
                              per_device_train_batch_size=4, gradient_accumulation_steps=2,
                              report_to=[], use_cpu=True, save_strategy="no",
                              learning_rate=1e-3)
-    callback = NormWatchTrainerCallback(report_dir=str(tmp_path / "reports"), stats_every=1)
+    callback = NormWatchTrainerCallback(report_dir=str(tmp_path / "reports"), stats_every=1,
+                                        fp16_limit=64.0)
     trainer = Trainer(model=model, args=args, train_dataset=Ids(), callbacks=[callback])
     trainer.train()
     watch = callback.watch
@@ -42,6 +43,8 @@ def test_trainer_callback_logs_normwatch_metrics(tmp_path: Path) -> None:
     entries = [e for e in trainer.state.log_history if "normwatch/model.norm/absmax" in e]
     assert [e["step"] for e in entries] == [2, 4, 6, 8]
     assert entries[-1]["normwatch/model.norm/rms_mean"] > 0
+    absmax = entries[-1]["normwatch/model.norm/absmax"]  # headroom against the user's limit
+    assert entries[-1]["normwatch/model.norm/fp16_headroom"] == pytest.approx(64.0 / absmax)
     # per flush: 2 optimizer steps x 2 accumulated micro-batches x 4 x 16 tokens
     snap = watch.postmortem.history.records()[0].snapshot
     assert snap.layers["model.norm"].tokens == 2 * 2 * 4 * 16
@@ -54,3 +57,31 @@ def test_trainer_callback_logs_normwatch_metrics(tmp_path: Path) -> None:
 def test_bad_options_fail_at_construction() -> None:
     with pytest.raises(normwatch.ConfigError, match="unknown option 'flush'"):
         NormWatchTrainerCallback(flush=3)
+
+
+def test_an_exception_mid_run_writes_a_post_mortem_and_removes_the_hooks(tmp_path: Path) -> None:
+    model = tiny_hf("llama")
+    calls = []
+
+    def crash(module: torch.nn.Module, args: object) -> None:
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("simulated crash in layer 1")
+
+    model.model.layers[1].register_forward_pre_hook(crash)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=8, logging_steps=2,
+                             per_device_train_batch_size=4, report_to=[], use_cpu=True,
+                             save_strategy="no")
+    callback = NormWatchTrainerCallback(report_dir=str(tmp_path / "reports"),
+                                        report_console=False)
+    trainer = Trainer(model=model, args=args, train_dataset=Ids(), callbacks=[callback])
+    with pytest.raises(RuntimeError, match="simulated crash in layer 1"):
+        trainer.train()
+    watch = callback.watch
+    assert watch is not None and watch.closed
+    assert all(not m._forward_hooks for m in model.modules())
+    report = normwatch.load_report(watch.reports[-1])
+    assert report["trigger"] == "exception" and report["step"] == 3  # three steps completed
+    assert "simulated crash in layer 1" in report["exception"]["traceback"]
+    assert "training_step" not in vars(trainer)  # the Trainer's own method is back
+    assert [v.trigger for v in watch.verdicts] == ["exception"]

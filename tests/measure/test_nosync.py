@@ -106,7 +106,7 @@ def test_no_host_sync_between_flushes(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_the_trap_catches_a_sync_in_the_hook(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = normwatch.hooks.reduce_call
+    real = normwatch.measure.hooks.reduce_call
 
     def leaky(*args: Any, **kwargs: Any) -> CallRows:
         call = real(*args, **kwargs)
@@ -114,7 +114,7 @@ def test_the_trap_catches_a_sync_in_the_hook(monkeypatch: pytest.MonkeyPatch) ->
             pass
         return call
 
-    leaky.__code__ = leaky.__code__.replace(co_filename=normwatch.hooks.__file__)
+    leaky.__code__ = leaky.__code__.replace(co_filename=normwatch.measure.hooks.__file__)
     monkeypatch.setattr(normwatch.measure.hooks, "reduce_call", leaky)
     with sync_trap(monkeypatch) as trap:
         run(steps=2)

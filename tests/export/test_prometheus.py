@@ -127,38 +127,49 @@ def test_tls_options_pass_through(tmp_path: Path) -> None:
         w.close()
 
 
-def _aggregate_worker(rank: int, world: int, init: str, out: str) -> None:
-    import torch.distributed as dist
+def test_the_collector_registers_on_a_user_registry_and_serves_with_their_exporter() -> None:
+    from prometheus_client import start_http_server
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    torch.manual_seed(rank)
-    model, w = model_and_watch(prometheus_aggregate=True, prometheus_port=None, rank=rank)
-    model(torch.randn(4, 8) * (10 if rank == 1 else 1)).sum().backward()
-    snap = w.step()
-    assert snap is not None and w.endpoint is None
+    model, w = model_and_watch(prometheus_port=None, run_id="mine", fp16_limit=100.0)
+    assert w.endpoint is None  # nothing served by normwatch itself
+    for step in range(3):
+        model(torch.randn(4, 8) * (step + 1)).sum().backward()
+        w.step(torch.tensor(1.5))
+    registry = CollectorRegistry()
+    registry.register(w.collector)  # replays the flushes kept so far
+    server, _ = start_http_server(0, addr="127.0.0.1", registry=registry)
+    try:
+        got = samples(scrape(server.server_port))
+    finally:
+        server.shutdown()
+        server.server_close()
+        w.close()
+    layer = (("kind", "layernorm"), ("layer", "norm"), ("rank", "0"))
+    assert got[("normwatch_step", (("rank", "0"),))] == 3
+    assert got[("normwatch_flushes_total", (("rank", "0"),))] == 3
+    assert got[("normwatch_tokens_total", (("layer", "norm"), ("rank", "0")))] == 12
+    assert got[("normwatch_fp16_limit", (("rank", "0"),))] == 100.0
+    absmax = got[("normwatch_layer_absmax", layer)]
+    assert got[("normwatch_layer_fp16_headroom_ratio", layer)] == pytest.approx(100.0 / absmax)
+    assert absmax == pytest.approx(w.last_snapshot.layers["norm"].absmax)  # type: ignore[union-attr]
+
+
+def test_label_values_come_from_the_records_vocabularies() -> None:
+    from normwatch.records import ALARM_KINDS, BLAMES, SEVERITIES
+
+    _, w = model_and_watch(prometheus_port=None)
+    text = generate_latest(_registry(w)).decode()
+    w.close()
+    alarms = {(s.labels["kind"], s.labels["severity"]) for f in
+              text_string_to_metric_families(text) for s in f.samples
+              if s.name == "normwatch_alarms_total"}
+    assert alarms == {(k, s) for k in ALARM_KINDS for s in SEVERITIES}
+    blames = {s.labels["blame"] for f in text_string_to_metric_families(text)
+              for s in f.samples if s.name == "normwatch_loss_spikes_total"}
+    assert blames == set(BLAMES)
+
+
+def _registry(w: normwatch.Watch) -> CollectorRegistry:
     registry = CollectorRegistry()
     registry.register(w.collector)
-    text = "".join(
-        f"{s.name} {s.labels.get('layer', '')} {s.value}\n"
-        for f in text_string_to_metric_families(generate_latest(registry).decode())
-        for s in f.samples if s.name in ("normwatch_layer_absmax", "normwatch_tokens_total"))
-    Path(out, f"rank{rank}.txt").write_text(f"{snap.layers['norm'].absmax}\n{text}")
-    w.close()
-    dist.destroy_process_group()
-
-
-def test_aggregation_across_two_gloo_ranks(tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
-
-    init = f"file://{tmp_path / 'store'}"
-    mp.spawn(_aggregate_worker, args=(2, init, str(tmp_path)), nprocs=2, join=True)
-    own = {}
-    exported = {}
-    for rank in (0, 1):
-        lines = (tmp_path / f"rank{rank}.txt").read_text().splitlines()
-        own[rank] = float(lines[0])
-        exported[rank] = {tuple(line.split()[:2]): float(line.split()[2]) for line in lines[1:]}
-    assert own[1] > own[0]  # rank 1's activations are 10x larger
-    for rank in (0, 1):  # both export the max and the sum over ranks
-        assert exported[rank][("normwatch_layer_absmax", "norm")] == pytest.approx(own[1])
-        assert exported[rank][("normwatch_tokens_total", "norm")] == 8
+    return registry

@@ -1,0 +1,127 @@
+"""Every alarm rule, fired and kept quiet, from crafted snapshots (no model, no torch)."""
+
+from __future__ import annotations
+
+import pytest
+
+from normwatch.config import WatchConfig
+from normwatch.judge.alarms import evaluate
+from normwatch.records import ALARM_KINDS, FirstNonfinite, ProbeResult
+from tests.factory import context, snapshot, stats
+
+UNSAFE = ProbeResult("float16", element_safe=False, sum_safe=False)
+SAFE = ProbeResult("float16", element_safe=True, sum_safe=True)
+
+
+def fired(*layers, probes=None, history=None, config=None, eps=1e-6, first=None):  # type: ignore[no-untyped-def]
+    snap = snapshot(10, *layers, first_nonfinite=first)
+    found = evaluate(snap, context(snap, config, probes, history, eps))
+    return {(a.kind, a.severity, a.tag) for a in found}, found
+
+
+def test_a_healthy_snapshot_raises_nothing() -> None:
+    assert fired(stats(), stats("blocks.1.norm", kind="layernorm"))[0] == set()
+
+
+@pytest.mark.parametrize(("dtype", "probe", "severity"), [
+    ("float16", UNSAFE, "critical"),  # squares in fp16: the output collapses
+    ("float16", SAFE, "warning"),     # upcasts, but the fp16 stream is one square from inf
+    ("float32", None, "info"),        # representable; a note for fp16 plans
+])
+def test_fp16_overflow_by_dtype_and_probe(dtype: str, probe: ProbeResult | None,
+                                          severity: str) -> None:
+    s = stats(absmax=300.0, fp16_overflow_tokens=3, input_dtype=dtype, output_dtype=dtype,
+              weight_dtype=dtype)
+    kinds, alarms = fired(s, probes={s.name: probe} if probe else None)
+    assert kinds == {("fp16_overflow", severity, "abs")}
+    assert "3 of 100 tokens" in alarms[0].message
+
+
+def test_fp16_overflow_follows_the_configured_limit() -> None:
+    s = stats(absmax=300.0, fp16_overflow_tokens=3, input_dtype="float16",
+              weight_dtype="float16", output_dtype="float16")
+    assert fired(s, config=WatchConfig(fp16_limit=1000.0))[0] == set()
+    assert fired(s, config=WatchConfig(fp16_limit=100.0))[1][0].threshold == 100.0
+
+
+def test_sum_of_squares_overflow_in_an_fp16_reduction() -> None:
+    s = stats(absmax=200.0, sumsq_max=70000.0, rms_max=40.0, input_dtype="float16",
+              weight_dtype="float16", output_dtype="float16")
+    assert fired(s, probes={s.name: UNSAFE})[0] == {("fp16_overflow", "critical", "sumsq")}
+    assert fired(s, probes={s.name: SAFE})[0] == {("fp16_overflow", "info", "sumsq")}
+    assert fired(stats(absmax=200.0, sumsq_max=70000.0))[0] == set()  # fp32: no fp16 sums
+
+
+def test_headroom_forecast_needs_growth_and_size() -> None:
+    growing = [(s, 30 * 1.05 ** s) for s in range(0, 40, 5)]
+    s = stats(absmax=growing[-1][1], input_dtype="float16", weight_dtype="float16",
+              output_dtype="float16")
+    kinds, alarms = fired(s, history={s.name: growing})
+    assert kinds == {("fp16_headroom", "warning", "")}
+    assert "steps to the fp16 limit 256" in alarms[0].message
+    flat = [(step, growing[-1][1]) for step, _ in growing]
+    assert fired(s, history={s.name: flat})[0] == set()
+    small = [(step, v / 10) for step, v in growing]  # under headroom_ratio x limit
+    assert fired(stats(absmax=small[-1][1]), history={s.name: small})[0] == set()
+
+
+@pytest.mark.parametrize("origin", ["input", "norm"])
+def test_nonfinite_names_the_first_layer_and_where_it_came_from(origin: str) -> None:
+    first = FirstNonfinite(9, "blocks.1.norm", 1, origin)  # type: ignore[arg-type]
+    s = stats("blocks.1.norm", nonfinite=4 if origin == "input" else 0, out_nonfinite=4)
+    kinds, alarms = fired(stats(), s, first=first)
+    assert kinds == {("nonfinite", "critical", origin)}
+    assert alarms[0].layer == "blocks.1.norm"
+    assert ("arrived in the input" if origin == "input" else "born inside") in alarms[0].message
+
+
+@pytest.mark.parametrize(("ratio", "eps", "severity", "tag"), [
+    (0.5, 1e-6, "warning", ""),
+    (0.05, 1e-6, "info", ""),
+    (1.0, 0.0, "critical", "zero-eps"),
+])
+def test_eps_dominance(ratio: float, eps: float, severity: str, tag: str) -> None:
+    s = stats(eps_dominance=ratio, eps_dominated_tokens=5)
+    assert fired(s, eps=eps)[0] == {("eps_dominance", severity, tag)}
+    assert fired(stats(eps_dominance=ratio, eps_dominated_tokens=0), eps=eps)[0] == set()
+
+
+def test_common_mode_only_for_rms_norms_past_the_fraction() -> None:
+    crushed = dict(common_mode_max=0.99, common_mode_tokens=50)
+    assert fired(stats(**crushed))[0] == {("common_mode", "warning", "")}
+    assert fired(stats(kind="layernorm", **crushed))[0] == set()  # LayerNorm removes it
+    assert fired(stats(common_mode_max=0.99, common_mode_tokens=5))[0] == set()
+
+
+def test_dtype_mismatch_outside_autocast_and_autocast_promotions_are_fine() -> None:
+    promoted = stats(input_dtype="bfloat16", weight_dtype="float32", output_dtype="float32")
+    kinds, alarms = fired(promoted)
+    assert {k[:2] for k in kinds} == {("dtype_mismatch", "warning")}
+    assert "stream is promoted" in alarms[0].message
+    under_amp = stats(input_dtype="bfloat16", weight_dtype="float32", output_dtype="bfloat16",
+                      autocast="cpu:bfloat16")
+    assert fired(under_amp)[0] == set()
+    odd = stats(input_dtype="bfloat16", weight_dtype="float16", output_dtype="float16",
+                autocast="cpu:bfloat16")
+    assert {k[:2] for k in fired(odd)[0]} == {("dtype_mismatch", "info")}
+
+
+@pytest.mark.parametrize(("error", "dtype", "expected"), [
+    (0.5, "float32", {("output_mismatch", "critical", "")}),
+    (0.01, "float32", {("output_mismatch", "warning", "")}),
+    (1e-4, "float32", set()),
+    (0.02, "bfloat16", set()),  # within bf16's own rounding (4 x 2^-7)
+    (None, "float32", set()),   # not checked this interval
+])
+def test_output_mismatch_against_the_dtype_tolerance(error: float | None, dtype: str,
+                                                     expected: set[tuple[str, str, str]]) -> None:
+    s = stats(output_mismatch=error, input_dtype=dtype, weight_dtype=dtype, output_dtype=dtype)
+    assert fired(s)[0] == expected
+
+
+def test_every_alarm_kind_is_covered_here() -> None:
+    import inspect
+    import sys
+
+    text = inspect.getsource(sys.modules[__name__])
+    assert all(f'"{kind}"' in text for kind in ALARM_KINDS)

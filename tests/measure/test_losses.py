@@ -1,0 +1,38 @@
+"""Losses stay on their device until the flush's one copy."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from normwatch.measure.losses import LossBuffer
+
+
+def test_tensors_and_numbers_resolve_in_order() -> None:
+    buffer = LossBuffer()
+    buffer.record(torch.tensor(2.5, requires_grad=True) * 1, step=1)
+    buffer.record(3, step=2)
+    buffer.record(None, step=3)
+    buffer.record(torch.tensor([1.25]), step=4)
+    stacked = buffer.tensors()
+    assert list(stacked) == [torch.device("cpu")]
+    assert stacked[torch.device("cpu")].dtype == torch.float64
+    assert not stacked[torch.device("cpu")].requires_grad
+    copied = {d: t.tolist() for d, t in stacked.items()}
+    assert buffer.resolve(copied) == ((1, 2.5), (2, 3.0), (4, 1.25))
+    buffer.clear()
+    assert buffer.resolve({}) == () and buffer.tensors() == {}
+
+
+def test_a_bad_loss_warns_once_and_is_ignored() -> None:
+    buffer = LossBuffer()
+    with pytest.warns(RuntimeWarning, match=r"'loss' must be a scalar tensor or a number: got "
+                      r"tensor of shape \(2,\)"):
+        buffer.record(torch.ones(2), step=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        buffer.record("high", step=2)
+    assert caught == []  # warned once per buffer
+    assert buffer.resolve({}) == ()

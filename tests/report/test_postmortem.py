@@ -1,0 +1,84 @@
+"""Triggers, verdicts and report folders from crafted flushes (no model)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from normwatch.config import WatchConfig
+from normwatch.records import FirstNonfinite
+from normwatch.report.console import ReportSummary
+from normwatch.report.document import load_report, report_limits
+from normwatch.report.html import render_html
+from normwatch.report.postmortem import PostMortem
+from tests.factory import layer, snapshot, stats
+
+ORDER = ["blocks.0.norm", "blocks.1.norm"]
+
+
+def postmortem(tmp_path: Path, **options: object) -> PostMortem:
+    config = WatchConfig.from_options(report_dir=str(tmp_path / "reports"),
+                                      report_console=False, **options)
+    return PostMortem(config, [layer(n) for n in ORDER], [])
+
+
+def healthy(step: int, loss: float = 2.0, **fields: object) -> object:
+    return snapshot(step, stats(ORDER[0], **fields), stats(ORDER[1]), losses=[(step, loss)])
+
+
+def test_on_flush_returns_the_new_verdicts_once_per_episode(tmp_path: Path) -> None:
+    pm = postmortem(tmp_path)
+    assert pm.on_flush(healthy(1), [], [], ORDER) == []  # type: ignore[arg-type]
+    first = FirstNonfinite(2, ORDER[1], 1, "norm")
+    sick = snapshot(2, stats(ORDER[0]), stats(ORDER[1], out_nonfinite=3), first_nonfinite=first)
+    new = pm.on_flush(sick, [], [], ORDER)
+    assert [(v.trigger, v.blame, v.layer) for v in new] == [
+        ("nonfinite_activation", "normalization", ORDER[1])]
+    assert pm.verdicts == new
+    again = snapshot(3, stats(ORDER[0]), stats(ORDER[1], out_nonfinite=3),
+                     first_nonfinite=FirstNonfinite(3, ORDER[1], 1, "norm"))
+    assert pm.on_flush(again, [], [], ORDER) == []  # the same episode
+    assert len(pm.reports) == 1
+
+
+def test_a_finite_spike_gets_a_verdict_but_no_report(tmp_path: Path) -> None:
+    pm = postmortem(tmp_path, spike_warmup=3)
+    for step in range(1, 6):
+        assert pm.on_flush(healthy(step), [], [], ORDER) == []  # type: ignore[arg-type]
+    new = pm.on_flush(healthy(6, loss=50.0), [], [], ORDER)  # type: ignore[arg-type]
+    assert [v.trigger for v in new] == ["loss_spike"]
+    assert pm.reports == []
+
+
+def test_the_report_records_and_renders_the_limits_used(tmp_path: Path) -> None:
+    pm = postmortem(tmp_path, fp16_limit=100.0, eps_tol=0.05)
+    pm.on_flush(healthy(1, absmax=50.0), [], [], ORDER)  # type: ignore[arg-type]
+    pm.on_exception(RuntimeError("boom"), 1, ORDER)
+    report = load_report(pm.reports[0])
+    assert report["limits"]["fp16_limit"] == 100.0 and report["limits"]["eps_tol"] == 0.05
+    assert report_limits(report).fp16_limit == 100.0
+    assert report["exception"]["message"] == "boom"
+    html = render_html(report)
+    assert "fp16 limit 100" in html and "x / 100)" in html and "256" not in html
+    out = io.StringIO()
+    Console(file=out, width=120).print(ReportSummary(report))
+    row = next(line for line in out.getvalue().splitlines() if ORDER[0] in line)
+    assert "0.5" in row.split()  # max |x| 50 against the limit 100
+
+
+def test_reports_without_limits_read_as_the_defaults() -> None:
+    assert report_limits({}).fp16_limit == 256.0
+    assert report_limits({"limits": {"fp16_limit": "x", "other": 1}}).fp16_limit == 256.0
+
+
+def test_an_unwritable_report_dir_is_a_warning_not_a_crash(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    config = WatchConfig.from_options(report_dir=str(blocker / "reports"), report_console=False)
+    pm = PostMortem(config, [layer(n) for n in ORDER], [])
+    with pytest.warns(RuntimeWarning, match="writing the post-mortem failed"):
+        verdict = pm.on_exception(ValueError("bad batch"), 4, ORDER)
+    assert verdict.trigger == "exception" and pm.reports == []

@@ -1,0 +1,117 @@
+"""The house: stages are sub-packages, imports flow one way, nothing cycles.
+
+The graph is read from the source (every ``import`` statement, at any depth, outside
+``if TYPE_CHECKING:``), so a lazy import inside a function counts too.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for base, package in ((ROOT / "normwatch", "normwatch"),
+                          (ROOT / "integrations", "normwatch.integrations")):
+        for path in sorted(base.rglob("*.py")):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join([package, *parts])] = path
+    return found
+
+
+MODULES = modules()
+
+
+def imports(name: str) -> set[str]:
+    """Modules ``name`` imports (ours and third-party roots), TYPE_CHECKING blocks aside."""
+    path = MODULES[name]
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip |= {id(n) for n in ast.walk(node)}
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
+            out.add(base)
+            out |= {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES}
+    return out
+
+
+def ours(name: str) -> set[str]:
+    return {m for m in imports(name) if m in MODULES and m != name}
+
+
+def reachable(name: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [name]
+    while todo:
+        for m in ours(todo.pop()):
+            if m not in seen:
+                seen.add(m)
+                todo.append(m)
+    return seen
+
+
+def test_the_stages_are_sub_packages() -> None:
+    for stage in ("measure", "judge", "report", "export", "demos"):
+        assert f"normwatch.{stage}" in MODULES
+    top = {n for n in MODULES if n.count(".") == 1 and not n.startswith("normwatch.integrations")}
+    assert top <= {"normwatch._version", "normwatch.records", "normwatch.catalog",
+                   "normwatch.config", "normwatch.errors", "normwatch.watch", "normwatch.cli",
+                   "normwatch.__main__", "normwatch.measure", "normwatch.judge",
+                   "normwatch.report", "normwatch.export", "normwatch.demos",
+                   "normwatch.integrations"}
+
+
+def test_no_import_cycle() -> None:
+    cyclic = sorted(n for n in MODULES if n in reachable(n))
+    assert cyclic == []
+
+
+def test_records_is_a_leaf_and_judge_needs_no_torch() -> None:
+    assert ours("normwatch.records") == set()
+    assert "normwatch._version" not in reachable("normwatch._version")
+    for name in MODULES:
+        if name.startswith("normwatch.judge"):
+            closure = {name} | reachable(name)
+            assert not any(m.split(".")[0] == "torch" for n in closure for m in imports(n)), name
+            assert not any(n.startswith(("normwatch.measure", "normwatch.report",
+                                         "normwatch.export")) for n in closure), name
+
+
+def test_the_version_is_declared_once() -> None:
+    declared = [n for n, p in MODULES.items() if "__version__ =" in p.read_text()]
+    assert declared == ["normwatch._version"]
+
+
+def test_every_module_imports_alone() -> None:
+    """Each module imports in a process where no other module of ours was loaded."""
+    names = [n for n in MODULES if n != "normwatch.__main__"]
+    code = (
+        "import importlib, sys\n"
+        f"for name in {names!r}:\n"
+        "    for loaded in [m for m in sys.modules if m.startswith('normwatch')]:\n"
+        "        del sys.modules[loaded]\n"
+        "    importlib.import_module(name)\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=ROOT / "tests", check=False)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
