@@ -111,7 +111,7 @@ class Watch:
         """Poll the last in-flight peek (no stall), launch the next; ``True``: flush now."""
         if not self.config.early_warning:
             return False
-        blocks = {d: b for d, b in self._measure.accumulator.blocks.items()
+        blocks = {d: b for d, b in self._measure.blocks.items()
                   if d.type == "cuda" or self._early is not None}
         if not blocks:
             return False

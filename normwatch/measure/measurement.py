@@ -68,6 +68,11 @@ class Measurement:
                               f"({type(exc).__name__}: {exc}); those measurements are dropped, "
                               "training continues", RuntimeWarning, stacklevel=4)
 
+    @property
+    def blocks(self) -> dict[torch.device, torch.Tensor]:
+        """The accumulator's live device blocks (for the early-warning peek; read-only)."""
+        return self._rt.accumulator.blocks
+
     def on_cuda(self) -> bool:
         """Whether anything measured so far lives on a CUDA device."""
         return self._rt.accumulator.on_cuda()
