@@ -147,7 +147,9 @@ class Watch:
                                             self.forward_order)
         if self._collector is not None:
             shared = snapshot
-            if self.config.prometheus_aggregate:
+            # only at the regular flushes every rank reaches (an early flush is one rank's)
+            if self.config.prometheus_aggregate and \
+                    self.step_count % self.config.flush_every == 0:
                 from normwatch.export.crossrank import combine_ranks
 
                 shared = self._measure.snapshot(combine_ranks(rows), snapshot.step,

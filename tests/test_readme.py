@@ -27,3 +27,15 @@ def test_example_runs(name: str, tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     if name == "quickstart":
         assert result.stdout.strip().startswith("[")
+
+
+def test_layout_lists_every_folder_once() -> None:
+    root = Path(__file__).resolve().parents[1]
+    block = README.split("## Layout", 1)[1].split("```", 2)[1]
+    listed = [line.split()[0] for line in block.strip().splitlines()]
+    folders = {f"{p.name}/" for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")
+               and p.name not in ("build", "dist", "normwatch-reports")
+               and not p.name.endswith(".egg-info")}
+    folders |= {f"normwatch/{p.name}/" for p in (root / "normwatch").iterdir()
+                if (p / "__init__.py").exists()}
+    assert sorted(listed) == sorted(folders)

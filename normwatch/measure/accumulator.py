@@ -1,6 +1,6 @@
 """Per-layer accumulators that live on the activations' device.
 
-State is declared once, by reduction, in :mod:`normwatch.measure.reductions` (``SUM_COLUMNS``,
+State is declared once, by reduction, in :mod:`normwatch.catalog` (``SUM_COLUMNS``,
 ``MAX_COLUMNS``, ``MIN_COLUMNS``); reset, placement and the host copy are written once
 over those declarations. Updates are in-place tensor ops with no host synchronisation;
 :meth:`Accumulator.read` is the only device→host copy (one per device).
@@ -32,10 +32,10 @@ class Accumulator:
     stay small.
     """
 
-    def __init__(self, n_layers: int, thresholds: Limits | None = None,
+    def __init__(self, n_layers: int, limits: Limits | None = None,
                  max_staged_tokens: int = 1 << 20) -> None:
         self.n_layers = n_layers
-        self.thresholds = thresholds or Limits()
+        self.limits = limits or Limits()
         self.max_staged_tokens = max_staged_tokens
         self._blocks: dict[torch.device, torch.Tensor] = {}
         self._staged: list[CallRows] = []
@@ -85,7 +85,7 @@ class Accumulator:
         if plan is None:
             if len(self._plans) >= 64:
                 self._plans.clear()
-            plan = self._plans[signature] = fold_plan(calls, self.thresholds)
+            plan = self._plans[signature] = fold_plan(calls, self.limits)
         return plan
 
     def _block(self, device: torch.device) -> torch.Tensor:

@@ -196,7 +196,7 @@ class FoldPlan:
     identity: torch.Tensor
     """``(columns, calls)`` float64: each column's reduction identity (what a call that
     did not measure a statistic contributes)."""
-    thresholds: Limits
+    limits: Limits
 
     def per_call(self, x: torch.Tensor, how: str, out: bool = False) -> torch.Tensor:
         """Reduce the ``(k, tokens)`` rows of ``x`` per call (``how``: sum, amax or amin):
@@ -213,7 +213,7 @@ class FoldPlan:
         return x.new_full((x.shape[0], self.n_calls), fill).scatter_reduce_(1, index, x, how)
 
 
-def fold_plan(calls: Sequence[CallRows], thresholds: Limits) -> FoldPlan:
+def fold_plan(calls: Sequence[CallRows], limits: Limits) -> FoldPlan:
     """The constant vectors :func:`fold_calls` needs for ``calls`` (see :class:`FoldPlan`)."""
     device = calls[0].hi.device
 
@@ -227,7 +227,7 @@ def fold_plan(calls: Sequence[CallRows], thresholds: Limits) -> FoldPlan:
     sig = [c.signature(calls[0].key) for c in calls]
     n_in, n_out = [s[1] for s in sig], [s[2] for s in sig]
     width = [float(s[3]) for s in sig]
-    tol = thresholds.eps_tol
+    tol = limits.eps_tol
     # eps/(s + eps) > tol  <=>  sqrt(s) < sqrt(eps (1 - tol) / tol); eps = 0: sqrt(s) == 0
     # counts, i.e. sqrt(s) below the smallest float32 subnormal
     below = [math.sqrt(s[4] * (1 - tol) / tol) if s[4] > 0 else 2.0**-149 for s in sig]
@@ -248,7 +248,7 @@ def fold_plan(calls: Sequence[CallRows], thresholds: Limits) -> FoldPlan:
         dominated_below=runs(below, n_in),
         identity=runs([v for v in identity_row(COLUMNS) for _ in calls], dtype=torch.float64)
         .view(len(COLUMNS), len(calls)),
-        thresholds=thresholds,
+        limits=limits,
     )
 
 
@@ -264,7 +264,7 @@ def fold_calls(calls: Sequence[CallRows], plan: FoldPlan) -> torch.Tensor:
     size): per-token rows are stacked and reduced per call together, and eps dominance,
     monotonic in the variance, is derived from each call's smallest one.
     """
-    inf, t = math.inf, plan.thresholds
+    inf, t = math.inf, plan.limits
     # max |x| per token, NaN/inf exactly on tokens holding NaN/inf: (inputs[, outputs])
     his, los = [c.hi for c in calls], [c.lo for c in calls]
     if plan.aligned:  # every output token lines up with an input token: fold them together

@@ -7,8 +7,9 @@ in chunks of ``BLOCK_D`` elements, and writes seven floats (:data:`ROW_COLUMNS`)
 and the sum, sum of squares and centred sum of squares (Chan's parallel merge of per-chunk
 two-pass moments: numerically stable) over the finite elements, the count of non-finite
 elements, and the output's max |y| and non-finite count. The folding of those rows into
-the layer's statistics is shared with the torch path (:func:`normwatch.stats.rows_from_fused`,
-:func:`normwatch.stats.fold_calls`).
+the layer's statistics is shared with the torch path
+(:func:`~normwatch.measure.reductions.rows_from_fused`,
+:func:`~normwatch.measure.reductions.fold_calls`).
 
 Used automatically for CUDA tensors when Triton imports; tested on the CPU in Triton's
 interpreter (``TRITON_INTERPRET=1``). :func:`row_stats_torch` is the reference.
