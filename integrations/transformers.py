@@ -112,7 +112,8 @@ class NormWatchTrainerCallback(TrainerCallback):
                      control: TrainerControl, **kwargs: Any) -> None:
         self._release()
         if self.watch is not None:
-            self.watch.flush()
+            if self.watch.unflushed:  # the steps since the last flush, not an empty interval
+                self.watch.flush()
             self.watch.close()
 
 

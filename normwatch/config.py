@@ -140,8 +140,10 @@ class WatchConfig:
         _number(self.spike_min_rel, "spike_min_rel", low=0.0)
         if self.rank is not None:
             _int(self.rank, "rank", minimum=0)
-        if self.report_dir is not None and not isinstance(self.report_dir, str | os.PathLike):
-            raise ConfigError(f"'report_dir' must be a path or None: got {self.report_dir!r}")
+        if self.report_dir is not None and (not isinstance(self.report_dir, str | os.PathLike)
+                                            or str(self.report_dir) == ""):
+            raise ConfigError(f"'report_dir' must be a folder path or None: got "
+                              f"{self.report_dir!r}")
         if self.prometheus_port is not None:
             _int(self.prometheus_port, "prometheus_port", minimum=0)
             if self.prometheus_port > 65535:

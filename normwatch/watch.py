@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import warnings
@@ -28,8 +29,10 @@ from normwatch.measure.discovery import iter_norm_modules
 from normwatch.measure.losses import LossBuffer
 from normwatch.measure.measurement import Measurement
 from normwatch.measure.triton_kernel import available as triton_available
+from normwatch.measure.triton_kernel import usable as triton_usable
 from normwatch.records import Alarm, NormLayer, Snapshot, Verdict
 from normwatch.report.dispatch import Dispatcher
+from normwatch.report.document import prepare_report_dir
 from normwatch.report.postmortem import PostMortem
 
 if TYPE_CHECKING:
@@ -46,9 +49,13 @@ class Watch:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"'model' must be a torch.nn.Module: got {type(model).__name__}")
         self.config = c = config or WatchConfig()
-        if c.kernel == "triton" and not triton_available():
-            raise ConfigError("'kernel' is 'triton' but Triton does not import here: install "
-                              "triton, or use kernel='auto' or 'torch'")
+        if c.kernel == "triton" and not triton_usable():
+            why = "no GPU driver is up (and TRITON_INTERPRET is not set)" \
+                if triton_available() else "Triton does not import here"
+            raise ConfigError(f"'kernel' is 'triton' but {why}: use kernel='auto' (the fused "
+                              "kernel where it can run, torch elsewhere) or 'torch'")
+        if c.report_dir is not None:
+            prepare_report_dir(c.report_dir)
         pairs = list(iter_norm_modules(model, c.include, c.exclude))
         if not pairs:
             warnings.warn(
@@ -73,9 +80,10 @@ class Watch:
         if c.prometheus_port is not None:
             from normwatch.export.prometheus import MetricsEndpoint
 
-            self.endpoint = MetricsEndpoint(self.collector, self.run_id, c.rank)
-            self.endpoint.serve(c.prometheus_port, c.prometheus_addr, c.prometheus_certfile,
-                                c.prometheus_keyfile)
+            endpoint = MetricsEndpoint(self.collector, self.run_id, c.rank)
+            if endpoint.serve(c.prometheus_port, c.prometheus_addr, c.prometheus_certfile,
+                              c.prometheus_keyfile):
+                self.endpoint = endpoint
         self._absmax_history: dict[str, deque[tuple[int, float]]] = {
             layer.name: deque(maxlen=HISTORY_POINTS) for layer in self.layers
         }
@@ -87,6 +95,7 @@ class Watch:
         self.last_findings: list[Alarm] = []
         """The rules' findings at the last flush, before de-duplication."""
         self.closed = False
+        self._warned_closed = False
 
     # -- the training-loop API ------------------------------------------------------------
 
@@ -96,6 +105,8 @@ class Watch:
         ``loss`` (a scalar tensor or number) is kept on its device until the flush.
         Returns the snapshot when this step flushed, else ``None``.
         """
+        if self._closed_use("step"):
+            return None
         self.step_count += 1
         self._losses.record(loss, self.step_count)
         if self.config.early_warning and (self._early is not None or self._measure.on_cuda()):
@@ -125,6 +136,19 @@ class Watch:
 
     def flush(self) -> Snapshot:
         """Copy the interval's statistics to the host (the only sync), reset, run alarms."""
+        if self._closed_use("flush"):
+            return Snapshot(self.step_count, self._interval_start, {})
+        return self._flush()[0]
+
+    @property
+    def unflushed(self) -> bool:
+        """Whether steps or norm calls were measured since the last flush."""
+        return self.step_count >= self._interval_start or self._measure.pending
+
+    def _flush(self, conclude: bool = True, fatal: bool = True
+               ) -> tuple[Snapshot, list[Verdict]]:
+        """:meth:`flush`; ``conclude``: judge triggers (else only record the interval);
+        ``fatal``: raise per ``raise_on``. Returns the snapshot and its new verdicts."""
         if self._early is not None:
             self._early.reset()
         rows, copied = self._measure.read(self._losses.tensors())
@@ -144,7 +168,7 @@ class Watch:
         self.last_findings = evaluate(snapshot, context)
         passed = self._dispatcher.deliver(self.last_findings)
         verdicts = self.postmortem.on_flush(snapshot, self.last_findings, passed,
-                                            self.forward_order)
+                                            self.forward_order, conclude=conclude)
         if self._collector is not None:
             shared = snapshot
             # only at the regular flushes every rank reaches (an early flush is one rank's)
@@ -155,8 +179,9 @@ class Watch:
                 shared = self._measure.snapshot(combine_ranks(rows), snapshot.step,
                                                 snapshot.first_step, snapshot.losses)
             self._collector.update(shared, passed, verdicts)
-        self._dispatcher.raise_if_fatal(passed)
-        return snapshot
+        if fatal:
+            self._dispatcher.raise_if_fatal(passed)
+        return snapshot, verdicts
 
     @property
     def collector(self) -> NormwatchCollector:
@@ -201,13 +226,42 @@ class Watch:
         """Folders of the post-mortem reports written so far."""
         return self.postmortem.reports
 
-    def report_exception(self, exc: BaseException) -> Verdict:
+    def report_exception(self, exc: BaseException) -> Verdict | None:
         """Judge and report an exception that ended (or interrupted) training.
 
+        The unflushed interval is read first (training is over: a synchronous read is
+        fine), so the verdict sees every step up to the crash. ``KeyboardInterrupt`` and
+        ``SystemExit`` are not faults: the interval is judged as at any flush (a verdict
+        and report only if something in it was abnormal), else one log line and ``None``.
         Integrations call this from their exception hooks; the context-manager form of
         the watch calls it when the ``with`` block raises.
         """
-        return self.postmortem.on_exception(exc, self.step_count, self.forward_order)
+        interrupt = isinstance(exc, KeyboardInterrupt | SystemExit)
+        verdicts: list[Verdict] = []
+        if self.unflushed:
+            try:
+                verdicts = self._flush(conclude=interrupt, fatal=False)[1]
+            except Exception as failure:  # the report must still be written
+                warnings.warn(f"normwatch: reading the last interval failed "
+                              f"({type(failure).__name__}: {failure}); judging on the flushes "
+                              "before it", RuntimeWarning, stacklevel=2)
+        if not interrupt:
+            return self.postmortem.on_exception(exc, self.step_count, self.forward_order)
+        if not verdicts:
+            logging.getLogger(self.config.logger).warning(
+                "[interrupted] %s at step %d: nothing abnormal in the norms since the last "
+                "report; no post-mortem", type(exc).__name__, self.step_count)
+        return verdicts[-1] if verdicts else None
+
+    def _closed_use(self, what: str) -> bool:
+        """After :meth:`close`: warn once that ``what`` measures nothing; ``True`` then."""
+        if not self.closed:
+            return False
+        if not self._warned_closed:
+            self._warned_closed = True
+            warnings.warn(f"normwatch: {what}() after close(): the hooks are removed, nothing "
+                          "is measured", RuntimeWarning, stacklevel=3)
+        return True
 
     def state_dict(self) -> dict[str, Any]:
         """Plain state for checkpoints: step count and the loss baseline."""
@@ -258,7 +312,7 @@ class Watch:
         tb: TracebackType | None,
     ) -> None:
         try:
-            if isinstance(exc, Exception) and not isinstance(exc, NumericalHealthError):
+            if exc is not None and not isinstance(exc, NumericalHealthError | GeneratorExit):
                 self.report_exception(exc)
         finally:
             self.close()

@@ -25,15 +25,18 @@ class Tokens(Dataset[torch.Tensor]):
 
 class LitLM(pl.LightningModule):
     def __init__(self, nan_at: int | None = None, nan_rank: int | None = None,
-                 fail_at: int | None = None) -> None:
+                 fail_at: int | None = None, interrupt_at: int | None = None) -> None:
         super().__init__()
         self.model = TinyLM(dim=32, depth=2)
         self.nan_at, self.nan_rank, self.fail_at = nan_at, nan_rank, fail_at
+        self.interrupt_at = interrupt_at
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> Any:
         step = self.trainer.global_step + 1
         if self.fail_at is not None and step == self.fail_at:
             raise RuntimeError("simulated crash in training_step")
+        if self.interrupt_at is not None and step == self.interrupt_at:
+            raise KeyboardInterrupt  # what Ctrl-C raises
         bad = self.nan_at is not None and step >= self.nan_at and \
             self.nan_rank in (None, self.global_rank)
         self.model.blocks[1].mlp.fault = bad

@@ -20,7 +20,8 @@ from normwatch.records import Limits
     ({"prometheus_certfile": "c.pem"}, "'prometheus_certfile' and 'prometheus_keyfile' go"),
     ({"include": [3]}, "'include' must be a sequence of str patterns: got int 3"),
     ({"sinks": [42]}, "'sinks' must hold callables: got int"),
-    ({"report_dir": 3}, "'report_dir' must be a path or None: got 3"),
+    ({"report_dir": 3}, "'report_dir' must be a folder path or None: got 3"),
+    ({"report_dir": ""}, "'report_dir' must be a folder path or None: got ''"),
     ({"flush_evry": 5}, "unknown option 'flush_evry'; did you mean 'flush_every'?"),
 ])
 def test_bad_options_name_the_option_and_the_value(options: dict[str, object],

@@ -1,6 +1,10 @@
-"""Watch semantics: steps, flushes, counting rules, close, bad input."""
+"""Watch semantics: steps, flushes, close, bad input, crashes and interrupts."""
 
 from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +12,7 @@ from torch import nn
 
 import normwatch
 from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
+from normwatch.report.document import load_report
 from tests.conftest import tiny_hf
 
 
@@ -131,7 +136,7 @@ def test_bad_loss_warns_once_and_training_goes_on() -> None:
     model = nn.LayerNorm(4)
     w = normwatch.watch(model, flush_every=2)
     with pytest.warns(RuntimeWarning, match=r"'loss' must be a scalar tensor or a number: got "
-                      r"tensor of shape \(2,\)"):
+                      r"torch.float32 tensor of shape \(2,\) on cpu"):
         w.step(torch.ones(2))
     snap = w.step(0.5)
     assert snap is not None and snap.losses == ((2, 0.5),)
@@ -217,3 +222,107 @@ def test_forward_only_loops_keep_staged_rows_bounded() -> None:
     snap = w.flush()
     assert (snap.layers["1"].calls, snap.layers["1"].tokens) == (300, 1500)
     assert snap.layers["1"].finite_tokens == 1500
+
+
+def crash_run(tmp_path: Path, flush_every: int, nan_at: int | None, stop_at: int,
+              exc: BaseException) -> normwatch.Watch:
+    """Train TinyLM, NaN from block 1's MLP from ``nan_at``, ``exc`` raised in step
+    ``stop_at`` after its forward, inside ``with watch:``."""
+    model = TinyLM(dim=32, depth=2)
+    w = normwatch.watch(model, flush_every=flush_every, report_dir=str(tmp_path / "r"),
+                        report_console=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(type(exc)), w:
+        for step in range(1, stop_at + 1):
+            model.blocks[1].mlp.fault = nan_at is not None and step >= nan_at
+            tokens = synthetic_batch(gen, batch=2, seq=8)
+            loss = lm_loss(model(tokens), tokens)
+            if step == stop_at:
+                raise exc
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            w.step(loss)
+    return w
+
+
+@pytest.mark.parametrize("flush_every", [10, 50])
+def test_a_crash_between_flushes_is_judged_on_every_step_up_to_it(tmp_path: Path,
+                                                                  flush_every: int) -> None:
+    w = crash_run(tmp_path, flush_every, nan_at=15, stop_at=16, exc=RuntimeError("crash"))
+    assert w.closed and len(w.reports) == 1  # one report: the exception's, not a second
+    report = load_report(w.reports[0])
+    assert (report["trigger"], report["step"]) == ("exception", 15)
+    assert report["first_nonfinite"] == {"step": 15, "layer": "norm", "position": 4,
+                                         "origin": "input"}
+    verdict = report["verdict"]
+    assert (verdict["blame"], verdict["layer"], verdict["cause"]) == (
+        "not_normalization", "norm", "nonfinite")
+    assert "between blocks.1.norm2 and norm" in verdict["block"]
+    assert report["loss_history"][-1] == [15, "nan"]
+
+
+def test_a_crash_before_the_first_flush_is_judged_on_its_steps(tmp_path: Path) -> None:
+    w = crash_run(tmp_path, 10, nan_at=None, stop_at=3, exc=ValueError("bad batch"))
+    report = load_report(w.reports[0])
+    assert report["verdict"]["blame"] == "not_normalization"
+    assert report["verdict"]["evidence"][0].startswith("All 5 norm layers stayed healthy")
+    assert [s for s, _ in report["loss_history"]] == [1, 2]
+    # steps 1-2 and the interrupted forward of step 3
+    assert {layer["history"][-1]["tokens"] for layer in report["layers"]} == {48}
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt(), SystemExit(1)])
+def test_an_interrupt_is_not_a_fault(tmp_path: Path, exc: BaseException,
+                                     caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="normwatch"):
+        w = crash_run(tmp_path, 10, nan_at=None, stop_at=4, exc=exc)
+    assert w.closed and w.verdicts == [] and w.reports == []
+    assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())
+    lines = [r.getMessage() for r in caplog.records if "[interrupted]" in r.getMessage()]
+    assert lines == [f"[interrupted] {type(exc).__name__} at step 3: nothing abnormal in the "
+                     "norms since the last report; no post-mortem"]
+    assert w.last_snapshot is not None and w.last_snapshot.step == 3  # the interval was read
+
+
+def test_an_interrupt_after_a_fault_reports_the_fault(tmp_path: Path) -> None:
+    w = crash_run(tmp_path, 10, nan_at=5, stop_at=7, exc=KeyboardInterrupt())
+    assert [(v.trigger, v.layer) for v in w.verdicts] == [("nonfinite_activation", "norm")]
+    assert load_report(w.reports[0])["trigger"] == "nonfinite_activation"
+
+
+def test_use_after_close_warns_once() -> None:
+    model = nn.LayerNorm(4)
+    w = normwatch.watch(model, report_dir=None)
+    w.close()
+    with pytest.warns(RuntimeWarning, match=r"step\(\) after close\(\)"):
+        assert w.step() is None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert w.flush().layers == {}
+        w.step()
+    assert caught == []
+
+
+@pytest.mark.parametrize(("where", "message"), [
+    ("file", "'report_dir' must be a folder: got .*, which is a file"),
+    ("file/reports", "'report_dir' must be a folder normwatch can create: got .*file/reports"),
+])
+def test_a_bad_report_dir_fails_when_the_watch_starts(tmp_path: Path, where: str,
+                                                      message: str) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(normwatch.ConfigError, match=message):
+        normwatch.watch(nn.LayerNorm(4), report_dir=str(tmp_path / where))
+    w = normwatch.watch(nn.LayerNorm(4), report_dir=str(tmp_path / "new" / "reports"))
+    assert (tmp_path / "new" / "reports").is_dir()  # created at the start
+    w.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU driver")
+def test_kernel_triton_without_a_backend_fails_at_setup(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(normwatch.ConfigError, match="'kernel' is 'triton' but no GPU driver"):
+        normwatch.watch(nn.LayerNorm(4), kernel="triton")
+    normwatch.watch(nn.LayerNorm(4), kernel="auto").close()  # auto picks torch here

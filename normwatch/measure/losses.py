@@ -25,18 +25,19 @@ class LossBuffer:
         self._warned = False
 
     def record(self, loss: Any, step: int) -> None:
-        """Keep ``loss`` (a scalar tensor or a number) for ``step``; anything else warns
-        once and is ignored."""
+        """Keep ``loss`` (a real scalar tensor with data, or a number) for ``step``;
+        anything else (a meta tensor, a vector, a string) warns once and is ignored."""
         if loss is None:
             return
-        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1 and not loss.is_meta \
+                and not loss.is_complex():
             self._losses.append((step, loss.detach().reshape(())))
         elif isinstance(loss, numbers.Real):
             self._losses.append((step, float(loss)))
         elif not self._warned:
             self._warned = True
-            got = (f"tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
-                   else type(loss).__name__)
+            got = (f"{loss.dtype} tensor of shape {tuple(loss.shape)} on {loss.device}"
+                   if isinstance(loss, torch.Tensor) else type(loss).__name__)
             warnings.warn(f"normwatch: 'loss' must be a scalar tensor or a number: got {got}; "
                           "losses are not recorded", RuntimeWarning, stacklevel=4)
 

@@ -69,6 +69,11 @@ class Measurement:
                               "training continues", RuntimeWarning, stacklevel=4)
 
     @property
+    def pending(self) -> bool:
+        """Whether any layer was called since the last :meth:`reset`."""
+        return any(h.counts.calls for h in self._hooks)
+
+    @property
     def blocks(self) -> dict[torch.device, torch.Tensor]:
         """The accumulator's live device blocks (for the early-warning peek; read-only)."""
         return self._rt.accumulator.blocks

@@ -18,6 +18,7 @@ interpreter (``TRITON_INTERPRET=1``). :func:`row_stats_torch` is the reference.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import torch
@@ -34,6 +35,13 @@ def available() -> bool:
     except Exception:  # ImportError, or a broken install
         return False
     return True
+
+
+def usable() -> bool:
+    """Whether the kernel can run here: Triton imports and a GPU driver is up, or Triton's
+    CPU interpreter is on (``TRITON_INTERPRET=1``)."""
+    interpreted = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+    return available() and (interpreted or torch.cuda.is_available())
 
 
 def row_stats_torch(tokens: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -16,6 +16,7 @@ import dataclasses
 import datetime as dt
 import json
 import math
+import os
 import platform
 import re
 import traceback
@@ -27,6 +28,7 @@ import torch
 
 from normwatch._version import __version__
 from normwatch.catalog import TABLE
+from normwatch.errors import ConfigError
 from normwatch.judge.history import Record, first_nonfinite
 from normwatch.judge.spikes import Spike
 from normwatch.records import Alarm, Limits, NormLayer, Verdict
@@ -129,6 +131,24 @@ def write_report(report: Mapping[str, Any], report_dir: str | Path,
     (folder / "report.json").write_text(text + "\n", encoding="utf-8")
     if html is not None:
         (folder / "report.html").write_text(html, encoding="utf-8")
+    return folder
+
+
+def prepare_report_dir(path: str | os.PathLike[str]) -> Path:
+    """Create ``path`` (with parents) and check it is a writable folder, when the watch
+    starts rather than when a report would be lost; :class:`ConfigError` otherwise."""
+    folder = Path(path)
+    if str(path) == "":
+        raise ConfigError("'report_dir' must be a folder path or None: got ''")
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"'report_dir' must be a folder: got {str(path)!r}, which is a file")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"'report_dir' must be a folder normwatch can create: got "
+                          f"{str(path)!r} ({exc.strerror or exc})") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"'report_dir' must be writable: got {str(path)!r}")
     return folder
 
 

@@ -50,9 +50,9 @@ class PostMortem:
         self._reported_alarms: set[tuple[str, str | None]] = set()
 
     def on_flush(self, snapshot: Snapshot, findings: list[Alarm], passed: list[Alarm],
-                 order: Sequence[str]) -> list[Verdict]:
-        """Record the flush; if something triggered, judge it and write a report. Returns
-        the verdicts this flush reached (none or one)."""
+                 order: Sequence[str], conclude: bool = True) -> list[Verdict]:
+        """Record the flush; if something triggered (and ``conclude``), judge it and write
+        a report. Returns the verdicts this flush reached (none or one)."""
         self.history.append(snapshot, findings)
         triggers: dict[Trigger, int] = {}
         first = snapshot.first_nonfinite
@@ -76,7 +76,7 @@ class PostMortem:
             if alarm.severity == "critical" and key not in self._reported_alarms:
                 self._reported_alarms.add(key)
                 triggers.setdefault("critical_alarm", alarm.step)
-        if not triggers:
+        if not triggers or not conclude:
             return []
         trigger = next(t for t in PRIORITY if t in triggers)
         return [self._conclude(trigger, triggers[trigger], order)]

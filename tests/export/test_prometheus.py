@@ -95,6 +95,7 @@ def test_port_conflict_warns_and_training_goes_on() -> None:
         with pytest.warns(RuntimeWarning, match=f"cannot serve Prometheus metrics on "
                           f"127.0.0.1:{port}"):
             model, w = model_and_watch(prometheus_port=port)
+        assert w.endpoint is None  # no handle to a server that is not there
         model(torch.randn(2, 8)).sum().backward()
         assert w.step() is not None  # still measuring
         w.close()

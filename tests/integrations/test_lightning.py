@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import os
+import signal
 import subprocess
 import sys
 import warnings
@@ -91,6 +93,26 @@ def test_exception_writes_a_post_mortem_and_removes_hooks(tmp_path: Path) -> Non
     assert report["trigger"] == "exception" and report["step"] == 3
     assert "simulated crash in training_step" in report["exception"]["traceback"]
     assert all(not m._forward_hooks for m in module.modules())
+
+
+def test_ctrl_c_is_an_interrupt_not_a_fault(tmp_path: Path,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    callback = NormWatchCallback(report_dir=str(tmp_path / "reports"), flush_every=50)
+    t = trainer(tmp_path, callback)
+    module = LitLM(interrupt_at=4)
+    sigint = signal.getsignal(signal.SIGINT)
+    try:
+        with caplog.at_level(logging.WARNING, logger="normwatch"), \
+                pytest.raises(SystemExit):  # Lightning exits after its graceful shutdown
+            t.fit(module)
+    finally:
+        signal.signal(signal.SIGINT, sigint)  # Lightning ignores further Ctrl-C
+    watch = callback.watch
+    assert watch is not None and watch.closed and watch.reports == [] and watch.verdicts == []
+    assert all(not m._forward_hooks for m in module.modules())
+    assert watch.last_snapshot is not None and watch.last_snapshot.step == 3
+    assert any("[interrupted] KeyboardInterrupt at step 3: nothing abnormal" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_rich_progress_bar_and_nan_verdict(tmp_path: Path) -> None:

@@ -52,6 +52,9 @@ def test_trainer_callback_logs_normwatch_metrics(tmp_path: Path) -> None:
     later = watch.postmortem.history.records()[1].snapshot
     assert [s for s, _ in later.losses] == [2] and later.losses[0][1] > 0
     assert watch.verdicts == []
+    last = watch.last_snapshot  # the last flush holds steps 7-8, not an empty extra interval
+    assert last is not None and (last.first_step, last.step) == (7, 8)
+    assert last.layers["model.norm"].seen
 
 
 def test_bad_options_fail_at_construction() -> None:

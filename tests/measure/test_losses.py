@@ -29,10 +29,20 @@ def test_tensors_and_numbers_resolve_in_order() -> None:
 def test_a_bad_loss_warns_once_and_is_ignored() -> None:
     buffer = LossBuffer()
     with pytest.warns(RuntimeWarning, match=r"'loss' must be a scalar tensor or a number: got "
-                      r"tensor of shape \(2,\)"):
+                      r"torch.float32 tensor of shape \(2,\) on cpu"):
         buffer.record(torch.ones(2), step=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         buffer.record("high", step=2)
     assert caught == []  # warned once per buffer
     assert buffer.resolve({}) == ()
+
+
+def test_a_meta_loss_is_skipped_with_one_warning_not_a_crash() -> None:
+    buffer = LossBuffer()
+    with pytest.warns(RuntimeWarning, match=r"got torch.float32 tensor of shape \(\) on meta"):
+        buffer.record(torch.empty((), device="meta"), step=1)
+    buffer.record(torch.tensor(1.0), step=2)
+    stacked = buffer.tensors()
+    assert list(stacked) == [torch.device("cpu")]  # nothing to copy from a meta tensor
+    assert buffer.resolve({d: t.tolist() for d, t in stacked.items()}) == ((2, 1.0),)
