@@ -115,6 +115,8 @@ class NormLayer:
     weight_form: WeightForm
     class_name: str
     num_groups: int | None = None
+    builtin: bool = False
+    """One of torch's own norm modules (its dtypes under autocast are autocast's rules)."""
 
     @property
     def token_size(self) -> int | None:

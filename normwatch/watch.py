@@ -65,7 +65,8 @@ class Watch:
                 RuntimeWarning,
                 stacklevel=3,
             )
-        self._measure = Measurement(pairs, c.limits, count_eval=c.count_eval, kernel=c.kernel)
+        self._measure = Measurement(pairs, c.limits, count_eval=c.count_eval, kernel=c.kernel,
+                                    root=model)
         self.layers: tuple[NormLayer, ...] = self._measure.layers
         self._by_name = {layer.name: layer for layer in self.layers}
         self._dispatcher = Dispatcher(c)
@@ -107,6 +108,7 @@ class Watch:
         """
         if self._closed_use("step"):
             return None
+        self._measure.discard_interrupted()
         self.step_count += 1
         self._losses.record(loss, self.step_count)
         if self.config.early_warning and (self._early is not None or self._measure.on_cuda()):

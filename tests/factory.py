@@ -31,10 +31,11 @@ def stats(name: str = "blocks.0.norm", kind: Kind = "rmsnorm", **fields: Any) ->
 
 
 def layer(name: str = "blocks.0.norm", kind: Kind = "rmsnorm", eps: float = 1e-6,
-          width: int = 64) -> NormLayer:
-    """The :class:`NormLayer` that goes with :func:`stats`."""
+          width: int = 64, builtin: bool = False) -> NormLayer:
+    """The :class:`NormLayer` that goes with :func:`stats` (a custom norm unless
+    ``builtin``: one of torch's own)."""
     return NormLayer(name, kind, eps, (width,), "w", "RMSNorm" if kind == "rmsnorm"
-                     else "LayerNorm")
+                     else "LayerNorm", builtin=builtin)
 
 
 def snapshot(step: int, *layers: LayerStats, first_nonfinite: FirstNonfinite | None = None,
@@ -48,8 +49,8 @@ def snapshot(step: int, *layers: LayerStats, first_nonfinite: FirstNonfinite | N
 def context(snap: Snapshot, config: WatchConfig | None = None,
             probes: Mapping[str, ProbeResult] | None = None,
             history: Mapping[str, Sequence[tuple[int, float]]] | None = None,
-            eps: float = 1e-6) -> RuleContext:
+            eps: float = 1e-6, builtin: bool = False) -> RuleContext:
     """A rule context for ``snap``: its layers described by :func:`layer`."""
-    layers = {name: layer(name, s.kind, eps) for name, s in snap.layers.items()}
+    layers = {name: layer(name, s.kind, eps, builtin=builtin) for name, s in snap.layers.items()}
     return RuleContext(config or WatchConfig(), layers, dict(probes or {}),
                        dict(history or {}))

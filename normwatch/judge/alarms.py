@@ -47,7 +47,7 @@ def evaluate(snapshot: Snapshot, ctx: RuleContext) -> list[Alarm]:
         alarms += fp16_alarms(stats, layer, step, ctx)
         alarms += eps_alarms(stats, layer, step, ctx.config)
         alarms += common_mode_alarms(stats, step, ctx.config)
-        alarms += dtype_alarms(stats, step)
+        alarms += dtype_alarms(stats, layer, step)
         alarms += output_alarms(stats, step, ctx.config)
     return alarms
 
@@ -185,14 +185,27 @@ def common_mode_alarms(stats: LayerStats, step: int, config: WatchConfig) -> lis
         "structure is crushed into a near-constant vector. Consider LayerNorm or centring.")]
 
 
-def dtype_alarms(stats: LayerStats, step: int) -> list[Alarm]:
-    """Weight or output dtype different from the input, beyond autocast's documented rules."""
+def dtype_alarms(stats: LayerStats, layer: NormLayer, step: int) -> list[Alarm]:
+    """Weight or output dtype different from the input, beyond autocast's own rules.
+
+    Under autocast, the dtypes of torch's own norm modules are autocast's to decide (an
+    fp32 output of an op on its fp32 list is by design); a custom norm whose fp32 weight
+    promotes the stream is plain type promotion in its own code, with or without autocast.
+    """
     inp, w, out = stats.input_dtype, stats.weight_dtype, stats.output_dtype
     if inp is None or out is None:
         return []
     tag = f"{inp}/{w}/{out}/{stats.autocast}"
     if stats.autocast is not None:
         amp = stats.autocast.split(":")[-1]
+        if out == "float32" != inp and not layer.builtin:
+            return [Alarm(
+                "dtype_mismatch", "warning", stats.name, step, 0.0, 0.0,
+                f"{stats.name}: under autocast ({amp}) the {inp} stream leaves this norm as "
+                f"{out}: its {w} weight promotes it by plain type promotion in the norm's own "
+                "code, not by an autocast rule (2x memory and bandwidth downstream, numerics "
+                "that differ from inference). Cast the result back to the input dtype, e.g. "
+                "(weight * x).to(input_dtype).", tag=tag)]
         if out in (inp, amp, "float32") and w in (None, "float32", inp):
             return []
         return [Alarm("dtype_mismatch", "info", stats.name, step, 0.0, 0.0,
@@ -215,18 +228,21 @@ def dtype_alarms(stats: LayerStats, step: int) -> list[Alarm]:
                   ". Cast the norm with the model (model.to(dtype)) or use autocast.", tag=tag)]
 
 
-def output_tolerance(config: WatchConfig, dtype: str | None) -> float:
-    """Relative error that counts as an output mismatch for outputs of ``dtype``."""
+def output_tolerance(config: WatchConfig, stats: LayerStats) -> float:
+    """Relative error that counts as an output mismatch: 4 units of the coarsest precision
+    the output went through (its input, output and autocast dtypes; an fp32 output
+    computed from a bf16 input carries bf16's digits), at least 1e-3."""
     if config.output_tol is not None:
         return config.output_tol
-    eps = DTYPE_EPS.get(dtype or "float32", 1e-7)
-    return max(1e-3, 4 * eps)
+    amp = stats.autocast.split(":")[-1] if stats.autocast else None
+    dtypes = [d for d in (stats.input_dtype, stats.output_dtype, amp) if d] or ["float32"]
+    return max(1e-3, 4 * max(DTYPE_EPS.get(d, 1e-7) for d in dtypes))
 
 
 def output_alarms(stats: LayerStats, step: int, config: WatchConfig) -> list[Alarm]:
     """The layer's output disagrees with its formula recomputed in fp32."""
     err = stats.output_mismatch
-    tol = output_tolerance(config, stats.output_dtype)
+    tol = output_tolerance(config, stats)
     if err is None or err <= tol:
         return []
     sev: Severity = "critical" if err > 0.1 else "warning"

@@ -40,6 +40,7 @@ class Accumulator:
         self._blocks: dict[torch.device, torch.Tensor] = {}
         self._staged: list[CallRows] = []
         self._staged_tokens = 0
+        self._commits = 0
         self._plans: dict[tuple[Any, ...], FoldPlan] = {}
 
     def stage(self, call: CallRows) -> None:
@@ -48,6 +49,18 @@ class Accumulator:
         self._staged_tokens += call.hi.shape[0]
         if self._staged_tokens >= self.max_staged_tokens:
             self.commit()
+
+    def mark(self) -> tuple[int, int]:
+        """Where staging stands now, for :meth:`drop_since`."""
+        return self._commits, len(self._staged)
+
+    def drop_since(self, mark: tuple[int, int]) -> bool:
+        """Drop the calls staged since ``mark``; ``False`` if they were folded already."""
+        if mark[0] != self._commits:
+            return False
+        del self._staged[mark[1]:]
+        self._staged_tokens = sum(c.hi.shape[0] for c in self._staged)
+        return True
 
     def on_cuda(self) -> bool:
         """Whether any state or staged call lives on a CUDA device."""
@@ -62,6 +75,7 @@ class Accumulator:
             groups.setdefault((call.hi.device, call.full), []).append(call)
         self._staged = []
         self._staged_tokens = 0
+        self._commits += 1
         for (device, _), calls in groups.items():
             plan = self._plan(device, calls)
             index = plan.rows

@@ -89,19 +89,21 @@ def describe(module: nn.Module, name: str = "") -> NormLayer | None:
             shape = _weight_shape(module) if reg.kind in ("layernorm", "rmsnorm") else None
             groups = getattr(module, "num_groups", None) if reg.kind == "groupnorm" else None
             return NormLayer(name, reg.kind, eps, shape, reg.weight_form, cls_name, groups)
+    # torch's own classes (not subclasses with their own forward): one op each
+    builtin = type(module).__module__.startswith("torch.nn.")
     if isinstance(module, nn.LayerNorm | nn.RMSNorm):
         eps = module.eps if module.eps is not None else _default_rms_eps()
         return NormLayer(name, _builtin_kind(module), float(eps),
-                         tuple(module.normalized_shape), "w", cls_name)
+                         tuple(module.normalized_shape), "w", cls_name, builtin=builtin)
     if isinstance(module, nn.GroupNorm):
         return NormLayer(name, "groupnorm", float(module.eps), (module.num_channels,), "w",
-                         cls_name, module.num_groups)
+                         cls_name, module.num_groups, builtin)
     if isinstance(module, nn.modules.instancenorm._InstanceNorm):
         return NormLayer(name, "instancenorm", float(module.eps), (module.num_features,), "w",
-                         cls_name)
+                         cls_name, builtin=builtin)
     if isinstance(module, nn.modules.batchnorm._NormBase):
         return NormLayer(name, "batchnorm", float(module.eps), (module.num_features,), "w",
-                         cls_name)
+                         cls_name, builtin=builtin)
     return _duck_typed(module, name)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -32,7 +33,8 @@ class Measurement:
     :func:`~normwatch.measure.discovery.iter_norm_modules`); see the module docstring."""
 
     def __init__(self, pairs: Iterable[tuple[NormLayer, nn.Module]], limits: Limits,
-                 *, count_eval: bool = False, kernel: str = "auto") -> None:
+                 *, count_eval: bool = False, kernel: str = "auto",
+                 root: nn.Module | None = None) -> None:
         pairs = list(pairs)
         self.layers: tuple[NormLayer, ...] = tuple(layer for layer, _ in pairs)
         self.limits = limits
@@ -42,6 +44,12 @@ class Measurement:
                        enumerate(pairs)]
         self._probes = ProbeCache(self.paused)
         self._commit_failed = False
+        # A forward of ``root`` that raised leaves its calls behind: marked where it began,
+        # dropped at the next step unless it completed.
+        self._open: _OpenForward | None = None
+        self._root_handles = [] if root is None else [
+            root.register_forward_pre_hook(self._forward_begins),
+            root.register_forward_hook(self._forward_ends)]
 
     @property
     def accumulator(self) -> Accumulator:
@@ -51,11 +59,29 @@ class Measurement:
         """Start step ``step`` (1-based); ``full``: measure every statistic, else the
         sentinel tier only."""
         rt = self._rt
+        self.discard_interrupted()
         rt.step = step
         rt.calls_this_step = 0
         rt.full_stats = full
         for hook in self._hooks:
             hook.pending_recompute = 0
+
+    def _forward_begins(self, module: nn.Module, args: object) -> None:
+        if self._open is None:  # the outermost call
+            self._open = _OpenForward(self._rt.accumulator.mark(), self._rt.calls_this_step,
+                                      [(h.counts.calls, h.counts.tokens) for h in self._hooks])
+
+    def _forward_ends(self, module: nn.Module, args: object, output: object) -> None:
+        self._open = None
+
+    def discard_interrupted(self) -> None:
+        """Forget the calls of a forward of the root that raised and never completed (the
+        loop went on to its next step); before anything folds them."""
+        open_, self._open = self._open, None
+        if open_ is not None and self._rt.accumulator.drop_since(open_.staged):
+            self._rt.calls_this_step = open_.calls_this_step
+            for hook, (calls, tokens) in zip(self._hooks, open_.counts, strict=True):
+                hook.counts.calls, hook.counts.tokens = calls, tokens
 
     def commit(self) -> None:
         """Fold the staged calls; a failure drops them with one warning, training goes on."""
@@ -139,6 +165,17 @@ class Measurement:
         """Remove every hook (harmless twice)."""
         for hook in self._hooks:
             hook.remove()
+        for handle in self._root_handles:
+            handle.remove()
+
+
+@dataclass(frozen=True)
+class _OpenForward:
+    """Where a forward of the root began: staging, the step's call index, host counts."""
+
+    staged: tuple[int, int]
+    calls_this_step: int
+    counts: list[tuple[int, int]]
 
 
 def build_snapshot(layers: Sequence[NormLayer], rows: Sequence[Mapping[str, float]],

@@ -223,3 +223,23 @@ def test_sinks_receive_alarms_and_a_broken_sink_is_disabled() -> None:
     with pytest.warns(RuntimeWarning, match="alarm sink .* raised ValueError: sink down"):
         w = nan_storm(20, sinks=[received.append, broken])
     assert received == w.alarms and len(received) == 2
+
+
+def test_autocast_promotion_by_a_custom_norm_is_a_dtype_finding_not_a_mismatch() -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    found = {}
+    for name, norm in (("llama", LlamaRMSNorm(64)), ("torch-ln", nn.LayerNorm(64)),
+                       ("torch-rms", nn.RMSNorm(64)), ("torch-gn", nn.GroupNorm(4, 64))):
+        model = nn.Sequential(nn.Linear(64, 64), norm)
+        w = normwatch.watch(model, flush_every=1, report_dir=None)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(torch.randn(8, 64))
+        out.float().sum().backward()
+        snap = w.step()
+        assert snap is not None and snap.layers["1"].output_mismatch is not None  # checked
+        found[name] = kinds(w.alarms)
+        w.close()
+    # LlamaRMSNorm: weight (fp32) * hidden.to(bf16) -> fp32, by plain type promotion
+    assert found["llama"] == {("dtype_mismatch", "warning")}
+    assert found["torch-ln"] == found["torch-rms"] == found["torch-gn"] == set()

@@ -13,9 +13,10 @@ UNSAFE = ProbeResult("float16", element_safe=False, sum_safe=False)
 SAFE = ProbeResult("float16", element_safe=True, sum_safe=True)
 
 
-def fired(*layers, probes=None, history=None, config=None, eps=1e-6, first=None):  # type: ignore[no-untyped-def]
+def fired(*layers, probes=None, history=None, config=None, eps=1e-6, first=None,  # type: ignore[no-untyped-def]
+          builtin=False):
     snap = snapshot(10, *layers, first_nonfinite=first)
-    found = evaluate(snap, context(snap, config, probes, history, eps))
+    found = evaluate(snap, context(snap, config, probes, history, eps, builtin))
     return {(a.kind, a.severity, a.tag) for a in found}, found
 
 
@@ -106,6 +107,15 @@ def test_dtype_mismatch_outside_autocast_and_autocast_promotions_are_fine() -> N
     assert {k[:2] for k in fired(odd)[0]} == {("dtype_mismatch", "info")}
 
 
+def test_under_autocast_a_custom_norm_promoting_the_stream_is_a_finding() -> None:
+    promoted = stats(input_dtype="bfloat16", weight_dtype="float32", output_dtype="float32",
+                     autocast="cuda:bfloat16")
+    kinds, alarms = fired(promoted)
+    assert {k[:2] for k in kinds} == {("dtype_mismatch", "warning")}
+    assert "plain type promotion" in alarms[0].message
+    assert fired(promoted, builtin=True)[0] == set()  # torch's op: autocast's fp32 list
+
+
 @pytest.mark.parametrize(("error", "dtype", "expected"), [
     (0.5, "float32", {("output_mismatch", "critical", "")}),
     (0.01, "float32", {("output_mismatch", "warning", "")}),
@@ -117,6 +127,16 @@ def test_output_mismatch_against_the_dtype_tolerance(error: float | None, dtype:
                                                      expected: set[tuple[str, str, str]]) -> None:
     s = stats(output_mismatch=error, input_dtype=dtype, weight_dtype=dtype, output_dtype=dtype)
     assert fired(s)[0] == expected
+
+
+def test_output_tolerance_follows_the_coarsest_precision_the_output_went_through() -> None:
+    # an fp32 output computed from a bf16 input carries bf16's digits, not fp32's
+    carried = stats(output_mismatch=0.02, input_dtype="bfloat16", weight_dtype="bfloat16",
+                    output_dtype="float32")
+    assert "output_mismatch" not in {k[0] for k in fired(carried)[0]}
+    wrong = stats(output_mismatch=0.5, input_dtype="bfloat16", weight_dtype="bfloat16",
+                  output_dtype="float32")
+    assert ("output_mismatch", "critical", "") in fired(wrong)[0]
 
 
 def test_every_alarm_kind_is_covered_here() -> None:

@@ -87,3 +87,35 @@ def test_paused_hooks_stand_aside_and_probes_are_cached(monkeypatch: pytest.Monk
     rows, _ = m.read()
     assert rows[0]["calls"] == 0
     m.close()
+
+
+def test_an_interrupted_forward_is_dropped_at_the_next_step() -> None:
+    class Flaky(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = nn.LayerNorm(8), nn.LayerNorm(8)
+            self.fail = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.first(x)
+            if self.fail:
+                raise RuntimeError("out of memory")  # after the first norm ran
+            return self.second(h)
+
+    model = Flaky()
+    m = Measurement(iter_norm_modules(model), Limits(), root=model)
+    model(torch.randn(2, 8, requires_grad=True))
+    model.fail = True
+    with pytest.raises(RuntimeError, match="out of memory"):
+        model(torch.randn(3, 8, requires_grad=True) * 1000)  # the loop skips this batch
+    assert m.pending  # a crash report would read it; the loop went on, so it is dropped
+    m.begin_step(2, full=True)
+    model.fail = False
+    model(torch.randn(4, 8, requires_grad=True))
+    rows, _ = m.read()
+    snap = m.snapshot(rows, 2, 1)
+    assert (snap.layers["first"].calls, snap.layers["first"].tokens) == (2, 6)
+    assert (snap.layers["second"].calls, snap.layers["second"].tokens) == (2, 6)
+    assert snap.layers["first"].absmax is not None and snap.layers["first"].absmax < 100
+    m.close()
+    assert not model._forward_pre_hooks and not model._forward_hooks
