@@ -7,13 +7,17 @@
 
 Recognised, in this order: classes registered with :func:`register_norm`; torch's
 LayerNorm, RMSNorm, GroupNorm, BatchNorm and InstanceNorm families; any other module
-whose class name ends in ``Norm`` (Hugging Face's ``LlamaRMSNorm``, ``T5LayerNorm``,
-``GemmaRMSNorm``, ...) and that has a ``weight`` and an ``eps``-like attribute. A matched
-norm's children are not searched.
+whose class name contains ``Norm`` (Hugging Face's ``LlamaRMSNorm``, ``T5LayerNorm``,
+``CohereLayerNorm``, ``MambaRMSNormGated``, ...) and that has a ``weight`` and an
+``eps``-like attribute. Such a module's kind and token are decided by its behaviour
+(:func:`behaviour`: its output on a crafted input against the LayerNorm and RMSNorm
+formulas), its name only where it cannot be run. A matched norm's children are not
+searched.
 """
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import math
 import re
@@ -180,7 +184,7 @@ def _weight_shape(module: nn.Module) -> tuple[int, ...] | None:
 
 def _duck_typed(module: nn.Module, name: str) -> NormLayer | None:
     cls_name = type(module).__name__
-    if not cls_name.lower().endswith("norm") or not hasattr(module, "weight"):
+    if "norm" not in cls_name.lower() or not hasattr(module, "weight"):
         return None
     eps = _eps(module, EPS_ATTRS)
     if math.isnan(eps):
@@ -204,4 +208,56 @@ def _duck_typed(module: nn.Module, name: str) -> NormLayer | None:
     shape = _weight_shape(module)
     if kind == "groupnorm" and shape is not None:
         shape = shape[:1]
+    if kind in ("layernorm", "rmsnorm"):
+        seen = behaviour(module, form, eps)
+        if seen is not None:
+            kind, shape = seen
+        elif not lowered.endswith("norm"):
+            return None  # "*Norm*" in the name, but it does not behave like one
     return NormLayer(name, kind, eps, shape, form, cls_name, groups)
+
+
+def behaviour(module: nn.Module, form: WeightForm, eps: float
+              ) -> tuple[Kind, tuple[int, ...]] | None:
+    """Which formula a layer/RMS-like norm computes, and over which token: run a copy on
+    a crafted input (a common mode, a different scale per element) and compare its output
+    with LayerNorm and RMSNorm over each candidate token (the weight's trailing dims, or a
+    ``group_size`` chunk). ``None`` when it cannot be run or matches neither."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.is_meta or weight.dim() == 0 or \
+            weight.numel() > 1 << 16 or hasattr(module, "running_mean"):
+        return None
+    dims = tuple(weight.shape)
+    tokens = [dims[len(dims) - j :] for j in range(1, len(dims) + 1)]
+    group = getattr(module, "group_size", None)
+    if isinstance(group, int) and 0 < group < dims[-1] and dims[-1] % group == 0:
+        tokens.append((group,))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn((3, *dims), generator=g, dtype=torch.float64)
+    x = x * torch.linspace(0.5, 2.0, math.prod(dims), dtype=torch.float64).reshape(dims) + 1.5
+    try:
+        with torch.no_grad():
+            y = copy.deepcopy(module)(x.to(weight.device, weight.dtype))
+    except Exception:  # needs other inputs, or is not a norm at all
+        return None
+    y = y[0] if isinstance(y, tuple | list) and y else y
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        return None
+    x = x.to(weight.dtype).double()  # what the module saw
+    w = weight.detach().double().cpu() + (1.0 if form == "1+w" else 0.0)
+    bias = getattr(module, "bias", None)
+    best: tuple[float, Kind, tuple[int, ...]] | None = None
+    for kind in ("layernorm", "rmsnorm"):
+        for token in tokens:
+            t = x.reshape(-1, math.prod(token))
+            if kind == "layernorm":
+                t = t - t.mean(1, keepdim=True)
+            ref = (t * torch.rsqrt(t.pow(2).mean(1, keepdim=True) + eps)).reshape(x.shape) * w
+            if isinstance(bias, torch.Tensor):
+                ref = ref + bias.detach().double().cpu()
+            err = float(torch.linalg.vector_norm(y.double().cpu() - ref) /
+                        torch.linalg.vector_norm(ref))
+            if best is None or err < best[0]:
+                best = (err, kind, token)
+    tol = 1e-3 if weight.dtype in (torch.float32, torch.float64) else 5e-2
+    return (best[1], best[2]) if best is not None and best[0] < tol else None

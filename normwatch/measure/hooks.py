@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -96,10 +96,13 @@ class LayerHook:
         self._token_ndim = len(layer.normalized_shape) if layer.normalized_shape else 1
         self._eps = 0.0 if math.isnan(layer.eps) else layer.eps
         self._signature: tuple[Any, ...] = ()
-        self._tokens = _last_dim_tokens if layer.kind in ("layernorm", "rmsnorm") and \
-            self._token_ndim == 1 else partial(token_view, kind=layer.kind,
-                                               token_ndim=self._token_ndim,
-                                               groups=layer.num_groups or 1)
+        self._tokens: Callable[[torch.Tensor], torch.Tensor] = partial(
+            token_view, kind=layer.kind, token_ndim=self._token_ndim,
+            groups=layer.num_groups or 1, width=layer.token_size)
+        if layer.token_size is not None:  # layer/RMS norms: the common case first
+            self._tokens = partial(_chunk_tokens, width=layer.token_size, other=self._tokens)
+        elif layer.kind in ("layernorm", "rmsnorm") and self._token_ndim == 1:
+            self._tokens = _last_dim_tokens
         self.handle: RemovableHandle | None = module.register_forward_hook(self, with_kwargs=True)
 
     def remove(self) -> None:
@@ -153,6 +156,9 @@ class LayerHook:
             return
         y = output if isinstance(output, torch.Tensor) else \
             _first_tensor(output if isinstance(output, tuple | list) else (output,), {})
+        # A second tensor input (the gate of a gated RMSNorm) changes what the output is:
+        # the formula of x alone no longer applies.
+        alone = not self.rt.check_outputs or not _other_tensor(args, kwargs, x)
         # Detached tensors record no autograd graph: no no_grad() context needed.
         x = x.detach()
         y = None if y is None else y.detach()
@@ -164,7 +170,7 @@ class LayerHook:
             out = y if y is not None and y.is_floating_point() else None
             key = float(rt.step * KEY_STRIDE + rt.calls_this_step)
             rt.accumulator.stage(self._reduce(tokens, x, out, key))
-            if rt.check_outputs and out is not None:
+            if rt.check_outputs and out is not None and alone:
                 self._check_output(module, x, out)
         # Host bookkeeping last, so a failed measurement leaves no half-counted call.
         rt.calls_this_step += 1
@@ -233,9 +239,21 @@ class LayerHook:
                           "not measured", RuntimeWarning, stacklevel=4)
 
 
+def _chunk_tokens(x: torch.Tensor, width: int,
+                  other: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Tokens of ``width`` elements, straight away when the last dim is one token."""
+    return x.reshape(-1, width) if x.dim() and x.shape[-1] == width else other(x)
+
+
 def _last_dim_tokens(x: torch.Tensor) -> torch.Tensor:
     """:func:`token_view` of a layer/RMS norm over the last dim (the common case)."""
     return x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+
+
+def _other_tensor(args: tuple[Any, ...], kwargs: Mapping[str, Any], x: torch.Tensor) -> bool:
+    """Whether the call had a tensor input besides ``x``."""
+    return any(isinstance(v, torch.Tensor) and v is not x
+               for v in (*args, *kwargs.values()))
 
 
 def _first_tensor(

@@ -27,15 +27,20 @@ from normwatch.catalog import COLUMNS, SCORE_BASE, identity_row
 from normwatch.records import Kind, Limits
 
 
-def token_view(x: torch.Tensor, kind: Kind, token_ndim: int = 1, groups: int = 1) -> torch.Tensor:
+def token_view(x: torch.Tensor, kind: Kind, token_ndim: int = 1, groups: int = 1,
+               width: int | None = None) -> torch.Tensor:
     """Reshape ``x`` to ``(tokens, elements)`` for a norm of ``kind``.
 
-    ``token_ndim`` is the number of trailing normalized dims (layer/RMS norms);
-    ``groups`` the GroupNorm group count.
+    Layer/RMS norms: ``width`` elements per token (consecutive chunks of the trailing
+    data: the normalized dims, a head of a per-head norm, a group of a grouped RMSNorm)
+    when it divides the input, else the trailing ``token_ndim`` dims. ``groups``: the
+    GroupNorm group count.
     """
     if x.dim() == 0:
         return x.reshape(1, 1)
     if kind in ("layernorm", "rmsnorm"):
+        if width and x.numel() % width == 0:
+            return x.reshape(-1, width)
         nd = max(1, min(token_ndim, x.dim()))
         width = math.prod(x.shape[x.dim() - nd :])
         return x.reshape(-1, max(width, 1))

@@ -47,18 +47,20 @@ def expected_output(layer: NormLayer, module: nn.Module, x: torch.Tensor) -> tor
     if weight is not None and layer.weight_form == "1+w":
         weight = 1.0 + weight
     if layer.kind in ("layernorm", "rmsnorm"):
-        nd = len(layer.normalized_shape) if layer.normalized_shape else 1
-        if x.dim() < nd:
+        # tokens: chunks of token_size elements (the normalized dims, a head, a group);
+        # the affine parameters cover the input's trailing dims, possibly several tokens
+        width = layer.token_size or (x.shape[-1] if x.dim() else 1)
+        if x.dim() == 0 or x.numel() % width:
             return None
-        y = (rms_norm if layer.kind == "rmsnorm" else layer_norm)(x, eps, nd)
-        shape = tuple(x.shape[x.dim() - nd :])
-        if weight is not None:
-            if tuple(weight.shape) != shape:
+        formula = rms_norm if layer.kind == "rmsnorm" else layer_norm
+        y = formula(x.reshape(-1, width), eps).reshape(x.shape)
+        for p in (weight, bias):
+            if p is not None and (p.dim() > x.dim() or
+                                  tuple(p.shape) != tuple(x.shape[x.dim() - p.dim():])):
                 return None
+        if weight is not None:
             y = y * weight
         if bias is not None:
-            if tuple(bias.shape) != shape:
-                return None
             y = y + bias
         return y
     if x.dim() < 2:

@@ -166,3 +166,67 @@ def test_meta_device_model_is_discovered() -> None:
         model = tiny_hf("llama")
     assert names(model) == EXPECTED["llama"]
     assert copy.deepcopy(model) is not None
+
+
+def healthy_step(model: nn.Module) -> normwatch.Watch:
+    """One training step on token ids that avoid the special (padding) ids."""
+    w = normwatch.watch(model, flush_every=1, report_dir=None)
+    ids = torch.randint(3, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    w.step(loss)
+    return w
+
+
+def test_cohere_layer_norms_are_classified_by_behaviour_with_per_head_tokens() -> None:
+    import transformers as t
+
+    model = t.CohereForCausalLM(t.CohereConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, use_qk_norm=True, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2))
+    layers = {layer.name: layer for layer in normwatch.find_norm_layers(model)}
+    # mean-subtracting without a bias: LayerNorm, not RMSNorm; q/k norms per head (8)
+    q = layers["model.layers.0.self_attn.q_norm"]
+    assert (q.kind, q.normalized_shape, q.token_size) == ("layernorm", (8,), 8)
+    assert layers["model.layers.0.input_layernorm"].kind == "layernorm"
+    w = healthy_step(model)
+    snap = w.last_snapshot
+    assert snap is not None
+    assert all(s.output_mismatch is not None and s.output_mismatch < 1e-5
+               for s in snap.layers.values())  # the output check agrees with the formula
+    assert snap.layers["model.layers.0.self_attn.q_norm"].tokens == 2 * 16 * 4
+    assert [a for a in w.alarms if a.severity != "info"] == []
+
+
+def test_mamba2_gated_norm_is_discovered_with_group_tokens() -> None:
+    import transformers as t
+
+    model = t.Mamba2ForCausalLM(t.Mamba2Config(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16,
+        n_groups=2, state_size=8, expand=2, initializer_range=0.1))
+    layers = {layer.name: layer for layer in normwatch.find_norm_layers(model)}
+    gated = layers["backbone.layers.0.mixer.norm"]  # 64 channels in 2 groups of 32
+    assert (gated.kind, gated.class_name, gated.token_size) == ("rmsnorm", "MambaRMSNormGated",
+                                                                32)
+    w = healthy_step(model)
+    snap = w.last_snapshot
+    assert snap is not None
+    # a gate is an extra input: no formula of x alone to check the output against
+    assert snap.layers["backbone.layers.0.mixer.norm"].output_mismatch is None
+    assert snap.layers["backbone.layers.0.norm"].output_mismatch is not None
+    assert snap.layers["backbone.layers.0.mixer.norm"].tokens == 2 * 16 * 2
+    assert [a for a in w.alarms if a.severity != "info"] == []
+
+
+def test_a_norm_named_module_that_is_not_a_norm_is_left_alone() -> None:
+    class NormalizedProjection(nn.Module):  # "Norm" in the name, a weight and an eps
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(8, 8))
+            self.eps = 1e-6
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.weight
+
+    assert normwatch.find_norm_layers(nn.Sequential(NormalizedProjection())) == []
