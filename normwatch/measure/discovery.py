@@ -184,12 +184,15 @@ def _weight_shape(module: nn.Module) -> tuple[int, ...] | None:
 
 def _duck_typed(module: nn.Module, name: str) -> NormLayer | None:
     cls_name = type(module).__name__
-    if "norm" not in cls_name.lower() or not hasattr(module, "weight"):
+    lowered = cls_name.lower()
+    if "norm" not in lowered:
         return None
     eps = _eps(module, EPS_ATTRS)
-    if math.isnan(eps):
-        return None
-    lowered = cls_name.lower()
+    has_weight = isinstance(getattr(module, "weight", None), torch.Tensor)
+    if math.isnan(eps):  # eps hard-coded in forward (OLMo): only if it behaves like a norm
+        seen = behaviour(module, 0.0)
+        return None if seen is None else NormLayer(name, seen[0], eps, seen[1], seen[2],
+                                                   cls_name)
     has_bias = getattr(module, "bias", None) is not None
     # T5-style "LayerNorm"s (T5, MT5, LongT5, Pix2Struct, ...) are RMSNorms: no bias and
     # Llama's `variance_epsilon` spelling.
@@ -209,55 +212,86 @@ def _duck_typed(module: nn.Module, name: str) -> NormLayer | None:
     if kind == "groupnorm" and shape is not None:
         shape = shape[:1]
     if kind in ("layernorm", "rmsnorm"):
-        seen = behaviour(module, form, eps)
+        seen = behaviour(module, eps)
         if seen is not None:
-            kind, shape = seen
-        elif not lowered.endswith("norm"):
-            return None  # "*Norm*" in the name, but it does not behave like one
+            kind, shape, form = seen
+        elif not has_weight or not lowered.endswith("norm"):
+            return None  # "Norm" in the name, but it does not behave like one
+    elif not has_weight:
+        return None
     return NormLayer(name, kind, eps, shape, form, cls_name, groups)
 
 
-def behaviour(module: nn.Module, form: WeightForm, eps: float
-              ) -> tuple[Kind, tuple[int, ...]] | None:
-    """Which formula a layer/RMS-like norm computes, and over which token: run a copy on
-    a crafted input (a common mode, a different scale per element) and compare its output
-    with LayerNorm and RMSNorm over each candidate token (the weight's trailing dims, or a
-    ``group_size`` chunk). ``None`` when it cannot be run or matches neither."""
+_FREE_DIMS = (4, 16)
+"""The token layout tried on a norm with no weight and no normalized_shape."""
+
+
+def behaviour(module: nn.Module, eps: float
+              ) -> tuple[Kind, tuple[int, ...] | None, WeightForm] | None:
+    """What a layer/RMS-like norm computes: run a copy on a crafted input (a common mode,
+    a different scale per element) and compare its output with LayerNorm and RMSNorm over
+    each candidate token (the weight's trailing dims, or a ``group_size`` chunk), scaled by
+    ``w`` or ``1 + w``; a norm that requires a gate gets one wide open, and matches up
+    to a constant scale. Returns the kind, the token shape (``None``: the input's last dim)
+    and the weight form; ``None`` when it cannot be run or matches nothing."""
     weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.is_meta or weight.dim() == 0 or \
-            weight.numel() > 1 << 16 or hasattr(module, "running_mean"):
+    weight = weight if isinstance(weight, torch.Tensor) else None
+    if (weight is not None and (weight.is_meta or weight.dim() == 0)) or \
+            hasattr(module, "running_mean"):
         return None
-    dims = tuple(weight.shape)
+    dims = _weight_shape(module)
+    free = not dims
+    dims = dims or _FREE_DIMS
+    if math.prod(dims) > 1 << 16:
+        return None
     tokens = [dims[len(dims) - j :] for j in range(1, len(dims) + 1)]
     group = getattr(module, "group_size", None)
     if isinstance(group, int) and 0 < group < dims[-1] and dims[-1] % group == 0:
         tokens.append((group,))
+    dtype = weight.dtype if weight is not None else torch.float32
+    device = weight.device if weight is not None else torch.device("cpu")
     g = torch.Generator().manual_seed(0)
     x = torch.randn((3, *dims), generator=g, dtype=torch.float64)
     x = x * torch.linspace(0.5, 2.0, math.prod(dims), dtype=torch.float64).reshape(dims) + 1.5
-    try:
-        with torch.no_grad():
-            y = copy.deepcopy(module)(x.to(weight.device, weight.dtype))
-    except Exception:  # needs other inputs, or is not a norm at all
-        return None
+    y = _run(module, x.to(device, dtype))
+    gated = y is None  # a required second input: a gate, run wide open
+    if gated:
+        y = _run(module, x.to(device, dtype), torch.full(x.shape, 20.0, dtype=dtype,
+                                                       device=device))
     y = y[0] if isinstance(y, tuple | list) and y else y
     if not isinstance(y, torch.Tensor) or y.shape != x.shape:
         return None
-    x = x.to(weight.dtype).double()  # what the module saw
-    w = weight.detach().double().cpu() + (1.0 if form == "1+w" else 0.0)
+    x, y = x.to(dtype).double(), y.detach().double().cpu()  # what the module saw
+    w = weight.detach().double().cpu() if weight is not None else torch.ones(())
     bias = getattr(module, "bias", None)
-    best: tuple[float, Kind, tuple[int, ...]] | None = None
+    b = bias.detach().double().cpu() if isinstance(bias, torch.Tensor) else torch.zeros(())
+    forms: tuple[WeightForm, ...] = ("w", "1+w") if weight is not None else ("w",)
+    best: tuple[float, Kind, tuple[int, ...], WeightForm] | None = None
     for kind in ("layernorm", "rmsnorm"):
         for token in tokens:
             t = x.reshape(-1, math.prod(token))
             if kind == "layernorm":
                 t = t - t.mean(1, keepdim=True)
-            ref = (t * torch.rsqrt(t.pow(2).mean(1, keepdim=True) + eps)).reshape(x.shape) * w
-            if isinstance(bias, torch.Tensor):
-                ref = ref + bias.detach().double().cpu()
-            err = float(torch.linalg.vector_norm(y.double().cpu() - ref) /
-                        torch.linalg.vector_norm(ref))
-            if best is None or err < best[0]:
-                best = (err, kind, token)
-    tol = 1e-3 if weight.dtype in (torch.float32, torch.float64) else 5e-2
-    return (best[1], best[2]) if best is not None and best[0] < tol else None
+            unit = (t * torch.rsqrt(t.pow(2).mean(1, keepdim=True) + eps)).reshape(x.shape)
+            for form in forms:
+                ref = unit * (w + 1.0 if form == "1+w" else w) + b
+                if gated:  # silu(20) = 20, sigmoid(20) = 1: the formula up to a scale
+                    ref = ref * float((y * ref).sum() / ref.pow(2).sum().clamp_min(1e-30))
+                err = float(torch.linalg.vector_norm(y - ref) / torch.linalg.vector_norm(ref))
+                if best is None or err < best[0]:
+                    best = (err, kind, token, form)
+    tol = 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
+    if best is None or not best[0] < tol:
+        return None
+    shape = None if free and best[2] == dims[-1:] else best[2]
+    return best[1], shape, best[3]
+
+
+def _run(module: nn.Module, *inputs: torch.Tensor) -> object | None:
+    """A copy of ``module`` on ``inputs`` without grad; ``None`` if it raises."""
+    try:
+        with torch.no_grad():
+            out: object = copy.deepcopy(module)(*inputs)
+            return out
+    except Exception:  # needs other inputs, or is not a norm at all
+        return None

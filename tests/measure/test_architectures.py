@@ -1,0 +1,130 @@
+"""Every ``transformers`` causal-LM family: its norms found, classified by what they compute
+(the first flush checks every output against its kind's formula), quiet on a healthy step.
+
+Tiny random configs (no downloads): each family's default config with the usual size
+fields shrunk. A family whose config cannot be shrunk this way, or that will not run on
+the CPU, is skipped with the reason (``pytest -rs`` lists them).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import warnings
+
+import pytest
+import torch
+
+import normwatch
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
+from transformers.models.auto.modeling_auto import (  # noqa: E402
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+)
+
+SIZES = dict(
+    vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+    n_embd=32, n_layer=2, n_head=4, n_positions=64, d_model=32, num_layers=2, num_heads=4,
+    d_ff=64, ffn_dim=64, n_inner=64, moe_intermediate_size=32, num_experts=4,
+    num_local_experts=4, num_experts_per_tok=2, kv_lora_rank=8, q_lora_rank=16,
+    qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, encoder_layers=2, decoder_layers=2,
+    encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+    decoder_ffn_dim=64,
+)
+MAX_PARAMS = 5_000_000
+PROJECTIONS = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d)
+# Modules named "*Norm*" that compute neither formula: deliberately not watched.
+NOT_WATCHED = {
+    "dory": ("DoryL2Norm", "projects onto the unit sphere: x / ||x||, not x / RMS(x)"),
+    "zaya": ("ZayaQKNorm", "normalizes q and k together in one call (two inputs, two outputs)"),
+}
+# True findings of a tiny random init (per-token RMS measured ~1e-4 against eps 1e-6..1e-5):
+# eps dominates these norms' inputs at step 1.
+AT_INIT = {
+    "rwkv": "*.pre_ln",  # RWKV initialises its embeddings at +-1e-4 by design
+    "bailing_hybrid": "*.o_norm",  # gated linear-attention outputs at init
+    "kimi_linear": "*.o_norm",
+    "olmo_hybrid": "*.o_norm",
+    "lara_mini": "*.linear_attn.norm",
+    "qwen3_next": "*.linear_attn.norm",
+    "qwen3_5_text": "*.linear_attn.norm",
+    "qwen3_5_moe_text": "*.linear_attn.norm",
+    "qwen4_exp_text": "*.linear_attn.norm",
+}
+
+
+def tiny(model_type: str, class_name: str) -> torch.nn.Module:
+    """The family's model with its size fields shrunk; ``pytest.skip`` where it cannot be."""
+    try:
+        config = CONFIG_MAPPING[model_type]()
+        for key, value in SIZES.items():
+            current = getattr(config, key, None)
+            if isinstance(current, int) and not isinstance(current, bool):
+                setattr(config, key, value)
+        if hasattr(config, "initializer_range"):
+            config.initializer_range = 0.2  # a wide model's activation scale at width 32
+        for key, value in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
+            current = getattr(config, key, None)
+            if isinstance(current, int) and current >= SIZES["vocab_size"]:
+                setattr(config, key, value)
+        cls = getattr(transformers, class_name)
+        with torch.device("meta"):
+            params = sum(p.numel() for p in cls(config).parameters())
+        if params > MAX_PARAMS:
+            pytest.skip(f"{params / 1e6:.0f}M parameters after shrinking the usual size fields")
+        torch.manual_seed(0)
+        model: torch.nn.Module = cls(config)
+        return model
+    except pytest.skip.Exception:
+        raise
+    except Exception as exc:
+        pytest.skip(f"does not build from a shrunk default config: {type(exc).__name__}: "
+                    f"{str(exc)[:120]}")
+
+
+def step(model: torch.nn.Module, w: normwatch.Watch) -> None:
+    ids = torch.randint(3, SIZES["vocab_size"], (2, 16),
+                        generator=torch.Generator().manual_seed(0))
+    try:
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+    except Exception as exc:
+        w.close()
+        pytest.skip(f"does not train on the CPU at this size: {type(exc).__name__}: "
+                    f"{str(exc)[:120]}")
+    w.step(loss)
+
+
+@pytest.mark.parametrize(("model_type", "class_name"),
+                         sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()))
+def test_family(model_type: str, class_name: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.disable(logging.WARNING)
+        try:
+            model = tiny(model_type, class_name)
+            w = normwatch.watch(model, flush_every=1, report_dir=None, report_console=False)
+            step(model, w)
+        finally:
+            logging.disable(logging.NOTSET)
+    found = [layer.name for layer in w.layers]
+    skipped_class = NOT_WATCHED.get(model_type, ("", ""))[0]
+    # modules named "*Norm*" that hold no projection (not "RobertaPreLayerNormOutput")
+    normlike = [name for name, m in model.named_modules()
+                if "norm" in type(m).__name__.lower() and name
+                and type(m).__name__ != skipped_class
+                and not any(isinstance(c, PROJECTIONS) for c in m.modules())]
+    covered = [n for n in normlike
+               if any(n == f or n.startswith(f + ".") or f.startswith(n + ".") for f in found)]
+    assert covered == normlike, "not discovered: " + ", ".join(sorted(set(normlike) -
+                                                                    set(covered)))
+    snap = w.last_snapshot
+    assert snap is not None and (not found or any(s.seen for s in snap.layers.values()))
+    at_init = AT_INIT.get(model_type)
+    loud = [(a.kind, a.severity, a.layer) for a in w.alarms if a.severity != "info"
+            and not (at_init and a.kind == "eps_dominance"
+                     and fnmatch.fnmatchcase(a.layer or "", at_init))]
+    assert loud == []
+    w.close()
