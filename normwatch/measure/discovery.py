@@ -108,7 +108,7 @@ def describe(module: nn.Module, name: str = "") -> NormLayer | None:
     if isinstance(module, nn.modules.batchnorm._NormBase):
         return NormLayer(name, "batchnorm", float(module.eps), (module.num_features,), "w",
                          cls_name, builtin=builtin)
-    return _duck_typed(module, name)
+    return _per_head(module, name) or _duck_typed(module, name)
 
 
 def find_norm_layers(
@@ -180,6 +180,33 @@ def _weight_shape(module: nn.Module) -> tuple[int, ...] | None:
     if isinstance(shape, tuple | list):
         return tuple(int(s) for s in shape)
     return None
+
+
+def per_head_norms(module: nn.Module) -> list[nn.Module] | None:
+    """The norms of a per-head wrapper (StableLM's ``LayerNormPerHead``: one norm per head
+    in a ``ModuleList``, head ``h`` normalizing ``x[:, h]``), else ``None``."""
+    if "norm" not in type(module).__name__.lower() or hasattr(module, "weight"):
+        return None
+    children = list(module.children())
+    if len(children) != 1 or not isinstance(children[0], nn.ModuleList) or \
+            len(children[0]) < 2:
+        return None
+    return list(children[0])
+
+
+def _per_head(module: nn.Module, name: str) -> NormLayer | None:
+    """A per-head wrapper as one layer of its heads' kind, one token per head and row."""
+    norms = per_head_norms(module)
+    if norms is None:
+        return None
+    heads = [describe(n) for n in norms]
+    first = heads[0]
+    if first is None or first.kind not in ("layernorm", "rmsnorm") or any(
+            h is None or (h.kind, h.eps, h.normalized_shape) !=
+            (first.kind, first.eps, first.normalized_shape) for h in heads):
+        return None
+    return NormLayer(name, first.kind, first.eps, first.normalized_shape, first.weight_form,
+                     type(module).__name__)
 
 
 def _duck_typed(module: nn.Module, name: str) -> NormLayer | None:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from normwatch.measure.discovery import per_head_norms
 from normwatch.records import NormLayer
 
 
@@ -42,8 +43,10 @@ def expected_output(layer: NormLayer, module: nn.Module, x: torch.Tensor) -> tor
     eps = layer.eps
     if eps != eps:  # NaN: eps attribute not found
         return None
-    weight = _param(module, "weight")
-    bias = _param(module, "bias")
+    weight, bias = _param(module, "weight"), _param(module, "bias")
+    heads = per_head_norms(module)
+    if heads is not None:  # head h of x[:, h] scaled by its own norm's parameters
+        weight, bias = (_per_head_param(heads, p, x) for p in ("weight", "bias"))
     if weight is not None and layer.weight_form == "1+w":
         weight = 1.0 + weight
     if layer.kind in ("layernorm", "rmsnorm"):
@@ -55,8 +58,9 @@ def expected_output(layer: NormLayer, module: nn.Module, x: torch.Tensor) -> tor
         formula = rms_norm if layer.kind == "rmsnorm" else layer_norm
         y = formula(x.reshape(-1, width), eps).reshape(x.shape)
         for p in (weight, bias):
-            if p is not None and (p.dim() > x.dim() or
-                                  tuple(p.shape) != tuple(x.shape[x.dim() - p.dim():])):
+            if p is not None and (p.dim() > x.dim() or any(
+                    a not in (1, b) for a, b in zip(p.shape, x.shape[x.dim() - p.dim():],
+                                                    strict=True))):
                 return None
         if weight is not None:
             y = y * weight
@@ -98,6 +102,15 @@ def _batch_norm(
     use_batch = module.training or mean is None or var is None
     return F.batch_norm(x, None if use_batch else mean, None if use_batch else var,
                         weight, bias, training=use_batch, eps=eps)
+
+
+def _per_head_param(heads: list[nn.Module], name: str, x: torch.Tensor) -> torch.Tensor | None:
+    """The heads' parameters stacked as ``(heads, 1, ..., width)`` against ``x[:, h]``."""
+    params = [_param(h, name) for h in heads]
+    if any(p is None for p in params) or x.dim() < 3:
+        return None
+    stacked = torch.stack(params)  # type: ignore[arg-type]
+    return stacked.reshape(len(heads), *(1,) * (x.dim() - 3), -1)
 
 
 def _param(module: nn.Module, name: str) -> torch.Tensor | None:

@@ -230,3 +230,25 @@ def test_a_norm_named_module_that_is_not_a_norm_is_left_alone() -> None:
             return x @ self.weight
 
     assert normwatch.find_norm_layers(nn.Sequential(NormalizedProjection())) == []
+
+
+def test_stablelm_per_head_norms_are_one_layer_with_per_head_weights() -> None:
+    import transformers as t
+
+    model = t.StableLmForCausalLM(t.StableLmConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, qk_layernorm=True))
+    layers = {layer.name: layer for layer in normwatch.find_norm_layers(model)}
+    q = layers["model.layers.0.self_attn.q_layernorm"]
+    assert (q.kind, q.class_name, q.token_size) == ("layernorm", "StableLmLayerNormPerHead", 8)
+    assert not [n for n in layers if ".norms." in n]  # the heads are not listed one by one
+    with torch.no_grad():  # heads that differ, as after training
+        for head in model.model.layers[0].self_attn.q_layernorm.norms:
+            head.weight.uniform_(0.5, 1.5)
+    w = healthy_step(model)
+    snap = w.last_snapshot
+    assert snap is not None
+    stats = snap.layers["model.layers.0.self_attn.q_layernorm"]
+    assert stats.tokens == 2 * 16 * 4  # batch x seq x heads
+    assert stats.output_mismatch is not None and stats.output_mismatch < 1e-5
+    assert [a for a in w.alarms if a.severity != "info"] == []
