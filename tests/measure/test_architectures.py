@@ -8,6 +8,7 @@ the CPU, is skipped with the reason (``pytest -rs`` lists them).
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import logging
 import warnings
@@ -55,16 +56,28 @@ AT_INIT = {
 }
 
 
+def shrink(config: object, depth: int = 0) -> None:
+    """Set the usual size fields of ``config`` and its sub-configs (text, vision, ...)."""
+    for key, value in SIZES.items():
+        current = getattr(config, key, None)
+        if isinstance(current, int) and not isinstance(current, bool):
+            with contextlib.suppress(AttributeError):  # a derived, read-only property
+                setattr(config, key, value)
+    if isinstance(getattr(config, "qk_rope_head_dim", None), int) and \
+            isinstance(getattr(config, "head_dim", None), int):
+        config.head_dim = config.qk_rope_head_dim  # type: ignore[attr-defined]  # MLA: rope dims
+    if hasattr(config, "initializer_range"):
+        config.initializer_range = 0.2  # type: ignore[attr-defined]  # width-32 activations
+    for sub in list(vars(config).values()) if depth < 2 else []:
+        if isinstance(sub, transformers.PretrainedConfig):
+            shrink(sub, depth + 1)
+
+
 def tiny(model_type: str, class_name: str) -> torch.nn.Module:
     """The family's model with its size fields shrunk; ``pytest.skip`` where it cannot be."""
     try:
         config = CONFIG_MAPPING[model_type]()
-        for key, value in SIZES.items():
-            current = getattr(config, key, None)
-            if isinstance(current, int) and not isinstance(current, bool):
-                setattr(config, key, value)
-        if hasattr(config, "initializer_range"):
-            config.initializer_range = 0.2  # a wide model's activation scale at width 32
+        shrink(config)
         for key, value in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
             current = getattr(config, key, None)
             if isinstance(current, int) and current >= SIZES["vocab_size"]:
