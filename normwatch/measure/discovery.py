@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from normwatch.errors import ConfigError
+from normwatch.measure.reference import layer_norm, per_head_norms, rms_norm
 from normwatch.records import KINDS, Kind, NormLayer, WeightForm
 
 EPS_ATTRS = ("eps", "variance_epsilon", "epsilon", "variance_eps")
@@ -182,18 +183,6 @@ def _weight_shape(module: nn.Module) -> tuple[int, ...] | None:
     return None
 
 
-def per_head_norms(module: nn.Module) -> list[nn.Module] | None:
-    """The norms of a per-head wrapper (StableLM's ``LayerNormPerHead``: one norm per head
-    in a ``ModuleList``, head ``h`` normalizing ``x[:, h]``), else ``None``."""
-    if "norm" not in type(module).__name__.lower() or hasattr(module, "weight"):
-        return None
-    children = list(module.children())
-    if len(children) != 1 or not isinstance(children[0], nn.ModuleList) or \
-            len(children[0]) < 2:
-        return None
-    return list(children[0])
-
-
 def _per_head(module: nn.Module, name: str) -> NormLayer | None:
     """A per-head wrapper as one layer of its heads' kind, one token per head and row."""
     norms = per_head_norms(module)
@@ -296,10 +285,8 @@ def behaviour(module: nn.Module, eps: float
     best: tuple[float, Kind, tuple[int, ...], WeightForm] | None = None
     for kind in ("layernorm", "rmsnorm"):
         for token in tokens:
-            t = x.reshape(-1, math.prod(token))
-            if kind == "layernorm":
-                t = t - t.mean(1, keepdim=True)
-            unit = (t * torch.rsqrt(t.pow(2).mean(1, keepdim=True) + eps)).reshape(x.shape)
+            formula = layer_norm if kind == "layernorm" else rms_norm
+            unit = formula(x.reshape(-1, math.prod(token)), eps).double().reshape(x.shape)
             for form in forms:
                 ref = unit * (w + 1.0 if form == "1+w" else w) + b
                 if gated:  # silu(20) = 20, sigmoid(20) = 1: the formula up to a scale

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from normwatch.measure.discovery import per_head_norms
 from normwatch.records import NormLayer
 
 
@@ -102,6 +101,18 @@ def _batch_norm(
     use_batch = module.training or mean is None or var is None
     return F.batch_norm(x, None if use_batch else mean, None if use_batch else var,
                         weight, bias, training=use_batch, eps=eps)
+
+
+def per_head_norms(module: nn.Module) -> list[nn.Module] | None:
+    """The norms of a per-head wrapper (StableLM's ``LayerNormPerHead``: one norm per head
+    in a ``ModuleList``, head ``h`` normalizing ``x[:, h]``), else ``None``."""
+    if "norm" not in type(module).__name__.lower() or hasattr(module, "weight"):
+        return None
+    children = list(module.children())
+    if len(children) != 1 or not isinstance(children[0], nn.ModuleList) or \
+            len(children[0]) < 2:
+        return None
+    return list(children[0])
 
 
 def _per_head_param(heads: list[nn.Module], name: str, x: torch.Tensor) -> torch.Tensor | None:
