@@ -32,7 +32,7 @@ SIZES = dict(
     num_local_experts=4, num_experts_per_tok=2, kv_lora_rank=8, q_lora_rank=16,
     qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, encoder_layers=2, decoder_layers=2,
     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
-    decoder_ffn_dim=64,
+    decoder_ffn_dim=64, vocab_size_per_layer_input=128, hidden_size_per_layer_input=8,
 )
 MAX_PARAMS = 20_000_000
 PROJECTIONS = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d)
@@ -61,10 +61,15 @@ AT_INIT = {
 def shrink(config: object, depth: int = 0) -> None:
     """Set the usual size fields of ``config`` and its sub-configs (text, vision, ...)."""
     for key, value in SIZES.items():
-        current = getattr(config, key, None)
-        if isinstance(current, int) and not isinstance(current, bool):
-            with contextlib.suppress(AttributeError):  # a derived, read-only property
+        # read-only properties, per-layer attributes: leave them to the config
+        with contextlib.suppress(Exception):
+            current = getattr(config, key, None)
+            if isinstance(current, int) and not isinstance(current, bool):
                 setattr(config, key, value)
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(getattr(config, "layer_types", None), list) and isinstance(layers, int):
+        with contextlib.suppress(Exception):  # one entry per layer
+            config.layer_types = config.layer_types[:layers]  # type: ignore[attr-defined]
     if isinstance(getattr(config, "qk_rope_head_dim", None), int) and \
             isinstance(getattr(config, "head_dim", None), int):
         config.head_dim = config.qk_rope_head_dim  # type: ignore[attr-defined]  # MLA: rope dims
