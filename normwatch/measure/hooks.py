@@ -101,8 +101,6 @@ class LayerHook:
             groups=layer.num_groups or 1, width=layer.token_size)
         if layer.token_size is not None:  # layer/RMS norms: the common case first
             self._tokens = partial(_chunk_tokens, width=layer.token_size, other=self._tokens)
-        elif layer.kind in ("layernorm", "rmsnorm") and self._token_ndim == 1:
-            self._tokens = _last_dim_tokens
         self.handle: RemovableHandle | None = module.register_forward_hook(self, with_kwargs=True)
 
     def remove(self) -> None:
@@ -243,11 +241,6 @@ def _chunk_tokens(x: torch.Tensor, width: int,
                   other: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """Tokens of ``width`` elements, straight away when the last dim is one token."""
     return x.reshape(-1, width) if x.dim() and x.shape[-1] == width else other(x)
-
-
-def _last_dim_tokens(x: torch.Tensor) -> torch.Tensor:
-    """:func:`token_view` of a layer/RMS norm over the last dim (the common case)."""
-    return x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
 
 
 def _other_tensor(args: tuple[Any, ...], kwargs: Mapping[str, Any], x: torch.Tensor) -> bool:
