@@ -85,11 +85,10 @@ def _gauge(name: str, help_: str) -> Metric:
 _NONFINITE = "Tokens holding NaN/inf in a layer's input or output."
 
 TABLE: tuple[Stat, ...] = (
-    # counted on the host by the hooks (shapes only)
-    Stat("calls", "Norm calls counted.", "host", "sum", integer=True),
-    Stat("tokens", "Tokens measured.", "host", "sum", integer=True,
-         metric=Metric("tokens", "counter", "Tokens measured per layer."), history=True),
     # device sums
+    Stat("calls", "Norm calls counted.", reduce="sum", integer=True),
+    Stat("tokens", "Tokens measured.", reduce="sum", integer=True,
+         metric=Metric("tokens", "counter", "Tokens measured per layer."), history=True),
     Stat("finite_tokens", "Tokens without NaN/inf.", reduce="sum", integer=True),
     Stat("stats_tokens", "Finite tokens measured with the full statistics.", reduce="sum",
          integer=True),

@@ -6,13 +6,23 @@ kernel) and stages them in the accumulator, with no host synchronisation (no
 ``.item()``, ``.cpu()``, ``bool(tensor)``, masking or ``nonzero``). Host-side it only
 reads metadata (shapes, dtypes, flags). Any exception disables this hook with one
 warning; training goes on.
+
+Inside ``torch.compile`` the hook takes its *traced* path: tensor ops only, folding the
+call straight into the layer's accumulator row in place (:func:`fold_one`,
+:func:`fold_into`), with the step, the tier, the call counter, the pause and the
+output-check flag read from a small control tensor (:class:`Runtime` writes it between
+steps) — no Python value that changes between steps is read and no Python state is
+written (dtypes go to a device row), so the compiled graph neither breaks nor recompiles,
+inside activation checkpoints too. Eager keeps the staged fold (faster there) until a
+flush finds compiled calls: eager hooks then fold in place too, so that the calls of a
+step share one counter. Both give the same numbers.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -22,15 +32,23 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from normwatch.catalog import KEY_STRIDE
-from normwatch.measure.accumulator import Accumulator
+from normwatch.measure.accumulator import (
+    META,
+    MISMATCH_COLUMN,
+    Accumulator,
+    code_dtype,
+    dtype_code,
+    fold_into,
+)
 from normwatch.measure.reductions import (
     CallRows,
+    fold_one,
     mismatch,
     reduce_call,
     rows_from_fused,
     token_view,
 )
-from normwatch.measure.reference import expected_output
+from normwatch.measure.reference import expected_from, expected_output, reference_params
 from normwatch.measure.triton_kernel import available as triton_available
 from normwatch.measure.triton_kernel import row_stats_triton
 from normwatch.records import NormLayer
@@ -48,11 +66,42 @@ class Runtime:
     """The step in progress (1-based); forwards before the first ``watch.step()`` are step 1."""
     calls_this_step: int = 0
     check_outputs: bool = True
+    output_checks: bool = True
+    """Whether outputs are ever checked (fixed: compiled graphs read it)."""
     full_stats: bool = True
     """Whether this step runs the full statistics (else the sentinel tier)."""
     kernel: str = "auto"
     paused: bool = False
     forward_order: dict[str, int] = field(default_factory=dict)
+    traced: bool = False
+    """A flush found compiled calls: eager hooks fold in place too (one call counter)."""
+    controls: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    """Per device, the flags compiled hooks read (:data:`CONTROL` order, float64)."""
+
+    def control(self, device: torch.device) -> torch.Tensor:
+        """The control tensor of ``device`` (made, outside any graph, on first use)."""
+        ctl = self.controls.get(device)
+        if ctl is None:
+            ctl = torch.zeros(len(CONTROL), dtype=torch.float64, device=device)
+            _static(ctl)
+            self._write(ctl)
+            self.controls[device] = ctl
+        return ctl
+
+    def update(self, **flags: Any) -> None:
+        """Set flags (``step``, ``full_stats``, ``paused``, ``check_outputs``,
+        ``calls_this_step``) and write them into every control tensor: a few fills, no
+        host copy."""
+        for name, value in flags.items():
+            setattr(self, name, value)
+        for ctl in self.controls.values():
+            self._write(ctl)
+
+    def _write(self, ctl: torch.Tensor) -> None:
+        values = (self.step, self.full_stats, self.calls_this_step, not self.paused,
+                  self.check_outputs)
+        for i, value in enumerate(values):
+            ctl[i].fill_(float(value))
 
     def fused(self, x: torch.Tensor) -> bool:
         """Whether to use the fused Triton kernel for ``x`` (by its device)."""
@@ -61,6 +110,16 @@ class Runtime:
         if self.kernel == "triton":
             return True
         return x.is_cuda and triton_available()
+
+
+CONTROL = ("step", "full", "call", "active", "check")
+"""The control tensor's slots: step, full tier, calls so far this step, not paused,
+check outputs."""
+
+
+def _static(t: torch.Tensor) -> None:
+    """Mark a long-lived buffer static for the compiler (CUDA graphs keep its address)."""
+    torch._dynamo.mark_static_address(t)
 
 
 @dataclass
@@ -76,15 +135,32 @@ class HostCounts:
     input_shape: torch.Size | None = None
     device: torch.device | None = None
 
+    empty_calls: int = 0
+    """Counted calls with an empty input (nothing folded on the device)."""
+
     def reset(self) -> None:
         self.calls = 0
         self.tokens = 0
+        self.empty_calls = 0
+
+    def adopt(self, codes: Sequence[float], device: torch.device | None) -> None:
+        """Take the dtypes compiled calls recorded (:data:`META` codes), when no eager
+        call did."""
+        if not codes[0] or self.input_dtype is not None:
+            return
+        x, weight, y, amp = (code_dtype(c) for c in codes)
+        self.input_dtype, self.weight_dtype, self.output_dtype = (
+            None if d is None else _dtype_name(d) for d in (x, weight, y))
+        if amp is not None and device is not None:
+            self.autocast = f"{device.type}:{_dtype_name(amp)}"
+        self.device = device
 
 
 class LayerHook:
     """Forward hook measuring one layer; see the module docstring."""
 
-    def __init__(self, layer: NormLayer, module: nn.Module, row: int, runtime: Runtime) -> None:
+    def __init__(self, layer: NormLayer, module: nn.Module, row: int, runtime: Runtime,
+                 home: torch.device | None = None) -> None:
         self.layer = layer
         self.module = module
         self.row = row
@@ -101,7 +177,22 @@ class LayerHook:
             groups=layer.num_groups or 1, width=layer.token_size)
         if layer.token_size is not None:  # layer/RMS norms: the common case first
             self._tokens = partial(_chunk_tokens, width=layer.token_size, other=self._tokens)
+        self.state: torch.Tensor | None = None
+        """This layer's accumulator row on its home device (what compiled calls update)."""
+        self.ctl: torch.Tensor | None = None
+        self.meta: torch.Tensor | None = None
+        """Dtype codes compiled calls write (:data:`~normwatch.measure.accumulator.META`)."""
+        self._warned_device = False
+        home = home or module_device(module)
+        if home is not None and home.type != "meta":  # meta: placed at its first real call
+            self.home(home)
         self.handle: RemovableHandle | None = module.register_forward_hook(self, with_kwargs=True)
+
+    def home(self, device: torch.device) -> None:
+        """Place this layer's in-place state on ``device`` (outside any graph)."""
+        self.state = self.rt.accumulator.row_state(device, self.row)
+        self.meta = self.rt.accumulator.row_meta(device, self.row)
+        self.ctl = self.rt.control(device)
 
     def remove(self) -> None:
         """Detach from the module (harmless twice)."""
@@ -112,6 +203,8 @@ class LayerHook:
     def __call__(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], output: Any
     ) -> None:
+        if torch.compiler.is_compiling():
+            return self._traced(module, args, kwargs, output)
         if self.rt.paused:
             return
         try:
@@ -162,7 +255,11 @@ class LayerHook:
         y = None if y is None else y.detach()
         rt = self.rt
         n_tokens = 0
-        if x.numel():
+        if x.numel() and rt.traced:  # compiled hooks run too: share their call counter
+            if self.state is None or self.state.device != x.device:
+                self.home(x.device)
+            n_tokens = int(self._fold_in_place(module, x, y, alone))
+        elif x.numel():
             tokens = self._tokens(x)
             n_tokens = tokens.shape[0]
             out = y if y is not None and y.is_floating_point() else None
@@ -175,10 +272,103 @@ class LayerHook:
         c = self.counts
         c.calls += 1
         c.tokens += n_tokens
+        c.empty_calls += not n_tokens
         c.input_shape = x.shape
         if c.calls == 1:
             rt.forward_order.setdefault(self.layer.name, len(rt.forward_order))
         self._record_dtypes(module, x, y)
+
+    def _traced(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                output: Any) -> None:
+        """The hook body ``torch.compile`` traces (see the module docstring)."""
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else _first_tensor(args, kwargs)
+        if x is None or not x.is_floating_point() or x.is_meta or self.state is None:
+            return
+        if not (self.rt.count_eval or (module.training and torch.is_grad_enabled())):
+            return
+        y = output if isinstance(output, torch.Tensor) else \
+            _first_tensor(output if isinstance(output, tuple | list) else (output,), {})
+        # Python state is neither read nor written here (a checkpointed region is a
+        # higher-order op that refuses side effects): dtypes go to a device row
+        weight = getattr(module, "weight", None)
+        device_type = x.device.type
+        amp = (torch.get_autocast_dtype(device_type)
+               if torch.is_autocast_enabled(device_type) else None)
+        codes = (x.dtype, weight.dtype if isinstance(weight, torch.Tensor) else None,
+                 None if y is None else y.dtype, amp)
+        assert self.meta is not None
+        self.meta.copy_(torch.tensor([dtype_code(d) for d in codes], dtype=torch.float64,
+                                     device=self.meta.device))
+        if x.numel():
+            self._fold_in_place(module, x.detach(), None if y is None else y.detach(),
+                                alone=not _other_tensor(args, kwargs, x))
+
+    def _fold_in_place(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None,
+                       alone: bool) -> int | torch.SymInt:
+        """Fold one call into :attr:`state` in place, reading flags from :attr:`ctl`;
+        returns the token count. Tensor ops only (compiled or eager alike). ``alone``:
+        ``x`` was the only tensor input (else the output is not checked)."""
+        state, ctl = self.state, self.ctl
+        assert state is not None and ctl is not None
+        tokens = self._tokens(x)
+        out = y if y is not None and y.is_floating_point() and y.numel() else None
+        if out is None:
+            out_tokens = None
+        elif out.shape == x.shape:
+            out_tokens = self._tokens(out)
+        else:
+            out_tokens = out.reshape(-1, out.shape[-1]) if out.dim() else out.reshape(1, 1)
+        moved = x.device != state.device
+        if moved:  # the model moved after watch(): correct, with a copy per call
+            self._warn_device(x.device, state.device)
+        flags = ctl.to(x.device) if moved else ctl
+        key = flags[0] * KEY_STRIDE + flags[2]
+        # no per-layer int reaches the graph (a block compiled once serves every layer)
+        call = reduce_call(tokens, out_tokens, self.layer.kind, self._eps, True, 0, key)
+        values = fold_one(call, flags[1] > 0, self.rt.accumulator.limits)
+        if out is not None and alone and self.rt.output_checks:
+            err = self._traced_mismatch(module, x, out, flags[4] > 0)
+            values = torch.cat([values[:MISMATCH_COLUMN], err.reshape(1).to(values.dtype),
+                                values[MISMATCH_COLUMN + 1:]])
+        fold_into(state, values.to(state.device) if moved else values, ctl[3] > 0)
+        ctl[2:3].add_(1.0)
+        return tokens.shape[0]
+
+    def _traced_mismatch(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                         check: torch.Tensor) -> torch.Tensor:
+        """The output-mismatch value (-inf when not checked). Compiled, the reference runs
+        every call and the flag selects (``torch.cond`` cannot run inside an activation
+        checkpoint); ``output_check_every=0`` leaves it out of the graph."""
+        layer = self.layer
+        params = reference_params(layer, module, x)
+        present = tuple(p for p in params if p is not None)
+        where = tuple(p is not None for p in params)
+        training = module.training
+        tokens = self._tokens
+
+        def checked(x: torch.Tensor, y: torch.Tensor, *given: torch.Tensor) -> torch.Tensor:
+            it = iter(given)
+            full = tuple(next(it) if w else None for w in where)
+            ref = expected_from(layer, x, full, training)
+            if ref is None:
+                return torch.full((), -math.inf, dtype=torch.float64, device=x.device)
+            if ref.shape != y.shape:
+                return torch.ones((), dtype=torch.float64, device=x.device)
+            return mismatch(tokens(y), tokens(ref)).to(torch.float64)
+
+        if torch.compiler.is_compiling():
+            return torch.where(check, checked(x, y, *present), -math.inf)
+        if self.rt.check_outputs:
+            return checked(x, y, *present)
+        return torch.full((), -math.inf, dtype=torch.float64, device=x.device)
+
+    def _warn_device(self, got: torch.device, home: torch.device) -> None:
+        if not self._warned_device:
+            self._warned_device = True
+            warnings.warn(f"normwatch: {self.layer.name!r} runs on {got} but its statistics "
+                          f"live on {home} (the model moved after watch()?); each call copies "
+                          "them across: attach after moving the model", RuntimeWarning,
+                          stacklevel=4)
 
     def _reduce(self, tokens: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None,
                 key: float) -> CallRows:
@@ -235,6 +425,15 @@ class LayerHook:
             self._skipped.add(why)
             warnings.warn(f"normwatch: {self.layer.name!r} called with {why}; such calls are "
                           "not measured", RuntimeWarning, stacklevel=4)
+
+
+def module_device(module: nn.Module) -> torch.device | None:
+    """Where ``module``'s parameters or buffers live (``None``: it has none)."""
+    for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+        return t.device
+    for t in (*module.parameters(), *module.buffers()):
+        return t.device
+    return None
 
 
 def _chunk_tokens(x: torch.Tensor, width: int,

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from normwatch.catalog import PUBLIC, decode_score, values
-from normwatch.measure.accumulator import Accumulator
-from normwatch.measure.hooks import HostCounts, LayerHook, Runtime
+from normwatch.measure.accumulator import META, Accumulator
+from normwatch.measure.hooks import HostCounts, LayerHook, Runtime, module_device
 from normwatch.measure.probe import ProbeCache, ProbeTarget
 from normwatch.records import FirstNonfinite, LayerStats, Limits, NormLayer, ProbeResult, Snapshot
 
@@ -34,14 +34,15 @@ class Measurement:
 
     def __init__(self, pairs: Iterable[tuple[NormLayer, nn.Module]], limits: Limits,
                  *, count_eval: bool = False, kernel: str = "auto",
-                 root: nn.Module | None = None) -> None:
+                 root: nn.Module | None = None, output_checks: bool = True) -> None:
         pairs = list(pairs)
         self.layers: tuple[NormLayer, ...] = tuple(layer for layer, _ in pairs)
         self.limits = limits
         self._rt = Runtime(Accumulator(len(pairs), limits), count_eval=count_eval,
-                           kernel=kernel)
-        self._hooks = [LayerHook(layer, module, i, self._rt) for i, (layer, module) in
-                       enumerate(pairs)]
+                           kernel=kernel, output_checks=output_checks)
+        fallback = None if root is None else module_device(root)
+        self._hooks = [LayerHook(layer, module, i, self._rt, module_device(module) or fallback)
+                       for i, (layer, module) in enumerate(pairs)]
         self._probes = ProbeCache(self.paused)
         self._commit_failed = False
         # A forward of ``root`` that raised leaves its calls behind: marked where it began,
@@ -60,19 +61,20 @@ class Measurement:
         sentinel tier only."""
         rt = self._rt
         self.discard_interrupted()
-        rt.step = step
-        rt.calls_this_step = 0
-        rt.full_stats = full
+        rt.update(step=step, calls_this_step=0, full_stats=full)
         for hook in self._hooks:
             hook.pending_recompute = 0
 
     def _forward_begins(self, module: nn.Module, args: object) -> None:
+        if torch.compiler.is_compiling():  # compiled calls fold in place: nothing to drop
+            return
         if self._open is None:  # the outermost call
             self._open = _OpenForward(self._rt.accumulator.mark(), self._rt.calls_this_step,
                                       [(h.counts.calls, h.counts.tokens) for h in self._hooks])
 
     def _forward_ends(self, module: nn.Module, args: object, output: object) -> None:
-        self._open = None
+        if not torch.compiler.is_compiling():
+            self._open = None
 
     def discard_interrupted(self) -> None:
         """Forget the calls of a forward of the root that raised and never completed (the
@@ -115,8 +117,11 @@ class Measurement:
         self.commit()
         rows, copied = self._rt.accumulator.read(dict(extras or {}))
         for row, hook in zip(rows, self._hooks, strict=True):
-            row["calls"] = float(hook.counts.calls)
-            row["tokens"] = float(hook.counts.tokens)
+            row["calls"] += hook.counts.empty_calls
+            codes = [row.pop(name) for name in META]
+            if codes[0]:  # compiled calls ran: eager ones now share their call counter
+                self._rt.traced = True
+                hook.counts.adopt(codes, None if hook.state is None else hook.state.device)
         return rows, copied
 
     def reset(self, check_outputs: bool) -> None:
@@ -124,7 +129,7 @@ class Measurement:
         self._rt.accumulator.reset()
         for hook in self._hooks:
             hook.counts.reset()
-        self._rt.check_outputs = check_outputs
+        self._rt.update(check_outputs=check_outputs)
 
     def snapshot(self, rows: Sequence[Mapping[str, float]], step: int, first_step: int,
                  losses: tuple[tuple[int, float], ...] = ()) -> Snapshot:
@@ -142,11 +147,11 @@ class Measurement:
     @contextmanager
     def paused(self) -> Iterator[None]:
         """Hooks stand aside (e.g. while a probe runs a copy of a layer)."""
-        self._rt.paused = True
+        self._rt.update(paused=True)
         try:
             yield
         finally:
-            self._rt.paused = False
+            self._rt.update(paused=False)
 
     @property
     def forward_order(self) -> list[str]:

@@ -39,15 +39,33 @@ def expected_output(layer: NormLayer, module: nn.Module, x: torch.Tensor) -> tor
     Unknown means: eps could not be read, or the affine parameters do not fit the
     input (an unusual custom norm), so no honest comparison is possible.
     """
-    eps = layer.eps
-    if eps != eps:  # NaN: eps attribute not found
-        return None
+    return expected_from(layer, x, reference_params(layer, module, x), module.training)
+
+
+REFERENCE_PARAMS = ("weight", "bias", "running_mean", "running_var")
+"""What :func:`expected_from` reads of a module, in :func:`reference_params` order."""
+
+
+def reference_params(layer: NormLayer, module: nn.Module, x: torch.Tensor
+                     ) -> tuple[torch.Tensor | None, ...]:
+    """The tensors of ``module`` its formula needs (:data:`REFERENCE_PARAMS`), detached
+    fp32, the weight as it scales (``1 + w`` forms resolved, per-head norms stacked)."""
     weight, bias = _param(module, "weight"), _param(module, "bias")
     heads = per_head_norms(module)
     if heads is not None:  # head h of x[:, h] scaled by its own norm's parameters
         weight, bias = (_per_head_param(heads, p, x) for p in ("weight", "bias"))
     if weight is not None and layer.weight_form == "1+w":
         weight = 1.0 + weight
+    return weight, bias, _param(module, "running_mean"), _param(module, "running_var")
+
+
+def expected_from(layer: NormLayer, x: torch.Tensor, params: tuple[torch.Tensor | None, ...],
+                  training: bool) -> torch.Tensor | None:
+    """:func:`expected_output` from :func:`reference_params` (pure tensor code)."""
+    eps = layer.eps
+    if eps != eps:  # NaN: eps attribute not found
+        return None
+    weight, bias, mean, var = params
     if layer.kind in ("layernorm", "rmsnorm"):
         # tokens: chunks of token_size elements (the normalized dims, a head, a group);
         # the affine parameters cover the input's trailing dims, possibly several tokens
@@ -80,27 +98,15 @@ def expected_output(layer: NormLayer, module: nn.Module, x: torch.Tensor) -> tor
     elif layer.kind == "instancenorm":
         y = layer_norm(xf.reshape(x.shape[0], channels, -1), eps).reshape(x.shape)
     else:
-        return _batch_norm(module, xf, weight, bias, eps)
+        use_batch = training or mean is None or var is None
+        return F.batch_norm(xf, None if use_batch else mean, None if use_batch else var,
+                            weight, bias, training=use_batch, eps=eps)
     view = (1, channels) + (1,) * (x.dim() - 2)
     if weight is not None:
         y = y * weight.reshape(view)
     if bias is not None:
         y = y + bias.reshape(view)
     return y
-
-
-def _batch_norm(
-    module: nn.Module,
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    eps: float,
-) -> torch.Tensor:
-    mean = _param(module, "running_mean")
-    var = _param(module, "running_var")
-    use_batch = module.training or mean is None or var is None
-    return F.batch_norm(x, None if use_batch else mean, None if use_batch else var,
-                        weight, bias, training=use_batch, eps=eps)
 
 
 def per_head_norms(module: nn.Module) -> list[nn.Module] | None:
