@@ -15,16 +15,20 @@ import os
 import time
 import warnings
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from normwatch._version import __version__
 from normwatch.config import WatchConfig
 from normwatch.errors import ConfigError, NumericalHealthError
 from normwatch.judge.alarms import RuleContext, evaluate
+from normwatch.measure.compiling import compiled_code
 from normwatch.measure.discovery import iter_norm_modules
 from normwatch.measure.losses import LossBuffer
 from normwatch.measure.measurement import Measurement
@@ -57,6 +61,15 @@ class Watch:
         if c.report_dir is not None:
             prepare_report_dir(c.report_dir)
         pairs = list(iter_norm_modules(model, c.include, c.exclude))
+        stale = compiled_code(model) if pairs else []
+        if stale:
+            warnings.warn(
+                f"normwatch: {type(model).__name__} was compiled before watch() (compiled "
+                f"code for {', '.join(stale)}), and compiled code never runs hooks added "
+                "later; resetting torch.compile's caches (torch.compiler.reset()) so the next "
+                "call recompiles with them. Attach before the first compiled call to avoid "
+                "the recompile", RuntimeWarning, stacklevel=3)
+            torch.compiler.reset()
         if not pairs:
             warnings.warn(
                 f"normwatch: no normalization layers found in {type(model).__name__}"
@@ -299,8 +312,17 @@ class Watch:
         """Layers whose hook failed and was removed, with the reason."""
         return self._measure.disabled
 
+    @contextmanager
+    def pause(self) -> Iterator[None]:
+        """Norm calls inside the block are not measured (an evaluation pass inside a
+        training step, say). Compiled models do not recompile for it."""
+        with self._measure.paused():
+            yield
+
     def close(self) -> None:
-        """Remove every hook; the model is left exactly as it was. Harmless twice."""
+        """Remove every hook; the model is left exactly as it was (code compiled while
+        watched runs the hooks' switched-off tensor ops until it recompiles). Harmless
+        twice."""
         self._measure.close()
         if self.endpoint is not None:
             self.endpoint.close()

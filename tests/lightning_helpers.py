@@ -25,9 +25,13 @@ class Tokens(Dataset[torch.Tensor]):
 
 class LitLM(pl.LightningModule):
     def __init__(self, nan_at: int | None = None, nan_rank: int | None = None,
-                 fail_at: int | None = None, interrupt_at: int | None = None) -> None:
+                 fail_at: int | None = None, interrupt_at: int | None = None,
+                 compile: bool = False) -> None:
         super().__init__()
+        torch.manual_seed(0)
         self.model = TinyLM(dim=32, depth=2)
+        if compile:
+            self.model.compile(fullgraph=True)
         self.nan_at, self.nan_rank, self.fail_at = nan_at, nan_rank, fail_at
         self.interrupt_at = interrupt_at
 

@@ -33,7 +33,6 @@ from torch.utils.hooks import RemovableHandle
 
 from normwatch.catalog import KEY_STRIDE
 from normwatch.measure.accumulator import (
-    META,
     MISMATCH_COLUMN,
     Accumulator,
     code_dtype,

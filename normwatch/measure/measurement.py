@@ -167,7 +167,9 @@ class Measurement:
                 if h.disabled_reason is not None}
 
     def close(self) -> None:
-        """Remove every hook (harmless twice)."""
+        """Remove every hook (harmless twice). Code compiled while watched keeps the
+        hooks' tensor ops until it recompiles: they are switched off here."""
+        self._rt.update(paused=True)
         for hook in self._hooks:
             hook.remove()
         for handle in self._root_handles:

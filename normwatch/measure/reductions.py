@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 
@@ -67,8 +67,8 @@ class CallRows(NamedTuple):
 
     row: int
     """The layer's accumulator row."""
-    key: float
-    """The call's position (see :data:`KEY_STRIDE`)."""
+    key: float | torch.Tensor
+    """The call's position (see :data:`KEY_STRIDE`); a 0-d tensor in compiled calls."""
     width: int
     eps: float
     hi: torch.Tensor
@@ -84,11 +84,13 @@ class CallRows(NamedTuple):
         """Whether the full statistics were measured (else the sentinel tier)."""
         return self.total is not None
 
-    def signature(self, key0: float) -> tuple[int, int, int, int, float, float]:
+    def signature(self, key0: float | torch.Tensor) -> tuple[int, int, int, int, float, float]:
         """What the fold's constant vectors depend on (the same every step for the same
-        forward pass): row, token counts, width, eps and the key relative to ``key0``."""
+        forward pass): row, token counts, width, eps and the key relative to ``key0``
+        (staged calls: float keys)."""
         n_out = 0 if self.out_hi is None else self.out_hi.shape[0]
-        return self.row, self.hi.shape[0], n_out, self.width, self.eps, self.key - key0
+        offset = cast(float, self.key - key0)
+        return self.row, self.hi.shape[0], n_out, self.width, self.eps, offset
 
 
 # The most elements a call's temporaries may hold (1 MiB of fp32): a few floats per token
@@ -97,7 +99,7 @@ CHUNK_ELEMENTS = 1 << 18
 
 
 def reduce_call(tokens: torch.Tensor, out: torch.Tensor | None, kind: Kind, eps: float,
-                full: bool, row: int, key: float) -> CallRows:
+                full: bool, row: int, key: float | torch.Tensor) -> CallRows:
     """Read one call: ``tokens`` is the input as ``(tokens, elements)`` (see
     :func:`token_view`), never empty; ``out`` the output in the same layout (any token
     count) or ``None``. Plain row reductions: no temporary for the sentinel tier, nor for
@@ -298,8 +300,9 @@ def fold_calls(calls: Sequence[CallRows], plan: FoldPlan) -> torch.Tensor:
         out_bad, out_absmax = plan.n_out - sums[1], maxes[1]
     else:
         out_bad, out_absmax = _outputs(calls, plan)
-    cols = dict(calls=torch.ones_like(plan.n_in), tokens=plan.n_in, finite_tokens=sums[0], fp16_overflow_tokens=sums[g], nonfinite=nonfinite,
-                out_nonfinite=out_bad, absmax=maxes[0], out_absmax=out_absmax)
+    cols = dict(calls=torch.ones_like(plan.n_in), tokens=plan.n_in, finite_tokens=sums[0],
+                fp16_overflow_tokens=sums[g], nonfinite=nonfinite, out_nonfinite=out_bad,
+                absmax=maxes[0], out_absmax=out_absmax)
     if calls[0].full:
         rms_max = maxes[g].double()
         rms_min, root_min = plan.per_call(lows, "amin")

@@ -7,6 +7,10 @@ in one process, in a shuffled order, and each round's step time is divided by th
 unmonitored step time *of the same round*; the table reports the median of those
 paired ratios (noisy machines: medians, never single timings). A round runs each mode
 for one flush interval (10 steps), so every sample includes exactly one flush.
+
+Compiled modes (``torch.compile`` of the whole model, inductor) are divided by the
+compiled unmonitored step of the same round; their rows also give the graphs compiled,
+the graph breaks, and the graphs compiled after the warm-up round (recompiles).
 """
 
 from __future__ import annotations
@@ -24,13 +28,20 @@ import torch
 
 import normwatch
 
+Row = tuple[str, float, float, "tuple[int, int, int] | None"]
+"""``(mode, median step ms, median paired ratio, compiled: (graphs, breaks, recompiles))``"""
+
 
 @dataclass
 class Mode:
     name: str
     attach: Callable[[torch.nn.Module], object]
     context: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext
+    compiled: bool = False
     times: list[float] = field(default_factory=list)
+    graphs: int = 0
+    breaks: int = 0
+    recompiles: int = 0
 
 
 def tiny_llama(hidden: int, layers: int) -> torch.nn.Module:
@@ -64,21 +75,35 @@ def modes() -> list[Mode]:
                                                                  report_dir=None)),
         Mode("DebugUnderflowOverflow", debug_underflow_overflow),
         Mode("detect_anomaly", lambda m: None, anomaly),
+        Mode("compiled", lambda m: None, compiled=True),
+        Mode("compiled + normwatch (defaults)", lambda m: normwatch.watch(m, report_dir=None),
+             compiled=True),
+        Mode("compiled + normwatch stats_every=1",
+             lambda m: normwatch.watch(m, stats_every=1, report_dir=None), compiled=True),
     ]
 
 
+def _compile_counts() -> tuple[int, int]:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
 def run(rounds: int, steps: int, hidden: int, layers: int, batch: int, seq: int,
-        only: list[str] | None = None) -> list[tuple[str, float, float]]:
-    """Return ``(mode, median step ms, median paired ratio)`` rows."""
+        only: list[str] | None = None) -> list[Row]:
+    """Return ``(mode, median step ms, median paired ratio, compile counts)`` rows."""
     torch.manual_seed(0)
     base = tiny_llama(hidden, layers)
-    selected = [m for m in modes() if only is None or m.name in only or m.name == "unmonitored"]
+    selected = [m for m in modes() if only is None or m.name in only or
+                m.name in ("unmonitored", "compiled")]
+    if not any(m.compiled and m.name != "compiled" for m in selected):
+        selected = [m for m in selected if m.name != "compiled"]
     runs = []
     for mode in selected:
         model = copy.deepcopy(base)
         watcher = mode.attach(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        runs.append((mode, model, opt, watcher))
+        runs.append((mode, torch.compile(model) if mode.compiled else model, opt, watcher))
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 1024, (batch, seq), generator=gen)
     order = list(range(len(runs)))
@@ -86,6 +111,7 @@ def run(rounds: int, steps: int, hidden: int, layers: int, batch: int, seq: int,
         random.Random(r).shuffle(order)
         for i in order:
             mode, model, opt, watcher = runs[i]
+            graphs, breaks = _compile_counts()
             start = time.perf_counter()
             for _ in range(steps):
                 with mode.context():
@@ -95,19 +121,30 @@ def run(rounds: int, steps: int, hidden: int, layers: int, batch: int, seq: int,
                 opt.zero_grad(set_to_none=True)
                 if isinstance(watcher, normwatch.Watch):
                     watcher.step(loss)
+            elapsed = time.perf_counter() - start
+            new_graphs, new_breaks = (a - b for a, b in zip(_compile_counts(), (graphs, breaks),
+                                                            strict=True))
+            mode.graphs += new_graphs
+            mode.breaks += new_breaks
             if r:
-                mode.times.append((time.perf_counter() - start) / steps)
-    baseline = runs[0][0].times
+                mode.times.append(elapsed / steps)
+                mode.recompiles += new_graphs
+    baselines = {m.compiled: m.times for m, *_ in runs if m.name in ("unmonitored", "compiled")}
     rows = []
     for mode, *_ in runs:
-        ratios = [t / b for t, b in zip(mode.times, baseline, strict=True)]
-        rows.append((mode.name, statistics.median(mode.times) * 1e3, statistics.median(ratios)))
+        ratios = [t / b for t, b in zip(mode.times, baselines[mode.compiled], strict=True)]
+        counts = (mode.graphs, mode.breaks, mode.recompiles) if mode.compiled else None
+        rows.append((mode.name, statistics.median(mode.times) * 1e3, statistics.median(ratios),
+                     counts))
     return rows
 
 
-def table(rows: list[tuple[str, float, float]]) -> str:
-    lines = ["| mode | median step (ms) | median paired ratio |", "|---|---:|---:|"]
-    lines += [f"| {name} | {ms:.1f} | {ratio:.3f}x |" for name, ms, ratio in rows]
+def table(rows: list[Row]) -> str:
+    lines = ["| mode | median step (ms) | median paired ratio | graphs / breaks / recompiles |",
+             "|---|---:|---:|---:|"]
+    lines += [f"| {name} | {ms:.1f} | {ratio:.3f}x | "
+              f"{'' if counts is None else ' / '.join(map(str, counts))} |"
+              for name, ms, ratio, counts in rows]
     return "\n".join(lines)
 
 
@@ -121,8 +158,10 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--only", nargs="*", help="mode names (the baselines always run)")
     args = parser.parse_args(argv)
-    rows = run(args.rounds, args.steps, args.hidden, args.layers, args.batch, args.seq)
+    rows = run(args.rounds, args.steps, args.hidden, args.layers, args.batch, args.seq,
+               args.only)
     text = (f"tiny Llama (hidden {args.hidden}, {args.layers} layers, batch {args.batch} x "
             f"{args.seq} tokens), {args.rounds} rounds x {args.steps} steps, "
             f"torch {torch.__version__}, {torch.get_num_threads()} threads\n\n{table(rows)}")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from normwatch.integrations.lightning import NormWatchCallback
@@ -40,6 +41,28 @@ def csv_rows(tmp_path: Path) -> list[dict[str, str]]:
     path = next(tmp_path.glob("logs/version_*/metrics.csv"))
     with path.open() as f:
         return list(csv.DictReader(f))
+
+
+def test_a_compiled_model_logs_the_eager_numbers_without_graph_breaks(tmp_path: Path) -> None:
+    from torch._dynamo.utils import counters
+
+    logged = {}
+    for compiled in (False, True):
+        torch.compiler.reset()
+        counters.clear()
+        callback = NormWatchCallback(report_dir=None, stats_every=1)
+        t = trainer(tmp_path / str(compiled), callback, max_steps=6, log_every_n_steps=3)
+        t.fit(LitLM(compile=compiled))
+        logged[compiled] = [{k: float(v) for k, v in r.items() if k.startswith("normwatch/")
+                             and v} for r in csv_rows(tmp_path / str(compiled))]
+    assert sum(counters["graph_break"].values()) == 0 and counters["stats"]["unique_graphs"]
+    eager, compiled_rows = logged[False], logged[True]
+    assert len(eager) == len(compiled_rows) and any(r for r in eager)
+    for want, got in zip(eager, compiled_rows, strict=True):
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    torch.compiler.reset()
 
 
 def test_logs_through_the_trainer_logger_with_gradient_accumulation(tmp_path: Path) -> None:

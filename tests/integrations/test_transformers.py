@@ -57,6 +57,34 @@ def test_trainer_callback_logs_normwatch_metrics(tmp_path: Path) -> None:
     assert last.layers["model.norm"].seen
 
 
+def test_torch_compile_true_logs_the_eager_numbers_without_graph_breaks(tmp_path: Path
+                                                                        ) -> None:
+    from torch._dynamo.utils import counters
+
+    logged = {}
+    for compiled in (False, True):
+        torch.compiler.reset()
+        counters.clear()
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=4, logging_steps=2,
+                                 per_device_train_batch_size=4, report_to=[], use_cpu=True,
+                                 save_strategy="no", learning_rate=1e-3, torch_compile=compiled)
+        callback = NormWatchTrainerCallback(report_dir=None, stats_every=1)
+        torch.manual_seed(0)
+        trainer = Trainer(model=tiny_hf("llama"), args=args, train_dataset=Ids(),
+                          callbacks=[callback])
+        trainer.train()
+        logged[compiled] = [{k: v for k, v in e.items() if k.startswith("normwatch/")}
+                            for e in trainer.state.log_history
+                            if "normwatch/model.norm/absmax" in e]
+    assert sum(counters["graph_break"].values()) == 0 and counters["stats"]["unique_graphs"]
+    assert len(logged[True]) == len(logged[False]) == 2
+    for want, got in zip(logged[False], logged[True], strict=True):
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    torch.compiler.reset()
+
+
 def test_bad_options_fail_at_construction() -> None:
     with pytest.raises(normwatch.ConfigError, match="unknown option 'flush'"):
         NormWatchTrainerCallback(flush=3)

@@ -1,0 +1,147 @@
+"""FSDP2 (``fully_shard``) on a tiny ``transformers`` Llama: two real gloo ranks on the CPU.
+
+Each rank trains its own batch, eager and with every decoder layer compiled. Per rank,
+the statistics equal an unsharded replica fed the same batch; combined across ranks
+they equal one process over both batches; weight dtypes are read from the unsharded
+parameter (bf16 under a bf16 ``MixedPrecisionPolicy``, while the shards stay fp32).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import normwatch
+from normwatch.catalog import PUBLIC
+from normwatch.export.crossrank import combine_ranks
+
+STEPS = 2
+
+
+def llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64)
+    return LlamaForCausalLM(config)
+
+
+def batch(rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(10 * rank + step)
+    return torch.randint(0, 128, (2, 12), generator=g)
+
+
+def train(model: torch.nn.Module, rank: int, watch: normwatch.Watch, run: Any = None,
+          ) -> dict[str, dict[str, Any]]:
+    """Forward and backward ``STEPS`` batches of ``rank`` (no optimizer: every variant
+    sees the same weights); the per-layer statistics of one flush."""
+    run = run or model
+    for step in range(STEPS):
+        tokens = batch(rank, step)
+        run(input_ids=tokens, labels=tokens).loss.backward()
+        watch.step()
+    snap = watch.flush()
+    return {n: {f: getattr(s, f) for f in (*PUBLIC, "weight_dtype", "input_dtype")}
+            for n, s in snap.layers.items()}
+
+
+def _worker(rank: int, world: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    result: dict[str, Any] = {}
+    for variant in ("eager", "compiled", "bf16"):
+        torch.compiler.reset()
+        model = llama()
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if variant == "bf16" \
+            else MixedPrecisionPolicy()
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        w = normwatch.watch(model, flush_every=100, stats_every=1, report_dir=None,
+                            prometheus_aggregate=True, rank=rank)
+        if variant == "compiled":
+            for layer in model.model.layers:
+                layer.compile()
+        result[variant] = train(model, rank, w)
+        if variant == "eager":  # the raw rows combined over both ranks
+            for step in range(STEPS):
+                tokens = batch(rank, step)
+                model(input_ids=tokens, labels=tokens).loss.backward()
+            rows, _ = w._measure.read()
+            combined = w._measure.snapshot(combine_ranks(rows), STEPS, 1)
+            result["combined"] = {n: {f: getattr(s, f) for f in PUBLIC}
+                                  for n, s in combined.layers.items()}
+        result[f"{variant}_shard_dtype"] = str(
+            next(model.parameters()).dtype).removeprefix("torch.")
+        w.close()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    import torch.multiprocessing as mp
+
+    tmp = tmp_path_factory.mktemp("fsdp")
+    mp.spawn(_worker, args=(2, f"file://{tmp / 'store'}", str(tmp)), nprocs=2, join=True)
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def replica(ranks_fed: tuple[int, ...]) -> dict[str, dict[str, Any]]:
+    """An unsharded model, one process, fed the batches of ``ranks_fed``."""
+    model = llama()
+    w = normwatch.watch(model, flush_every=100, stats_every=1, report_dir=None)
+    for rank in ranks_fed:
+        for step in range(STEPS):
+            tokens = batch(rank, step)
+            model(input_ids=tokens, labels=tokens).loss.backward()
+    stats = {n: {f: getattr(s, f) for f in PUBLIC} for n, s in w.flush().layers.items()}
+    w.close()
+    return stats
+
+
+def same(got: dict[str, dict[str, Any]], want: dict[str, dict[str, Any]], rel: float) -> None:
+    assert got.keys() == want.keys() and got
+    for name, stats in want.items():
+        for field, value in stats.items():
+            if field == "output_mismatch":
+                continue
+            if isinstance(value, float):
+                assert got[name][field] == pytest.approx(value, rel=rel, abs=1e-6), \
+                    (name, field)
+            else:
+                assert got[name][field] == value, (name, field)
+
+
+@pytest.mark.parametrize("variant", ["eager", "compiled"])
+def test_each_rank_equals_an_unsharded_replica(ranks: list[dict[str, Any]],
+                                               variant: str) -> None:
+    for rank, result in enumerate(ranks):
+        same(result[variant], replica((rank,)), rel=1e-4)
+        assert result[variant]["model.norm"]["calls"] == STEPS
+
+
+def test_combined_across_ranks_equals_one_process_over_both(ranks: list[dict[str, Any]]
+                                                              ) -> None:
+    both = replica((0, 1))
+    for result in ranks:
+        same(result["combined"], both, rel=1e-4)
+        assert result["combined"]["model.norm"]["tokens"] == 2 * STEPS * 2 * 12
+
+
+def test_weight_dtype_is_the_unsharded_parameters(ranks: list[dict[str, Any]]) -> None:
+    for result in ranks:
+        assert result["bf16_shard_dtype"] == "float32"  # the sharded parameters
+        layer = result["bf16"]["model.layers.0.input_layernorm"]
+        assert (layer["weight_dtype"], layer["input_dtype"]) == ("bfloat16", "bfloat16")
+        assert result["eager"]["model.norm"]["weight_dtype"] == "float32"
