@@ -28,7 +28,7 @@ from normwatch._version import __version__
 from normwatch.config import WatchConfig
 from normwatch.errors import ConfigError, NumericalHealthError
 from normwatch.judge.alarms import RuleContext, evaluate
-from normwatch.measure.compiling import compiled_code
+from normwatch.measure.compiling import compiled_code, guard_hooks
 from normwatch.measure.discovery import iter_norm_modules
 from normwatch.measure.losses import LossBuffer
 from normwatch.measure.measurement import Measurement
@@ -61,6 +61,8 @@ class Watch:
         if c.report_dir is not None:
             prepare_report_dir(c.report_dir)
         pairs = list(iter_norm_modules(model, c.include, c.exclude))
+        if pairs:
+            guard_hooks()
         stale = compiled_code(model) if pairs else []
         if stale:
             warnings.warn(

@@ -139,8 +139,8 @@ class Accumulator:
     ) -> tuple[list[dict[str, float]], dict[torch.device, list[float]]]:
         """Copy everything to the host: one copy per device, ``extras`` riding along.
 
-        Returns per-layer ``{column: value}`` dicts (combined across devices) and each
-        extra as a list of floats. Does not reset.
+        Returns per-layer ``{column: value}`` dicts (combined across devices, with the
+        :data:`META` codes) and each extra as a list of floats. Does not reset.
         """
         self.commit()
         extras = dict(extras or {})

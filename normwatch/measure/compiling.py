@@ -1,14 +1,25 @@
 """Was a model compiled before normwatch attached?
 
-``torch.compile`` does not guard on forward hooks (``skip_nnmodule_hook_guards``): code
-compiled before :func:`normwatch.watch` keeps running without its hooks, and the watch
-would report zeros. :func:`compiled_code` finds such code (cache entries on the forward
-of any module class in the model), so the watch can drop it.
+By default ``torch.compile`` does not guard on forward hooks
+(``skip_nnmodule_hook_guards``): code compiled without hooks keeps running once they are
+added — for the model compiled before :func:`normwatch.watch`, and for any other
+instance of its classes (an unwatched copy compiled first hands its hook-free graph to the
+watched one): the watch would report zeros. :func:`guard_hooks` turns the hook guards on
+for what is compiled from now on; :func:`compiled_code` finds code compiled before (cache
+entries on the forward of a module class in the model), which the watch then drops.
 """
 
 from __future__ import annotations
 
 from torch import nn
+
+
+def guard_hooks() -> None:
+    """Make compiled code check the hooks it was traced with (process-wide; one cheap
+    guard per module with hooks)."""
+    import torch._dynamo.config
+
+    torch._dynamo.config.skip_nnmodule_hook_guards = False
 
 
 def compiled_code(model: nn.Module) -> list[str]:

@@ -202,21 +202,25 @@ class LayerHook:
     def __call__(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], output: Any
     ) -> None:
-        if torch.compiler.is_compiling():
-            return self._traced(module, args, kwargs, output)
-        if self.rt.paused:
-            return
         try:
-            self._observe(module, args, kwargs, output)
+            if torch.compiler.is_compiling():
+                self._traced(module, args, kwargs, output)
+            elif not self.rt.paused:
+                self._observe(module, args, kwargs, output)
         except Exception as exc:  # never take the training run down
-            self.disabled_reason = f"{type(exc).__name__}: {exc}"
-            self.remove()
-            warnings.warn(
-                f"normwatch: measuring {self.layer.name!r} failed ({self.disabled_reason}); "
-                "this layer is no longer watched, training continues",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            self._fail(exc)
+
+    def _fail(self, exc: Exception) -> None:
+        """Disable this hook with one warning (while tracing: Dynamo breaks the graph
+        here and the recompile drops the hook)."""
+        self.disabled_reason = f"{type(exc).__name__}: {exc}"
+        self.remove()
+        warnings.warn(
+            f"normwatch: measuring {self.layer.name!r} failed ({self.disabled_reason}); "
+            "this layer is no longer watched, training continues",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _counted(self, module: nn.Module) -> bool:
         if torch._C._current_graph_task_id() != -1:

@@ -1,12 +1,16 @@
 """GPU benchmark (runs only where CUDA exists; prepared to finish in under 5 minutes).
 
-    python tests/benchmarks/gpu.py            # prints three tables
+    python tests/benchmarks/gpu.py            # prints the tables
 
 (a) achieved bandwidth of the fused Triton kernel on a [32768, 2048] bf16 input against a
-    plain device-to-device copy of the same tensor (target: >= 80 % of the copy);
+    plain device-to-device copy of the same tensor (target: >= 80 % of the copy), and the
+    whole per-call statistics (reductions + fold) two ways: the fused kernel in eager, and
+    the torch reductions compiled by inductor (what a compiled hook runs);
 (b) step overhead of normwatch at defaults on a ~125M-parameter Llama-style bf16 training
-    step, interleaved with an unmonitored copy of the model (target: <= 1 %);
-(c) ``torch.cuda.set_sync_debug_mode("error")`` over 50 monitored steps raises nothing.
+    step, interleaved with an unmonitored copy of the model (target: <= 1 %), eager,
+    compiled, and compiled with ``mode="reduce-overhead"`` (CUDA graphs; skips counted);
+(c) ``torch.cuda.set_sync_debug_mode("error")`` over 50 monitored steps raises nothing,
+    eager and compiled.
 """
 
 from __future__ import annotations
@@ -47,7 +51,31 @@ def bandwidth() -> str:
     return ("| (a) [32768, 2048] bf16 | ms | GB/s |\n|---|---:|---:|\n"
             f"| device-to-device copy | {copy_ms:.3f} | {copy_bw:.0f} |\n"
             f"| fused kernel (read once) | {kernel_ms:.3f} | {kernel_bw:.0f} |\n"
-            f"| kernel / copy bandwidth | | {kernel_bw / copy_bw:.1%} |")
+            f"| kernel / copy bandwidth | | {kernel_bw / copy_bw:.1%} |\n"
+            f"{per_call_statistics(x)}")
+
+
+def per_call_statistics(x: torch.Tensor) -> str:
+    """One norm call's statistics, reductions and fold: fused kernel vs inductor."""
+    from normwatch.measure.reductions import fold_one, reduce_call, rows_from_fused
+    from normwatch.records import Limits
+
+    key, full, limits = torch.zeros((), dtype=torch.float64, device="cuda"), \
+        torch.ones((), dtype=torch.bool, device="cuda"), Limits()
+
+    def fused() -> torch.Tensor:
+        call = rows_from_fused(row_stats_triton(x, x), "rmsnorm", 1e-6, x.shape[1], True, 0,
+                               key)  # type: ignore[arg-type]
+        return fold_one(call, full, limits)
+
+    def torch_path(x: torch.Tensor) -> torch.Tensor:
+        return fold_one(reduce_call(x, x, "rmsnorm", 1e-6, True, 0, key), full, limits)
+
+    compiled = torch.compile(torch_path, fullgraph=True)
+    fused_ms = time_cuda(fused)
+    inductor_ms = time_cuda(lambda: compiled(x))
+    return (f"| per call, input and output (fold included): fused kernel, eager | {fused_ms:.3f}"
+            f" | |\n| per call: torch reductions compiled by inductor | {inductor_ms:.3f} | |")
 
 
 def llama_125m() -> torch.nn.Module:
@@ -59,18 +87,25 @@ def llama_125m() -> torch.nn.Module:
     return LlamaForCausalLM(config).to("cuda", torch.bfloat16)
 
 
-def overhead(rounds: int = 20, steps: int = 5) -> str:
+def overhead(mode: str | None = None, rounds: int = 20, steps: int = 5) -> str:
+    """``mode``: ``None`` (eager) or a ``torch.compile`` mode for both models."""
+    from torch._dynamo.utils import counters
+
+    torch.compiler.reset()
+    counters.clear()
     torch.manual_seed(0)
     base = llama_125m()
     plain, watched = base, copy.deepcopy(base)
     w = normwatch.watch(watched, report_dir=None)
     opts = {id(m): torch.optim.AdamW(m.parameters(), lr=1e-5) for m in (plain, watched)}
+    calls = {id(m): m if mode is None else torch.compile(m, mode=mode)
+             for m in (plain, watched)}
     tokens = torch.randint(0, 32000, (8, 1024), device="cuda")
 
     def run(model: torch.nn.Module) -> float:
         def body() -> None:
             for _ in range(steps):
-                loss = model(tokens, labels=tokens).loss
+                loss = calls[id(model)](tokens, labels=tokens).loss
                 loss.backward()
                 opts[id(model)].step()
                 opts[id(model)].zero_grad(set_to_none=True)
@@ -87,33 +122,45 @@ def overhead(rounds: int = 20, steps: int = 5) -> str:
             times["watched"].append(got[id(watched)])
             ratios.append(got[id(watched)] / got[id(plain)])
     params = sum(p.numel() for p in base.parameters()) / 1e6
-    return (f"| (b) Llama {params:.0f}M bf16, 8 x 1024 tokens | median step (ms) |\n|---|---:|\n"
+    label = "eager" if mode is None else f"compiled ({mode})"
+    compiled = "" if mode is None else (
+        f"| graphs / graph breaks / cudagraph skips | {counters['stats']['unique_graphs']} / "
+        f"{sum(counters['graph_break'].values())} / "
+        f"{sum(counters['inductor'].get(k, 0) for k in counters['inductor'] if 'skip' in k)} |\n")
+    w.close()
+    return (f"| (b) Llama {params:.0f}M bf16, 8 x 1024 tokens, {label} | median step (ms) |\n"
+            f"|---|---:|\n"
             f"| unmonitored | {statistics.median(times['plain']):.1f} |\n"
             f"| normwatch (defaults) | {statistics.median(times['watched']):.1f} |\n"
-            f"| median paired ratio | {statistics.median(ratios):.4f}x |")
+            f"{compiled}| median paired ratio | {statistics.median(ratios):.4f}x |")
 
 
-def sync_free(steps: int = 50) -> str:
+def sync_free(steps: int = 50, compiled: bool = False) -> str:
+    torch.compiler.reset()
     torch.manual_seed(0)
     model = llama_125m()
     w = normwatch.watch(model, report_dir=None, flush_every=10**9)
     opt = torch.optim.SGD(model.parameters(), lr=1e-5)
     tokens = torch.randint(0, 32000, (4, 512), device="cuda")
-    for _ in range(3):  # warm up (first calls allocate on the device)
-        model(tokens, labels=tokens).loss.backward()
+    call = torch.compile(model) if compiled else model
+    for _ in range(3):  # warm up (first calls allocate on the device, or compile)
+        call(tokens, labels=tokens).loss.backward()
         w.step()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(steps):
-            loss = model(tokens, labels=tokens).loss
+            loss = call(tokens, labels=tokens).loss
             loss.backward()
             w.step(loss)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     opt.zero_grad()
     assert not w.disabled, w.disabled
-    return f"(c) set_sync_debug_mode('error') over {steps} monitored steps: no sync raised"
+    assert w.flush().layers["model.norm"].calls == steps + 3
+    w.close()
+    return (f"(c) set_sync_debug_mode('error') over {steps} monitored steps"
+            f"{' (compiled)' if compiled else ''}: no sync raised")
 
 
 def main() -> int:
@@ -121,9 +168,12 @@ def main() -> int:
         print("no CUDA device: nothing to measure")
         return 0
     print(torch.cuda.get_device_name(), torch.__version__)
-    for part in (bandwidth, overhead, sync_free):
-        print(part())
-        print()
+    parts = (bandwidth, overhead, lambda: overhead("default", rounds=10),
+             lambda: overhead("reduce-overhead", rounds=10), sync_free,
+             lambda: sync_free(compiled=True))
+    for part in parts:
+        print(part(), flush=True)
+        print(flush=True)
     return 0
 
 

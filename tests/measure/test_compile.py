@@ -211,6 +211,19 @@ def test_attaching_after_compilation_resets_the_compiled_code() -> None:
     w.close()
 
 
+def test_an_unwatched_copy_compiled_first_does_not_hide_the_hooks() -> None:
+    """Two instances share their classes' compiled code: the watched one must not run
+    the graph traced, without hooks, for the unwatched one."""
+    plain = TinyLM(dim=32, depth=1)
+    watched = TinyLM(dim=32, depth=1)
+    w = normwatch.watch(watched, report_dir=None)
+    tokens = synthetic_batch(torch.Generator().manual_seed(0), batch=2, seq=8)
+    for model in (plain, watched):
+        torch.compile(model)(tokens).float().mean().backward()
+    assert all(s.calls == 1 for s in w.flush().layers.values())
+    w.close()
+
+
 def test_closing_leaves_the_compiled_model_unwatched() -> None:
     """Dynamo guards the hook count: closing costs one recompile, to the hook-free graph,
     and the statistics are left alone after it."""
@@ -229,3 +242,31 @@ def test_closing_leaves_the_compiled_model_unwatched() -> None:
     block = w._measure.accumulator.blocks[torch.device("cpu")]
     assert float(block[:, 0].abs().sum()) == 0.0  # no call folded after the close
     assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_a_hook_failing_while_traced_disables_that_layer_only(monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    """The failure breaks the graph where the hook disables itself: that call runs eagerly,
+    fails again, warns once and removes the hook; the other layer is still measured."""
+    import normwatch.measure.hooks as hooks
+
+    real = hooks.reduce_call
+
+    def broken(tokens, *args):  # type: ignore[no-untyped-def]
+        if tokens.shape[1] == 48:
+            raise RuntimeError("kernel exploded")
+        return real(tokens, *args)
+
+    monkeypatch.setattr(hooks, "reduce_call", broken)
+    model = nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 48), nn.LayerNorm(48))
+    w = normwatch.watch(model, report_dir=None)
+    compiled = torch.compile(model)
+    with pytest.warns(RuntimeWarning, match="measuring '2' failed") as record:
+        for _ in range(3):
+            compiled(torch.randn(4, 32, requires_grad=True)).sum().backward()
+            w.step()
+    assert sum("failed" in str(r.message) for r in record) == 1
+    assert w.disabled == {"2": "RuntimeError: kernel exploded"}
+    snap = w.flush()
+    assert snap.layers["0"].calls == 3 and snap.layers["2"].calls == 0
+    w.close()
