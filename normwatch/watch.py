@@ -110,6 +110,7 @@ class Watch:
         self.last_snapshot: Snapshot | None = None
         self.last_findings: list[Alarm] = []
         """The rules' findings at the last flush, before de-duplication."""
+        self._last_check: list[Alarm] = []
         self.closed = False
         self._warned_closed = False
 
@@ -168,6 +169,7 @@ class Watch:
         ``fatal``: raise per ``raise_on``. Returns the snapshot and its new verdicts."""
         if self._early is not None:
             self._early.reset()
+        checked = self._measure.checking_outputs
         rows, copied = self._measure.read(self._losses.tensors())
         snapshot = self._measure.snapshot(rows, self.step_count, self._interval_start,
                                           self._losses.resolve(copied))
@@ -183,7 +185,9 @@ class Watch:
         context = RuleContext(self.config, self._by_name, self._measure.probes(snapshot),
                               {k: tuple(v) for k, v in self._absmax_history.items()})
         self.last_findings = evaluate(snapshot, context)
-        passed = self._dispatcher.deliver(self.last_findings)
+        if checked:
+            self._last_check = [a for a in self.last_findings if a.kind == "output_mismatch"]
+        passed = self._dispatcher.deliver(self.last_findings, self.forward_order)
         verdicts = self.postmortem.on_flush(snapshot, self.last_findings, passed,
                                             self.forward_order, conclude=conclude)
         if self._collector is not None:
@@ -199,6 +203,15 @@ class Watch:
         if fatal:
             self._dispatcher.raise_if_fatal(passed)
         return snapshot, verdicts
+
+    @property
+    def health_findings(self) -> list[Alarm]:
+        """The last flush's findings and, when that flush did not check outputs (every
+        ``output_check_every`` flushes), the last output check's: what a layer's health
+        rests on."""
+        current = {(a.kind, a.layer) for a in self.last_findings}
+        return self.last_findings + [a for a in self._last_check
+                                     if (a.kind, a.layer) not in current]
 
     @property
     def collector(self) -> NormwatchCollector:

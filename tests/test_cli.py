@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -32,6 +33,13 @@ def test_demo_default_catches_the_overflow_before_the_nan() -> None:
     assert "loss became non-finite at step" in out
     assert "normwatch warned" in out and "steps before the NaN loss" in out
     assert "|blocks.0.norm1" in out  # the final health table
+    # alarms grouped by kind: one entry per kind and flush, not one per layer
+    alarm_lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert 0 < len(alarm_lines) <= 15, alarm_lines
+    assert any("5 layers, blocks.0.norm1 … norm" in line for line in alarm_lines)
+    assert "nonfin: tokens holding NaN/inf" in out  # the table's legend
+    reports = re.findall(r"normwatch-reports\S*-step(\d+)-(\w+)", out)  # every one named
+    assert len(reports) >= 2 and reports[-1][1] == "nonfinite_activation", reports
     assert elapsed < 60
     assert "Traceback" not in result.stderr
 

@@ -165,7 +165,7 @@ def run_demo(
 def _table(w: Watch, step: int) -> Group | HealthTable | str:
     if w.last_snapshot is None:
         return f"step {step}: waiting for the first flush"
-    return HealthTable(w.last_snapshot, w.last_findings, w.config.fp16_limit)
+    return HealthTable(w.last_snapshot, w.health_findings, w.config.fp16_limit)
 
 
 def summary(result: DemoResult) -> str:
@@ -187,8 +187,13 @@ def summary(result: DemoResult) -> str:
         where = f" ({verdict.layer})" if verdict.layer else ""
         lines.append(f"  verdict on {verdict.trigger} at step {verdict.step}: "
                      f"[bold]{verdict.blame}[/]{where}")
+    for i, report in enumerate(result.reports):
+        head = "post-mortems:" if i == 0 else "             "
+        if len(result.reports) == 1:
+            head = "post-mortem:"
+        lines.append(f"  {head} {report}")
     if result.reports:
-        lines.append(f"  post-mortem: {result.reports[-1]}  (normwatch report PATH to re-read)")
+        lines.append("  (normwatch report PATH re-reads one)")
     return "\n".join(lines)
 
 

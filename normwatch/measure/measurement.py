@@ -124,6 +124,11 @@ class Measurement:
                 hook.counts.adopt(codes, None if hook.state is None else hook.state.device)
         return rows, copied
 
+    @property
+    def checking_outputs(self) -> bool:
+        """Whether this interval compares outputs with the formula."""
+        return self._rt.check_outputs and self._rt.output_checks
+
     def reset(self, check_outputs: bool) -> None:
         """Start a new interval; ``check_outputs``: compare outputs with the formula in it."""
         self._rt.accumulator.reset()

@@ -24,6 +24,11 @@ STYLES = {"ok": "green", "info": "cyan", "warning": "yellow", "critical": "bold 
 LABELS = {"ok": "OK", "info": "INFO", "warning": "WARN", "critical": "CRIT"}
 
 
+LEGEND = ("x/lim: max|x| / fp16 limit · rms: mean per-token RMS · eps dom: max eps/(s+eps) · "
+          "common: max |mean|/RMS · nonfin: tokens holding NaN/inf, input/output · dtype: "
+          "input>weight>output")
+
+
 def layer_health(findings: Sequence[Alarm]) -> dict[str, str]:
     """Worst severity per layer (``"ok"`` is implied for layers not listed)."""
     worst: dict[str, str] = {}
@@ -61,7 +66,8 @@ class HealthTable:
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         snap = self.snapshot
         title = self.title or f"normwatch · steps {snap.first_step}-{snap.step}"
-        table = Table(title=title, box=box.ASCII2, title_justify="left", pad_edge=False)
+        table = Table(title=title, box=box.ASCII2, title_justify="left", pad_edge=False,
+                      caption=LEGEND, caption_justify="left")
         table.add_column("layer", min_width=10, overflow="fold")
         for header in ("health", "max|x|", "x/lim", "rms", "rms max", "eps dom", "common",
                        "nonfin", "dtype"):

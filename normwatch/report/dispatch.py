@@ -1,10 +1,14 @@
 """Where alarms go: de-duplication, the logger, user sinks, and raising on request.
 
-Repeats of one alarm (same kind, layer and tag) are rate-limited with a decimal
-backoff: the 1st, 10th, 100th, 1000th ... occurrence is emitted, carrying in
-``count`` how many occurrences it stands for. A 1,000-step NaN storm therefore gives a
-handful of lines. A rise in severity is always emitted. ``dtype_mismatch`` is emitted
-once per layer and dtype signature.
+Two levels. Per layer, repeats of one alarm (same kind, layer and tag) are rate-limited
+with a decimal backoff: the 1st, 10th, 100th, 1000th ... occurrence passes, carrying in
+``count`` how many occurrences it stands for; a rise in severity always passes;
+``dtype_mismatch`` passes once per layer and dtype signature. What passes is the history
+(``watch.alarms``, the reports). The logger and the sinks get *groups*
+(:mod:`normwatch.report.grouping`): one alarm per kind, severity and tag per flush, the layers
+named as a count and a range, emitted when the group is new, when layers join it, and at
+its 10th, 100th ... flush — so the output scales with the kinds, not the layers, and a
+1,000-step NaN storm gives a handful of lines.
 """
 
 from __future__ import annotations
@@ -12,12 +16,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from normwatch.config import WatchConfig
 from normwatch.errors import NumericalHealthError
 from normwatch.records import SEVERITY_RANK, Alarm
+from normwatch.report.grouping import group_alarms
 
 _LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "critical": logging.CRITICAL}
 _ONCE_KINDS = frozenset({"dtype_mismatch"})
@@ -31,6 +36,14 @@ class _Seen:
     first_step: int
 
 
+@dataclass
+class _GroupSeen:
+    occurrences: int
+    emitted_at: int
+    first_step: int
+    layers: set[str]
+
+
 class Dispatcher:
     """Stateful alarm router; :meth:`deliver` returns the alarms that passed the filter."""
 
@@ -39,6 +52,7 @@ class Dispatcher:
         self.logger = logging.getLogger(config.logger)
         self._seen: dict[tuple[str, str | None, str], _Seen] = {}
         self._broken_sinks: set[int] = set()
+        self._groups: dict[tuple[str, str, str], _GroupSeen] = {}
         self.history: list[Alarm] = []
 
     def filter(self, alarms: Iterable[Alarm]) -> list[Alarm]:
@@ -63,11 +77,35 @@ class Dispatcher:
                 passed.append(dataclasses.replace(alarm, count=count, message=message))
         return passed
 
-    def deliver(self, alarms: Iterable[Alarm]) -> list[Alarm]:
-        """Filter, log and hand to the sinks; returns what passed."""
+    def grouped(self, alarms: Iterable[Alarm], order: Sequence[str] = ()) -> list[Alarm]:
+        """The group lines to emit for one flush's ``alarms`` (see the module docstring):
+        the first line of a group explains, later ones are short."""
+        out = []
+        for group in group_alarms(alarms, order):
+            key = (group.kind, group.severity, group.worst.tag)
+            seen = self._groups.get(key)
+            if seen is None:
+                self._groups[key] = _GroupSeen(1, 1, group.step, set(group.layers))
+                out.append(group.as_alarm())
+                continue
+            seen.occurrences += 1
+            joined = set(group.layers) - seen.layers
+            if not joined and (group.kind in _ONCE_KINDS or
+                               not _is_power_of_ten(seen.occurrences)):
+                continue
+            count = seen.occurrences - seen.emitted_at
+            seen.emitted_at = seen.occurrences
+            seen.layers |= joined
+            out.append(group.as_alarm(detail=False, count=count, since=seen.first_step))
+        return out
+
+    def deliver(self, alarms: Iterable[Alarm], order: Sequence[str] = ()) -> list[Alarm]:
+        """Filter into the history, log and hand the group lines to the sinks; returns
+        the per-layer alarms that passed. ``order``: layer names in forward order."""
+        alarms = list(alarms)
         passed = self.filter(alarms)
         self.history.extend(passed)
-        for alarm in passed:
+        for alarm in self.grouped(alarms, order):
             self.logger.log(_LEVELS[alarm.severity], "[%s] %s", alarm.kind, alarm.message)
             for sink in self.config.sinks:
                 self._call_sink(sink, alarm)

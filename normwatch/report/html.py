@@ -15,8 +15,9 @@ from collections.abc import Sequence
 from html import escape
 from typing import Any
 
-from normwatch.records import Limits
+from normwatch.records import Alarm, Limits
 from normwatch.report.document import number, report_limits
+from normwatch.report.grouping import group_alarms
 
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
            "#7f7f7f", "#bcbd22", "#17becf")
@@ -264,17 +265,47 @@ def line_chart(
 
 
 def _alarms(alarms: Sequence[dict[str, Any]]) -> str:
+    """The alarm table, one row per kind and severity per step (as the console prints
+    them); a group's per-layer alarms fold out of its row."""
     if not alarms:
         return "<p class='muted'>none</p>"
     rows = ["<table><tr><th>step</th><th>severity</th><th>kind</th><th>layer</th>"
             "<th>count</th><th>message</th></tr>"]
-    for a in alarms[-200:]:
-        cls = {"critical": "crit", "warning": "warn"}.get(str(a.get("severity")), "")
-        rows.append(f"<tr class='{cls}'><td>{escape(str(a.get('step')))}</td>"
-                    f"<td>{escape(str(a.get('severity')))}</td><td>{escape(str(a.get('kind')))}"
-                    f"</td><td>{escape(str(a.get('layer')))}</td><td>{escape(str(a.get('count')))}"
-                    f"</td><td>{escape(str(a.get('message')))}</td></tr>")
+    by_step: dict[int, list[Alarm]] = {}
+    for a in alarms[-500:]:
+        alarm = _record(a)
+        by_step.setdefault(alarm.step, []).append(alarm)
+    for step in sorted(by_step):
+        for group in group_alarms(by_step[step]):
+            cls = {"critical": "crit", "warning": "warn"}.get(group.severity, "")
+            count = sum(a.count for a in group.alarms)
+            if len(group.alarms) == 1:
+                where = escape(str(group.alarms[0].layer))
+            else:
+                detail = "".join(
+                    f"<tr><td>{escape(str(a.layer))}</td><td>{escape(f'{a.value:.4g}')}</td>"
+                    f"<td>{a.count}</td><td>{escape(a.message)}</td></tr>"
+                    for a in group.alarms)
+                where = (f"<details><summary>{escape(group.where())}</summary><table class="
+                         f"'detail'><tr><th>layer</th><th>value</th><th>count</th><th>message"
+                         f"</th></tr>{detail}</table></details>")
+            rows.append(f"<tr class='{cls}'><td>{step}</td><td>{escape(group.severity)}</td>"
+                        f"<td>{escape(group.kind)}</td><td>{where}</td><td>{count}</td>"
+                        f"<td>{escape(group.text())}</td></tr>")
     return "".join(rows) + "</table>"
+
+
+def _record(a: dict[str, Any]) -> Alarm:
+    """An alarm of ``report.json`` as a record (missing fields get neutral values)."""
+    value, threshold = number(a.get("value")), number(a.get("threshold"))
+    step = a.get("step")
+    count = a.get("count")
+    return Alarm(kind=str(a.get("kind")), severity=str(a.get("severity")),  # type: ignore[arg-type]
+                 layer=None if a.get("layer") is None else str(a.get("layer")),
+                 step=step if isinstance(step, int) else 0,
+                 value=math.nan if value is None else value,
+                 threshold=math.nan if threshold is None else threshold,
+                 message=str(a.get("message")), count=count if isinstance(count, int) else 1)
 
 
 def _environment(env: dict[str, Any]) -> str:
