@@ -51,7 +51,8 @@ def on_flush(watch: Watch, snapshot: Snapshot, exchange: VerdictExchange) -> dic
     if watch.step_count % watch.config.flush_every == 0:
         exchange.exchange(watch.verdicts, watch.step_count)
     metrics = flat_metrics(snapshot, watch.alarms, len(watch.verdicts),
-                           limits=watch.config.limits)
+                           limits=watch.config.limits, per_layer=watch.config.log_layers,
+                           order=watch.forward_order)
     metrics["normwatch/remote_verdicts"] = float(len(exchange.remote))
     return metrics
 

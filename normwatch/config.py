@@ -61,6 +61,9 @@ class WatchConfig:
     """Glob patterns of layer names to skip."""
     count_eval: bool = False
     """Also measure forwards in eval mode or without grad."""
+    log_layers: bool = False
+    """Trainer callbacks log every layer's statistics (``normwatch/<layer>/<stat>``), not
+    only the worst-layer summaries."""
     raise_on: Severity | None = None
     """Raise :class:`~normwatch.NumericalHealthError` on alarms of this severity or worse."""
     sinks: tuple[Callable[[Alarm], object], ...] = ()
@@ -178,8 +181,9 @@ class WatchConfig:
                     )
         if not isinstance(self.early_warning, bool):
             raise ConfigError(f"'early_warning' must be a bool: got {self.early_warning!r}")
-        if not isinstance(self.count_eval, bool):
-            raise ConfigError(f"'count_eval' must be a bool: got {self.count_eval!r}")
+        for flag in ("count_eval", "log_layers"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"'{flag}' must be a bool: got {getattr(self, flag)!r}")
         if self.raise_on is not None and self.raise_on not in SEVERITIES:
             raise ConfigError(
                 f"'raise_on' must be one of None, 'info', 'warning', 'critical': "

@@ -1,9 +1,12 @@
 """A snapshot as flat ``{name: number}`` metrics for experiment loggers (pure).
 
     >>> flat_metrics(snapshot, watch.alarms, len(watch.verdicts), limits=watch.config.limits)
-    {'normwatch/blocks.0.norm1/absmax': 3.2, ..., 'normwatch/alarms/critical': 0.0}
+    {'normwatch/absmax_max': 3.2, 'normwatch/absmax_max_layer': 4.0, ...,
+     'normwatch/alarms/critical': 0.0}
 
-The per-layer statistics are those :data:`normwatch.catalog.TABLE` marks ``logged``.
+By default a handful of worst-layer summaries (:data:`SUMMARY`): a 60-layer model logs
+as many keys as a 2-layer one. With ``per_layer`` every layer's statistics that
+:data:`normwatch.catalog.TABLE` marks ``logged`` as ``normwatch/<layer>/<stat>`` too.
 Only finite numbers are returned, so loggers never receive NaN; layers not called in the
 interval are left out.
 """
@@ -11,30 +14,61 @@ interval are left out.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from normwatch.catalog import TABLE, layer_values
 from normwatch.records import SEVERITIES, Alarm, Limits, Snapshot
 
 LOGGED = tuple(s.name for s in TABLE if s.logged)
+SUMMARY = ("absmax_max", "absmax_max_layer", "fp16_headroom_min", "eps_dominance_max",
+           "nonfinite_tokens")
+"""The default metrics besides alarm and verdict counts: the largest max |x| over the
+layers and that layer's position in ``order`` (forward order, 0-based), the smallest
+fp16 headroom, the largest eps dominance, and the non-finite tokens (inputs and outputs)
+of every layer."""
 
 
 def flat_metrics(snapshot: Snapshot, alarms: Sequence[Alarm] = (), verdicts: int = 0,
-                 prefix: str = "normwatch/", limits: Limits | None = None) -> dict[str, float]:
-    """Per-layer statistics (fp16 headroom against ``limits``), cumulative alarm counts by
-    severity, and the number of verdicts."""
+                 prefix: str = "normwatch/", limits: Limits | None = None,
+                 per_layer: bool = False, order: Sequence[str] = ()) -> dict[str, float]:
+    """Worst-layer summaries (:data:`SUMMARY`; fp16 headroom against ``limits``),
+    ``per_layer`` statistics on request, cumulative alarm counts by severity, and the
+    number of verdicts."""
     limits = limits or Limits()
     out: dict[str, float] = {}
-    for name, stats in snapshot.layers.items():
-        if not stats.seen:
-            continue
-        measured = layer_values(stats, limits)
+    measured = {name: layer_values(stats, limits) for name, stats in snapshot.layers.items()
+                if stats.seen}
+    out.update(_summary(measured, order, prefix))
+    for name, values in measured.items() if per_layer else ():
         for field in LOGGED:
-            value = measured[field]
+            value = values[field]
             if value is not None and math.isfinite(value):
                 out[f"{prefix}{name}/{field}"] = float(value)
     for severity in SEVERITIES:
         out[f"{prefix}alarms/{severity}"] = float(
             sum(a.count for a in alarms if a.severity == severity))
     out[f"{prefix}verdicts"] = float(verdicts)
+    return out
+
+
+def _summary(measured: Mapping[str, Mapping[str, float | int | None]], order: Sequence[str],
+             prefix: str) -> dict[str, float]:
+    def finite(field: str) -> dict[str, float]:
+        return {name: float(v) for name, values in measured.items()
+                if (v := values[field]) is not None and math.isfinite(v)}
+
+    out: dict[str, float] = {}
+    absmax, headroom, eps = finite("absmax"), finite("fp16_headroom"), finite("eps_dominance")
+    if absmax:
+        worst = max(absmax, key=absmax.__getitem__)
+        out[f"{prefix}absmax_max"] = absmax[worst]
+        position = list(order).index(worst) if worst in order else list(measured).index(worst)
+        out[f"{prefix}absmax_max_layer"] = float(position)
+    if headroom:
+        out[f"{prefix}fp16_headroom_min"] = min(headroom.values())
+    if eps:
+        out[f"{prefix}eps_dominance_max"] = max(eps.values())
+    out[f"{prefix}nonfinite_tokens"] = float(sum(
+        (values["nonfinite"] or 0) + (values["out_nonfinite"] or 0)
+        for values in measured.values()))
     return out

@@ -58,6 +58,9 @@ def test_a_compiled_model_logs_the_eager_numbers_without_graph_breaks(tmp_path: 
     assert sum(counters["graph_break"].values()) == 0 and counters["stats"]["unique_graphs"]
     eager, compiled_rows = logged[False], logged[True]
     assert len(eager) == len(compiled_rows) and any(r for r in eager)
+    keys = set().union(*eager)  # the default: worst-layer summaries, no per-layer series
+    assert "normwatch/absmax_max" in keys and len(keys) <= 10
+    assert not [k for k in keys if k.count("/") > 1 and not k.startswith("normwatch/alarms")]
     for want, got in zip(eager, compiled_rows, strict=True):
         assert got.keys() == want.keys()
         for key, value in want.items():
@@ -66,7 +69,8 @@ def test_a_compiled_model_logs_the_eager_numbers_without_graph_breaks(tmp_path: 
 
 
 def test_logs_through_the_trainer_logger_with_gradient_accumulation(tmp_path: Path) -> None:
-    callback = NormWatchCallback(report_dir=str(tmp_path / "reports"), fp16_limit=64.0)
+    callback = NormWatchCallback(report_dir=str(tmp_path / "reports"), fp16_limit=64.0,
+                                 log_layers=True)
     t = trainer(tmp_path, callback, accumulate_grad_batches=2)
     t.fit(LitLM())
     watch = callback.watch

@@ -33,7 +33,7 @@ def test_trainer_callback_logs_normwatch_metrics(tmp_path: Path) -> None:
                              report_to=[], use_cpu=True, save_strategy="no",
                              learning_rate=1e-3)
     callback = NormWatchTrainerCallback(report_dir=str(tmp_path / "reports"), stats_every=1,
-                                        fp16_limit=64.0)
+                                        fp16_limit=64.0, log_layers=True)
     trainer = Trainer(model=model, args=args, train_dataset=Ids(), callbacks=[callback])
     trainer.train()
     watch = callback.watch
@@ -75,8 +75,14 @@ def test_torch_compile_true_logs_the_eager_numbers_without_graph_breaks(tmp_path
         trainer.train()
         logged[compiled] = [{k: v for k, v in e.items() if k.startswith("normwatch/")}
                             for e in trainer.state.log_history
-                            if "normwatch/model.norm/absmax" in e]
+                            if "normwatch/absmax_max" in e]
     assert sum(counters["graph_break"].values()) == 0 and counters["stats"]["unique_graphs"]
+    # the default log volume: a handful of worst-layer summaries, whatever the depth
+    assert set(logged[True][0]) == {
+        "normwatch/absmax_max", "normwatch/absmax_max_layer", "normwatch/fp16_headroom_min",
+        "normwatch/eps_dominance_max", "normwatch/nonfinite_tokens", "normwatch/alarms/info",
+        "normwatch/alarms/warning", "normwatch/alarms/critical", "normwatch/verdicts",
+        "normwatch/remote_verdicts"}
     assert len(logged[True]) == len(logged[False]) == 2
     for want, got in zip(logged[False], logged[True], strict=True):
         assert got.keys() == want.keys()
