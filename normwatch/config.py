@@ -84,6 +84,10 @@ class WatchConfig:
     """At most this many report folders per watch."""
     report_console: bool = True
     """Print a summary to stderr when a report is written."""
+    console: Literal["lines", "live"] | None = None
+    """Show the watch on stderr: ``"lines"`` prints the grouped alarm lines and a status
+    line per flush (at most every 5 s); ``"live"`` redraws a panel at each flush on a
+    terminal (plain lines without one); ``None``: only the ``logging`` records."""
     history_size: int = 256
     """Flushes kept on the host for blame and reports."""
     blame_lookback: int = 200
@@ -162,6 +166,8 @@ class WatchConfig:
         if not isinstance(self.prometheus_aggregate, bool):
             raise ConfigError(f"'prometheus_aggregate' must be a bool: got "
                               f"{self.prometheus_aggregate!r}")
+        if self.console not in (None, "lines", "live"):
+            raise ConfigError(f"'console' must be None, 'lines' or 'live': got {self.console!r}")
         if not isinstance(self.report_console, bool):
             raise ConfigError(f"'report_console' must be a bool: got {self.report_console!r}")
         _number(self.fp16_limit, "fp16_limit", low=0.0, low_open=True)

@@ -42,6 +42,7 @@ from normwatch.report.postmortem import PostMortem
 if TYPE_CHECKING:
     from normwatch.export.prometheus import MetricsEndpoint, NormwatchCollector
     from normwatch.measure.early import EarlyWarning
+    from normwatch.report.live import ConsoleView
 
 HISTORY_POINTS = 16
 
@@ -113,6 +114,12 @@ class Watch:
         self._last_check: list[Alarm] = []
         self.closed = False
         self._warned_closed = False
+        self.view: ConsoleView | None = None
+        """Where the console output goes (``console`` option; assign your own)."""
+        if c.console is not None:
+            from normwatch.report.live import ConsoleView
+
+            self.view = ConsoleView(live=None if c.console == "live" else False)
 
     # -- the training-loop API ------------------------------------------------------------
 
@@ -188,6 +195,11 @@ class Watch:
         if checked:
             self._last_check = [a for a in self.last_findings if a.kind == "output_mismatch"]
         passed = self._dispatcher.deliver(self.last_findings, self.forward_order)
+        if self.view is not None:
+            for line in self._dispatcher.last_lines:
+                self.view.alarm(line)
+            self.view.update(snapshot, self.health_findings, self.config.fp16_limit,
+                             {k: tuple(a for _, a in v) for k, v in self._absmax_history.items()})
         verdicts = self.postmortem.on_flush(snapshot, self.last_findings, passed,
                                             self.forward_order, conclude=conclude)
         if self._collector is not None:
@@ -339,6 +351,8 @@ class Watch:
         watched runs the hooks' switched-off tensor ops until it recompiles). Harmless
         twice."""
         self._measure.close()
+        if self.view is not None:
+            self.view.close()
         if self.endpoint is not None:
             self.endpoint.close()
         self.closed = True

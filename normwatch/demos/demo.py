@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from rich.console import Console, Group
-from rich.live import Live
 
 from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
 from normwatch.records import SEVERITY_RANK, Alarm, Verdict
-from normwatch.report.console import HealthTable, alarm_text
+from normwatch.report.console import HealthTable
+from normwatch.report.live import ConsoleView
 from normwatch.watch import Watch, watch
 
 
@@ -129,34 +128,31 @@ def run_demo(
     gen = torch.Generator().manual_seed(seed)
     result = DemoResult(fault.name, 0, [])
     console.print(f"[bold]normwatch demo[/] · fault [bold]{fault.name}[/]: {fault.summary}")
-    sink = [lambda a: console.print(alarm_text(a))]
     # A small model: full statistics on every step make the live table richest.
-    with watch(model, flush_every=flush_every, sinks=sink, report_dir=report_dir,
-               report_console=False, stats_every=1) as w:
-        display = Live(console=console, refresh_per_second=8, transient=True) if live else None
-        with display or nullcontext():
-            for step in range(1, steps + 1):
-                fault.before_step(model, step)
-                tokens = fault.batch(synthetic_batch(gen), step)
-                if fault.padding:
-                    tokens[:, -8:] = 0
-                loss = lm_loss(model(tokens), tokens)
-                loss.backward()  # type: ignore[no-untyped-call]
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                w.step(loss)
-                value = float(loss.detach())
-                result.losses.append(value)
-                result.steps_run = step
-                if display is not None:
-                    display.update(_table(w, step))
-                if not math.isfinite(value):
-                    result.nan_step = step
-                    break
+    with watch(model, flush_every=flush_every, report_dir=report_dir, report_console=False,
+               stats_every=1) as w:
+        w.view = view = ConsoleView(console, live=live)
+        for step in range(1, steps + 1):
+            fault.before_step(model, step)
+            tokens = fault.batch(synthetic_batch(gen), step)
+            if fault.padding:
+                tokens[:, -8:] = 0
+            loss = lm_loss(model(tokens), tokens)
+            loss.backward()  # type: ignore[no-untyped-call]
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            w.step(loss)
+            value = float(loss.detach())
+            result.losses.append(value)
+            result.steps_run = step
+            if not math.isfinite(value):
+                result.nan_step = step
+                break
+        view.close()
         result.alarms = list(w.alarms)
         result.verdicts = list(w.verdicts)
         result.reports = list(w.reports)
-        if w.last_snapshot is not None:
+        if w.last_snapshot is not None and not live:  # the live panel stays on screen
             console.print(_table(w, result.steps_run))
     console.print(summary(result))
     return result

@@ -9,7 +9,7 @@ Worst layers first, coloured by severity; the text still reads in a plain CI log
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rich import box
@@ -47,11 +47,16 @@ class HealthTable:
     def __init__(
         self, snapshot: Snapshot, findings: Sequence[Alarm] = (),
         fp16_limit: float = Limits.fp16_limit, title: str | None = None,
+        max_rows: int | None = None, sparklines: Mapping[str, Text] | None = None,
     ) -> None:
         self.snapshot = snapshot
         self.findings = findings
         self.fp16_limit = fp16_limit
         self.title = title
+        self.max_rows = max_rows
+        """At most this many layer rows; the rest (healthiest last) fold into one row."""
+        self.sparklines = sparklines
+        """Per layer, a trend of max |x| (a column when given)."""
 
     def rows(self) -> list[tuple[str, LayerStats]]:
         """``(health, stats)`` for the layers seen, worst first, then by max |x|."""
@@ -69,19 +74,30 @@ class HealthTable:
         table = Table(title=title, box=box.ASCII2, title_justify="left", pad_edge=False,
                       caption=LEGEND, caption_justify="left")
         table.add_column("layer", min_width=10, overflow="fold")
-        for header in ("health", "max|x|", "x/lim", "rms", "rms max", "eps dom", "common",
-                       "nonfin", "dtype"):
-            table.add_column(header, justify="left" if header in ("health", "dtype") else "right",
-                             no_wrap=True)
-        for health, s in self.rows():
+        headers = ["health", "max|x|", "x/lim", "rms", "rms max", "eps dom", "common",
+                   "nonfin", "dtype"]
+        if self.sparklines is not None:
+            headers.insert(3, "trend")
+        for header in headers:
+            table.add_column(header, justify="right" if header not in ("health", "dtype", "trend")
+                             else "left", no_wrap=True)
+        rows = self.rows()
+        shown = rows if self.max_rows is None or len(rows) <= self.max_rows else \
+            rows[:max(1, self.max_rows - 1)]
+        for health, s in shown:
             style = STYLES[health]
             ratio = (s.absmax or 0.0) / self.fp16_limit
-            table.add_row(
+            cells: list[Any] = [
                 Text(s.name, style=style if health != "ok" else ""),
                 Text(LABELS[health], style=style),
                 _num(s.absmax),
                 Text(f"{ratio:.2f}" if s.absmax is not None else "-",
                      style="bold red" if ratio > 1 else ""),
+            ]
+            if self.sparklines is not None:
+                cells.append(self.sparklines.get(s.name, Text("")))
+            table.add_row(
+                *cells,
                 _num(s.rms_mean),
                 _num(s.rms_max),
                 _num(s.eps_dominance),
@@ -90,6 +106,11 @@ class HealthTable:
                      style="bold red" if s.nonfinite or s.out_nonfinite else ""),
                 f"{_short(s.input_dtype)}>{_short(s.weight_dtype)}>{_short(s.output_dtype)}",
             )
+        folded = rows[len(shown):]
+        if folded:  # the healthiest, folded: their count and the worst health among them
+            worst = folded[0][0]
+            table.add_row(Text(f"+{len(folded)} layers", style="dim"),
+                          Text(LABELS[worst], style=STYLES[worst]))
         yield table
 
 

@@ -54,6 +54,8 @@ class Dispatcher:
         self._broken_sinks: set[int] = set()
         self._groups: dict[tuple[str, str, str], _GroupSeen] = {}
         self.history: list[Alarm] = []
+        self.last_lines: list[Alarm] = []
+        """The group lines the last :meth:`deliver` emitted."""
 
     def filter(self, alarms: Iterable[Alarm]) -> list[Alarm]:
         """Apply de-duplication and backoff; pure bookkeeping, no output."""
@@ -105,7 +107,8 @@ class Dispatcher:
         alarms = list(alarms)
         passed = self.filter(alarms)
         self.history.extend(passed)
-        for alarm in self.grouped(alarms, order):
+        self.last_lines = self.grouped(alarms, order)
+        for alarm in self.last_lines:
             self.logger.log(_LEVELS[alarm.severity], "[%s] %s", alarm.kind, alarm.message)
             for sink in self.config.sinks:
                 self._call_sink(sink, alarm)
