@@ -13,12 +13,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from html import escape
+from itertools import pairwise
 from typing import Any
 
 from normwatch.records import Alarm, Limits
 from normwatch.report.document import number, report_limits
 from normwatch.report.grouping import group_alarms
 
+PLOT_LEFT, PLOT_RIGHT = 190, 160
+"""Margins of every plot over steps: their step axes line up on the page."""
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
            "#7f7f7f", "#bcbd22", "#17becf")
 BLAME_COLOURS = {"normalization": "#c62828", "not_normalization": "#2e7d32",
@@ -31,6 +34,7 @@ h1{font-size:22px;margin:0 0 4px} h2{font-size:17px;margin:28px 0 8px;border-bot
 table{border-collapse:collapse;font-size:12px} td,th{border:1px solid #ddd;padding:3px 6px;
 text-align:left;vertical-align:top} .crit{color:#c62828;font-weight:600} .warn{color:#ef6c00}
 svg text{font:11px system-ui,sans-serif} .muted{color:#777}
+ol.timeline{margin:6px 0;padding-left:22px} ol.timeline li{margin:2px 0}
 """
 
 
@@ -38,6 +42,7 @@ def render_html(report: dict[str, Any]) -> str:
     """The whole page (see the module docstring)."""
     layers = report.get("layers") or []
     limit = report_limits(report).fp16_limit
+    span = step_span(report)
     parts = [
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
         "<meta name='viewport' content='width=device-width,initial-scale=1'>",
@@ -49,10 +54,13 @@ def render_html(report: dict[str, Any]) -> str:
         + (f" · rank {escape(str(report['rank']))}" if report.get("rank") is not None else "")
         + "</div>",
         _verdict(report.get("verdict"), report.get("first_nonfinite")),
+        "<h2>what happened</h2>", timeline(report),
         f"<h2>max |x| per layer over steps (heatmap, x / {limit:g})</h2>",
-        heatmap(layers, limit),
-        "<h2>max |x| per layer against the fp16 limit</h2>", absmax_lines(layers, limit),
-        "<h2>loss</h2>", loss_chart(report.get("loss_history") or [], report.get("spikes") or []),
+        heatmap(layers, limit, steps=span),
+        "<h2>max |x| per layer against the fp16 limit</h2>",
+        absmax_lines(layers, limit, steps=span),
+        "<h2>loss</h2>", loss_chart(report.get("loss_history") or [], report.get("spikes") or [],
+                                    steps=span),
         "<h2>depth profile: RMS across layers (last finite flush)</h2>", depth_profile(layers),
         "<h2>eps dominance per layer (max eps / (s + eps))</h2>", eps_bars(layers),
         "<h2>alarms</h2>", _alarms(report.get("alarms") or []),
@@ -91,16 +99,74 @@ def _verdict(verdict: dict[str, Any] | None, first: dict[str, Any] | None) -> st
     return "".join(rows)
 
 
+TIMELINE = (
+    ("fp16_headroom", "first fp16 headroom warning"),
+    ("fp16_overflow", "first fp16 overflow"),
+    ("eps_dominance", "first eps dominance"),
+    ("output_mismatch", "first wrong norm output"),
+    ("nonfinite", "first non-finite value"),
+)
+
+
+def events(report: dict[str, Any]) -> list[tuple[int, str, str]]:
+    """``(step, what, detail)`` of the run's milestones, in step order: the first alarm of
+    each kind that matters (warning or worse; the headroom forecast at any severity), the
+    first non-finite loss, the trigger."""
+    found: list[tuple[int, str, str]] = []
+    alarms = report.get("alarms") or []
+    for kind, what in TIMELINE:
+        hits = [a for a in alarms if a.get("kind") == kind and isinstance(a.get("step"), int)
+                and (kind == "fp16_headroom" or a.get("severity") in ("warning", "critical"))]
+        if hits:
+            first = min(hits, key=lambda a: a["step"])
+            layers = sorted({str(a.get("layer")) for a in hits if a["step"] == first["step"]})
+            where = layers[0] if len(layers) == 1 else f"{len(layers)} layers, {layers[0]} …"
+            found.append((first["step"], what, where))
+    bad = [int(st) for st, v in report.get("loss_history") or []
+           if number(v) is None or not math.isfinite(number(v) or 0.0)]
+    if bad:
+        found.append((min(bad), "loss became non-finite", ""))
+    step = report.get("step")
+    if isinstance(step, int):
+        found.append((step, f"report: {report.get('trigger')}", ""))
+    return sorted(found, key=lambda e: e[0])
+
+
+def timeline(report: dict[str, Any]) -> str:
+    """The milestones as an ordered list: step, what, where."""
+    found = events(report)
+    if not found:
+        return "<p class='muted'>no events</p>"
+    items = "".join(f"<li><b>step {st}</b> · {escape(what)}"
+                    + (f" <span class='muted'>({escape(where)})</span>" if where else "")
+                    + "</li>" for st, what, where in found)
+    return f"<ol class='timeline'>{items}</ol>"
+
+
+def step_span(report: dict[str, Any]) -> tuple[int, int] | None:
+    """The steps every plot over steps shares: from the first to the last step any
+    layer history or loss covers (the heatmap's last 120 flushes at most)."""
+    steps = sorted({h["step"] for layer in report.get("layers") or []
+                    for h in layer.get("history") or [] if isinstance(h.get("step"), int)})
+    losses = [int(st) for st, _ in report.get("loss_history") or []]
+    every = steps[-120:] + losses
+    return (min(every), max(every)) if every else None
+
+
 def heatmap(layers: Sequence[dict[str, Any]], limit: float = Limits.fp16_limit,
-            width: int = 1040) -> str:
-    """Layers (rows, forward order) by flush steps (columns), coloured by max |x| / limit."""
-    steps = sorted({h["step"] for layer in layers for h in layer.get("history", [])})[-120:]
-    if not steps or not layers:
+            width: int = 1040, steps: tuple[int, int] | None = None) -> str:
+    """Layers (rows, forward order) by flush steps (columns), coloured by max |x| / limit,
+    on the step axis ``steps`` shared with the line charts."""
+    flushes = sorted({h["step"] for layer in layers for h in layer.get("history", [])})[-120:]
+    if not flushes or not layers:
         return "<p class='muted'>no data</p>"
-    label_w, row_h, legend_h = 190, 16, 30
-    cell_w = max(2.0, (width - label_w - 10) / len(steps))
+    label_w, row_h, legend_h = PLOT_LEFT, 16, 30
+    first, last = steps or (flushes[0], flushes[-1])
+    plot_w = width - PLOT_LEFT - PLOT_RIGHT
+    per_step = plot_w / max(last - first + 1, 1)
+    cell_w = max(2.0, per_step * max(1, _typical_gap(flushes)))
     height = row_h * len(layers) + legend_h + 20
-    col = {s: i for i, s in enumerate(steps)}
+    col = {s: (s - first + 1) * per_step - cell_w for s in flushes}
     out = [_svg_open(width, height)]
     for r, layer in enumerate(layers):
         y = 10 + r * row_h
@@ -110,7 +176,7 @@ def heatmap(layers: Sequence[dict[str, Any]], limit: float = Limits.fp16_limit,
             if h["step"] not in col:
                 continue
             value = number(h.get("absmax"))
-            x = label_w + col[h["step"]] * cell_w
+            x = label_w + max(0.0, col[h["step"]])
             out.append(f"<rect x='{x:.1f}' y='{y}' width='{cell_w + 0.3:.1f}' "
                        f"height='{row_h - 1}' fill='{_heat(value, limit)}'><title>"
                        f"{escape(str(layer.get('name')))} step {h['step']}: "
@@ -123,19 +189,27 @@ def heatmap(layers: Sequence[dict[str, Any]], limit: float = Limits.fp16_limit,
         out.append(f"<rect x='{x}' y='{y}' width='14' height='12' "
                    f"fill='{_heat(ratio * limit, limit)}'/>"
                    f"<text x='{x + 18}' y='{y + 10}'>{text}</text>")
-    out.append(f"<text x='{steps and label_w}' y='{height - 2}' class='muted'>steps "
-               f"{steps[0]}–{steps[-1]}</text></svg>")
+    out.append(f"<text x='{label_w}' y='{height - 2}' class='muted'>step {first}</text>"
+               f"<text x='{width - PLOT_RIGHT}' y='{height - 2}' text-anchor='end' "
+               f"class='muted'>step {last}</text></svg>")
     return "".join(out)
 
 
-def absmax_lines(layers: Sequence[dict[str, Any]], limit: float = Limits.fp16_limit) -> str:
+def _typical_gap(steps: Sequence[int]) -> int:
+    gaps = sorted(b - a for a, b in pairwise(steps))
+    return gaps[len(gaps) // 2] if gaps else 1
+
+
+def absmax_lines(layers: Sequence[dict[str, Any]], limit: float = Limits.fp16_limit,
+                 steps: tuple[int, int] | None = None) -> str:
     """Max |x| per layer over steps (log scale) with the fp16 limit's line."""
     series = {str(layer.get("name")): [(h["step"], number(h.get("absmax")))
                                        for h in layer.get("history", [])] for layer in layers}
-    return line_chart(series, log_y=True, hline=(limit, f"fp16 limit {limit:g}"))
+    return line_chart(series, log_y=True, hline=(limit, f"fp16 limit {limit:g}"), x_range=steps)
 
 
-def loss_chart(losses: Sequence[Sequence[Any]], spikes: Sequence[dict[str, Any]]) -> str:
+def loss_chart(losses: Sequence[Sequence[Any]], spikes: Sequence[dict[str, Any]],
+               steps: tuple[int, int] | None = None) -> str:
     """The loss with spike (orange) and non-finite (red, at the top) markers."""
     points = [(int(s), number(v)) for s, v in losses]
     finite: list[tuple[int, float | None]] = [
@@ -143,7 +217,7 @@ def loss_chart(losses: Sequence[Sequence[Any]], spikes: Sequence[dict[str, Any]]
     nonfinite = [s for s, v in points if v is None or not math.isfinite(v)]
     spike_steps = {int(s["step"]) for s in spikes}
     marks = [(s, v, "spike") for s, v in finite if s in spike_steps and v is not None]
-    return line_chart({"loss": finite}, markers=marks, top_markers=nonfinite)
+    return line_chart({"loss": finite}, markers=marks, top_markers=nonfinite, x_range=steps)
 
 
 def depth_profile(layers: Sequence[dict[str, Any]]) -> str:
@@ -197,18 +271,20 @@ def line_chart(
     markers: Sequence[tuple[int, float, str]] = (),
     top_markers: Sequence[int] = (),
     x_labels: Sequence[str] | None = None,
+    x_range: tuple[int, int] | None = None,
     width: int = 1040,
     height: int = 260,
 ) -> str:
-    """A small SVG line chart; non-finite and (for log scale) non-positive values skipped."""
+    """A small SVG line chart; non-finite and (for log scale) non-positive values skipped.
+    ``x_range``: the step axis shared with the other plots over steps."""
     clean = {k: [(x, y) for x, y in v if y is not None and math.isfinite(y)
                  and (y > 0 or not log_y)] for k, v in series.items()}
     xs = [x for v in clean.values() for x, _ in v] + list(top_markers)
     ys = [y for v in clean.values() for _, y in v] + ([hline[0]] if hline else [])
     if not xs or not ys:
         return "<p class='muted'>no data</p>"
-    left, right, top, bottom = 60, 160, 12, 48 if x_labels else 28
-    x0, x1 = (0, max(len(x_labels) - 1, 1)) if x_labels else (min(xs), max(xs))
+    left, right, top, bottom = PLOT_LEFT, PLOT_RIGHT, 12, 48 if x_labels else 28
+    x0, x1 = (0, max(len(x_labels) - 1, 1)) if x_labels else x_range or (min(xs), max(xs))
     tf = (lambda v: math.log10(v)) if log_y else (lambda v: v)
     y0, y1 = tf(min(ys)), tf(max(ys))
     if y1 - y0 < 1e-12:
@@ -225,11 +301,11 @@ def line_chart(
     out = [_svg_open(width, height),
            f"<rect x='{left}' y='{top}' width='{width - left - right}' "
            f"height='{height - top - bottom}' fill='none' stroke='#ccc'/>"]
-    for frac in (0.0, 0.5, 1.0):
-        value = y0 + frac * (y1 - y0)
-        shown = 10**value if log_y else value
-        out.append(f"<text x='{left - 4}' y='{py(shown) + 4:.1f}' text-anchor='end'>"
-                   f"{_fmt(shown)}</text>")
+    for shown in (log_ticks(10**y0, 10**y1, hline[0] if hline else None) if log_y else
+                  [y0 + frac * (y1 - y0) for frac in (0.0, 0.5, 1.0)]):
+        out.append(f"<line x1='{left}' x2='{width - right}' y1='{py(shown):.1f}' "
+                   f"y2='{py(shown):.1f}' stroke='#eee'/><text x='{left - 4}' "
+                   f"y='{py(shown) + 4:.1f}' text-anchor='end'>{tick_label(shown)}</text>")
     if not x_labels:
         out += [f"<text x='{left}' y='{height - 8}'>step {x0}</text>",
                 f"<text x='{width - right}' y='{height - 8}' text-anchor='end'>step {x1}</text>"]
@@ -262,6 +338,31 @@ def line_chart(
                    f"<title>non-finite loss at step {x}</title></path>")
     out.append("</svg>")
     return "".join(out)
+
+
+def log_ticks(lo: float, hi: float, extra: float | None = None) -> list[float]:
+    """Ticks of a log axis: the powers of ten in ``[lo, hi]`` (every other one past six),
+    and ``extra`` (the fp16 limit) when inside; at least the two ends."""
+    powers = [10.0**k for k in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
+              if lo <= 10.0**k <= hi]
+    if len(powers) > 6:
+        powers = powers[::2]
+    ticks = powers + ([extra] if extra is not None and lo <= extra <= hi else [])
+    return sorted(set(ticks)) if len(ticks) >= 2 else sorted({lo, hi, *ticks})
+
+
+def tick_label(value: float) -> str:
+    """1, 10, 100, 256, 1e3, 1e4 ... and 0.1, 0.01, 1e-3 below one."""
+    if value == 0:
+        return "0"
+    power = not math.log10(abs(value)) % 1
+    if (1 <= abs(value) < 1e4 and not (power and abs(value) >= 1000)) or \
+            0.01 <= abs(value) < 1:
+        return f"{value:.4g}" if math.log10(abs(value)) % 1 else f"{value:.0f}" \
+            if abs(value) >= 1 else f"{value:g}"
+    mantissa, exponent = f"{value:.2e}".split("e")
+    mantissa = mantissa.rstrip("0").rstrip(".")
+    return f"{mantissa}e{int(exponent)}"
 
 
 def _alarms(alarms: Sequence[dict[str, Any]]) -> str:

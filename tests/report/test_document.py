@@ -160,3 +160,33 @@ def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     assert colours is None or len(colours) > 50
     red = sum(1 for r, g, b in image.get_flattened_data() if r > 150 and g < 60 and b < 60)
     assert red > 1000  # the heatmap's past-256 cells and the verdict bar are red
+    # the page as the browser parsed it: the timeline in order, one alarm row per group
+    dom = subprocess.run([
+        str(find_chromium()), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+        f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", page.as_uri(),
+    ], capture_output=True, text=True, timeout=120, check=True).stdout
+    timeline = dom.split("<ol class=\"timeline\">", 1)[1].split("</ol>", 1)[0]
+    order = [timeline.index(s) for s in ("first fp16 headroom warning", "first fp16 overflow",
+                                         "first non-finite value", "loss became non-finite")]
+    assert order == sorted(order)
+    assert dom.index("what happened") < dom.index("max |x| per layer over steps")
+    rows = dom.split("<h2>alarms</h2>", 1)[1].split("<h2>environment</h2>", 1)[0]
+    assert "<details><summary>5 layers, blocks.0.norm1 … norm</summary>" in rows
+    groups = rows.count("<tr class=\"crit\"><td>") + rows.count("<tr class=\"warn\"><td>")
+    assert 0 < groups < len([a for a in result.alarms if a.severity != "info"])
+
+
+def test_plots_over_steps_share_one_axis_and_log_ticks_read_plainly() -> None:
+    from normwatch.report.html import PLOT_LEFT, heatmap, line_chart, log_ticks, tick_label
+
+    layers = [{"name": "a", "history": [{"step": s, "absmax": 2.0 * s} for s in (10, 20, 30)]}]
+    span = (1, 40)  # the loss starts before the first flush: every plot starts at step 1
+    heat = heatmap(layers, 256.0, steps=span)
+    chart = line_chart({"a": [(10, 20.0), (30, 60.0)]}, log_y=True, hline=(256.0, "limit"),
+                       x_range=span)
+    assert "step 1<" in heat and "step 40<" in heat and ">step 1<" in chart
+    assert f"<rect x='{PLOT_LEFT}'" in chart  # the plot area starts where the heatmap's does
+    assert [tick_label(t) for t in log_ticks(0.5, 3e4, 256.0)] == \
+        ["1", "10", "100", "256", "1e3", "1e4"]
+    assert [tick_label(v) for v in (1e-3, 0.05, 1.5e5, 9050.0)] == ["1e-3", "0.05", "1.5e5",
+                                                                     "9050"]
