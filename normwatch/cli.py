@@ -1,4 +1,5 @@
-"""The ``normwatch`` command line: ``normwatch demo``, ``normwatch layers``."""
+"""The ``normwatch`` command line: ``normwatch demo``, ``normwatch report``,
+``normwatch run -- python train.py ARGS``."""
 
 from __future__ import annotations
 
@@ -59,6 +60,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.add_argument("path", help="report folder or report.json")
     report.add_argument("--html", metavar="OUT", help="also write the HTML report to OUT")
+    run = sub.add_parser(
+        "run",
+        help="watch any training script without editing it: normwatch run -- python train.py",
+        description="Run COMMAND (a Python training script) with normwatch watching it: norm "
+        "layers are found as models are called, steps counted from optimizer steps, the loss "
+        "read where backward() starts, a post-mortem written if the script dies. Options: "
+        "the flags below or any watch option as a NORMWATCH_<OPTION> environment variable "
+        "(e.g. NORMWATCH_STATS_EVERY=1).",
+    )
+    run.add_argument("--flush-every", type=_positive_int, help="flush every N steps")
+    run.add_argument("--report-dir", help="where post-mortem reports go ('none': nowhere)")
+    run.add_argument("--console", choices=("lines", "live"),
+                     help="console output (default: lines)")
+    run.add_argument("--fp16-limit", type=float, help="the |x| limit alarms measure against")
+    run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                     help="the command to run, after --")
     return parser
 
 
@@ -75,6 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "report":
         return _report(args.path, args.html, console)
+    if args.command == "run":
+        return _run(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 
@@ -100,6 +119,44 @@ def _report(path: str, html_out: str | None, console: Console) -> int:
             return 2
         console.print(f"HTML written to {html_out}")
     return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from normwatch.autowatch import options_from_env
+    from normwatch.config import WatchConfig
+    from normwatch.errors import ConfigError
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        print("normwatch run: error: no command: normwatch run -- python train.py ARGS",
+              file=sys.stderr)
+        return 2
+    env = dict(os.environ)
+    for flag in ("flush_every", "report_dir", "console", "fp16_limit"):
+        value = getattr(args, flag)
+        if value is not None:
+            env[f"NORMWATCH_{flag.upper()}"] = str(value)
+    try:  # bad options fail here, before the script starts
+        WatchConfig.from_options(**{"console": "lines", **options_from_env(env)})
+    except ConfigError as exc:
+        print(f"normwatch run: error: {exc}", file=sys.stderr)
+        return 2
+    boot = str(Path(__file__).resolve().parent / "_boot")
+    env["PYTHONPATH"] = os.pathsep.join([boot, *filter(None, [env.get("PYTHONPATH")])])
+    env["NORMWATCH_RUN"] = "1"
+    try:
+        return subprocess.run(cmd, env=env, check=False).returncode
+    except FileNotFoundError:
+        print(f"normwatch run: error: command not found: {cmd[0]!r}", file=sys.stderr)
+        return 127
+    except KeyboardInterrupt:  # the script got the signal too
+        return 130
 
 
 if __name__ == "__main__":

@@ -115,7 +115,9 @@ def test_soak_2000_steps_memory_is_flat() -> None:
             gc.collect()
             samples[step] = (_rss_kb(), _live_tensors())
     (rss_a, tensors_a), (rss_b, tensors_b) = samples[300], samples[2000]
-    assert tensors_b == tensors_a, (tensors_a, tensors_b)
+    # no growth (the count may fall: objects of earlier tests, e.g. compiled graphs'
+    # caches, can be collected meanwhile)
+    assert tensors_b <= tensors_a, (tensors_a, tensors_b)
     assert rss_b - rss_a < 8 * 1024, (rss_a, rss_b)  # < 8 MiB drift over 1,700 steps
 
 
