@@ -126,8 +126,7 @@ def _run(args: argparse.Namespace) -> int:
     import subprocess
     from pathlib import Path
 
-    from normwatch.autowatch import options_from_env
-    from normwatch.config import WatchConfig
+    from normwatch.config import WatchConfig, options_from_env
     from normwatch.errors import ConfigError
 
     cmd = list(args.cmd)

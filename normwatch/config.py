@@ -15,7 +15,7 @@ import dataclasses
 import difflib
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -235,3 +235,42 @@ def _number(
         lo = f"{'(' if low_open else '['}{low:g}"
         hi = f"{high:g}{')' if high_open else ']'}"
         raise ConfigError(f"{key!r} must be a finite number in {lo}, {hi}: got {value!r}")
+
+
+ENV_PREFIX = "NORMWATCH_"
+
+
+def options_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """:class:`WatchConfig` options from ``NORMWATCH_<OPTION>`` variables, parsed by the
+    option's type (``NORMWATCH_FLUSH_EVERY=5``, ``NORMWATCH_REPORT_DIR=none``,
+    ``NORMWATCH_INCLUDE=a.*,b.*``); unknown names are refused with the known ones."""
+    environ = os.environ if environ is None else environ
+    fields = {f.name: f for f in dataclasses.fields(WatchConfig)}
+    defaults = WatchConfig()
+    options: dict[str, Any] = {}
+    for key, text in environ.items():
+        if not key.startswith(ENV_PREFIX) or key in (f"{ENV_PREFIX}RUN",):
+            continue
+        name = key[len(ENV_PREFIX):].lower()
+        if name not in fields:
+            raise ConfigError(f"environment variable {key!r} names no option; known: "
+                              + ", ".join(f"{ENV_PREFIX}{n.upper()}" for n in fields))
+        options[name] = _parse(name, text, getattr(defaults, name))
+    return options
+
+
+def _parse(name: str, text: str, default: Any) -> Any:
+    if text.lower() in ("none", "null", ""):
+        return None
+    if isinstance(default, bool):
+        if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
+            raise ConfigError(f"'{name}' must be a bool (1/0/true/false): got {text!r}")
+        return text.lower() in ("1", "true", "yes")
+    if isinstance(default, tuple):
+        return tuple(p for p in text.split(",") if p)
+    for kind in (int, float) if isinstance(default, int | float) else ():
+        try:
+            return kind(text)
+        except ValueError:
+            continue
+    return text

@@ -17,6 +17,7 @@ def test_wheel_layout(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert "normwatch/integrations/__init__.py" in names
     assert "normwatch/py.typed" in names
+    assert "normwatch/_boot/sitecustomize.py" in names  # what `normwatch run` starts
     assert not [n for n in names if n.startswith("integrations/")]
     assert not [n for n in names if n.startswith("tests/")]
     meta = next(n for n in names if n.endswith("entry_points.txt"))

@@ -1,6 +1,6 @@
 """Started by ``normwatch run``: its folder goes first on the script's ``PYTHONPATH``, so
 Python imports this at start-up; it chains to the ``sitecustomize`` it shadows, then
-watches the script (:func:`normwatch.autowatch.start_from_env`) — never failing it."""
+watches the script (:func:`normwatch.integrations.script.start_from_env`) — never failing it."""
 
 import contextlib
 import importlib
@@ -16,9 +16,7 @@ if _SELF is not None:  # none shadowed: the import system expects this module ba
     sys.modules.setdefault("sitecustomize", _SELF)
 if os.environ.get("NORMWATCH_RUN") == "1":
     try:
-        from normwatch.autowatch import start_from_env
-
-        start_from_env()
+        importlib.import_module("normwatch.integrations.script").start_from_env()
     except Exception as exc:  # the script runs unwatched rather than not at all
         print(f"normwatch run: not watching this process: {type(exc).__name__}: {exc}",
               file=sys.stderr)

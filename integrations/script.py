@@ -11,65 +11,25 @@ module call, and the first one in training mode whose tree holds normalization l
 optimizer steps (the global optimizer step hook; several optimizers stepping after one
 forward count once); the loss is the scalar a ``backward()`` starts from (kept on its
 device). If the script dies of an exception, a post-mortem is written. Options come from
-``NORMWATCH_*`` environment variables (:func:`options_from_env`).
+``NORMWATCH_*`` environment variables (:func:`~normwatch.config.options_from_env`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import types
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from normwatch.config import WatchConfig
-from normwatch.errors import ConfigError
+from normwatch.config import WatchConfig, options_from_env
 from normwatch.measure.discovery import iter_norm_modules
 from normwatch.watch import Watch
-
-ENV_PREFIX = "NORMWATCH_"
-
-
-def options_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """:class:`WatchConfig` options from ``NORMWATCH_<OPTION>`` variables, parsed by the
-    option's type (``NORMWATCH_FLUSH_EVERY=5``, ``NORMWATCH_REPORT_DIR=none``,
-    ``NORMWATCH_INCLUDE=a.*,b.*``); unknown names are refused with the known ones."""
-    environ = os.environ if environ is None else environ
-    fields = {f.name: f for f in dataclasses.fields(WatchConfig)}
-    defaults = WatchConfig()
-    options: dict[str, Any] = {}
-    for key, text in environ.items():
-        if not key.startswith(ENV_PREFIX) or key in (f"{ENV_PREFIX}RUN",):
-            continue
-        name = key[len(ENV_PREFIX):].lower()
-        if name not in fields:
-            raise ConfigError(f"environment variable {key!r} names no option; known: "
-                              + ", ".join(f"{ENV_PREFIX}{n.upper()}" for n in fields))
-        options[name] = _parse(name, text, getattr(defaults, name))
-    return options
-
-
-def _parse(name: str, text: str, default: Any) -> Any:
-    if text.lower() in ("none", "null", ""):
-        return None
-    if isinstance(default, bool):
-        if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
-            raise ConfigError(f"'{name}' must be a bool (1/0/true/false): got {text!r}")
-        return text.lower() in ("1", "true", "yes")
-    if isinstance(default, tuple):
-        return tuple(p for p in text.split(",") if p)
-    for kind in (int, float) if isinstance(default, int | float) else ():
-        try:
-            return kind(text)
-        except ValueError:
-            continue
-    return text
 
 
 class AutoWatch:

@@ -1,0 +1,133 @@
+"""``normwatch run -- python SCRIPT``: scripts that never import normwatch, run as
+subprocesses, each with a planted fault that must produce alarms and a post-mortem."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from normwatch.config import options_from_env
+from normwatch.errors import ConfigError
+
+SCRIPT = Path(sys.executable).parent / "normwatch"
+
+PLAIN = """
+import torch
+from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
+torch.manual_seed(0)
+model = TinyLM(dim=32, depth=2)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+gen = torch.Generator().manual_seed(0)
+for step in range(1, 13):
+    model.blocks[1].mlp.fault = step >= 8          # a NaN born in block 1's MLP
+    tokens = synthetic_batch(gen, batch=4, seq=16)
+    loss = lm_loss(model(tokens), tokens)
+    loss.backward(); opt.step(); opt.zero_grad()
+print("script finished")
+"""
+
+LIGHTNING = """
+import warnings
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
+warnings.filterwarnings("ignore")
+
+class Lit(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.model = TinyLM(dim=32, depth=2)
+    def training_step(self, batch, i):
+        self.model.blocks[1].mlp.fault = self.trainer.global_step + 1 >= 6
+        return lm_loss(self.model(batch), batch)
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+data = DataLoader(synthetic_batch(torch.Generator().manual_seed(0), batch=64, seq=16),
+                  batch_size=4)
+pl.Trainer(max_steps=10, accelerator="cpu", logger=False, enable_checkpointing=False,
+           enable_progress_bar=False, enable_model_summary=False).fit(Lit(), data)
+print("script finished")
+"""
+
+HF = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=2, num_attention_heads=4))
+calls = []
+def plant(module, args, output):                   # layer 0's MLP emits inf from step 5
+    calls.append(1)
+    return output * float("inf") if len(calls) >= 5 else output
+model.model.layers[0].mlp.register_forward_hook(plant)
+data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 64, (32, 16))]
+args = TrainingArguments("out", max_steps=8, logging_steps=4, report_to=[], use_cpu=True,
+                         save_strategy="no", per_device_train_batch_size=4)
+Trainer(model=model, args=args, train_dataset=data).train()
+print("script finished")
+"""
+
+
+def normwatch_run(tmp_path: Path, source: str, *flags: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    env = {**os.environ, "COLUMNS": "120", "NORMWATCH_REPORT_DIR": str(tmp_path / "reports")}
+    return subprocess.run([str(SCRIPT), "run", *flags, "--", sys.executable, str(script)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
+
+
+def reports(tmp_path: Path) -> list[dict[str, object]]:
+    return [json.loads(p.read_text()) for p in sorted((tmp_path / "reports").glob(
+        "*/report.json"))]
+
+
+@pytest.mark.parametrize("kind", ["plain", "lightning", "transformers"])
+def test_a_planted_fault_is_caught_in_an_unmodified_script(tmp_path: Path, kind: str) -> None:
+    source = {"plain": PLAIN, "lightning": LIGHTNING, "transformers": HF}[kind]
+    result = normwatch_run(tmp_path, source, "--flush-every", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "script finished" in result.stdout  # the script ran to its end, unchanged
+    assert "CRIT nonfinite" in result.stderr  # grouped alarm lines on stderr
+    found = reports(tmp_path)
+    assert found, result.stderr[-3000:]
+    first = found[0]
+    assert first["trigger"] in ("nonfinite_activation", "nonfinite_loss", "critical_alarm")
+    step = first["first_nonfinite"]["step"]  # type: ignore[index]
+    planted = {"plain": 8, "lightning": 6, "transformers": 5}[kind]
+    assert step == planted  # steps counted from the optimizer steps
+
+
+def test_a_script_that_dies_leaves_a_post_mortem(tmp_path: Path) -> None:
+    source = PLAIN.replace('print("script finished")', 'raise RuntimeError("crashed")') \
+        .replace("step >= 8", "False")
+    result = normwatch_run(tmp_path, source)
+    assert result.returncode == 1 and "RuntimeError: crashed" in result.stderr
+    found = reports(tmp_path)
+    assert [r["trigger"] for r in found] == ["exception"]
+
+
+def test_options_come_from_flags_or_the_environment(tmp_path: Path) -> None:
+    assert options_from_env({"NORMWATCH_FLUSH_EVERY": "5", "NORMWATCH_REPORT_DIR": "none",
+                              "NORMWATCH_INCLUDE": "a.*,b.*", "NORMWATCH_COUNT_EVAL": "1",
+                              "NORMWATCH_FP16_LIMIT": "64", "OTHER": "x"}) == {
+        "flush_every": 5, "report_dir": None, "include": ("a.*", "b.*"),
+        "count_eval": True, "fp16_limit": 64.0}
+    with pytest.raises(ConfigError, match="'NORMWATCH_FLUSH' names no option"):
+        options_from_env({"NORMWATCH_FLUSH": "5"})
+    bad = normwatch_run(tmp_path, "print('never')", "--console", "lines")
+    assert bad.returncode == 0  # a script without models: nothing to watch, runs as usual
+    env = {**os.environ, "NORMWATCH_STATS_EVERY": "0"}
+    refused = subprocess.run([str(SCRIPT), "run", "--", sys.executable, "-c", "print(1)"],
+                             env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert refused.returncode == 2 and "'stats_every' must be an int >= 1" in refused.stderr
+    missing = subprocess.run([str(SCRIPT), "run"], capture_output=True, text=True, timeout=60,
+                             check=False)
+    assert missing.returncode == 2 and "no command" in missing.stderr
