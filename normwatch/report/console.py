@@ -24,9 +24,15 @@ STYLES = {"ok": "green", "info": "cyan", "warning": "yellow", "critical": "bold 
 LABELS = {"ok": "OK", "info": "INFO", "warning": "WARN", "critical": "CRIT"}
 
 
-LEGEND = ("x/lim: max|x| / fp16 limit · rms: mean per-token RMS · eps dom: max eps/(s+eps) · "
-          "common: max |mean|/RMS · nonfin: tokens holding NaN/inf, input/output · dtype: "
-          "input>weight>output")
+LEGEND = ("columns are the logged statistics' names · absmax: max |x| · fp16_headroom: "
+          "fp16 limit / absmax (below 1: overflow) · rms_mean, rms_max: per-token RMS · "
+          "eps_dominance: max eps/(s+eps) · common_mode_max: max |mean|/RMS · nonfinite: "
+          "tokens holding NaN/inf, input/output · dtype: input>weight>output")
+
+
+def header(name: str) -> str:
+    """A statistic's name as a column header, broken after its first ``_`` if long."""
+    return name.replace("_", "_\n", 1) if len(name) > 6 else name
 
 
 def layer_health(findings: Sequence[Alarm]) -> dict[str, str]:
@@ -74,25 +80,25 @@ class HealthTable:
         table = Table(title=title, box=box.ASCII2, title_justify="left", pad_edge=False,
                       caption=LEGEND, caption_justify="left")
         table.add_column("layer", min_width=10, overflow="fold")
-        headers = ["health", "max|x|", "x/lim", "rms", "rms max", "eps dom", "common",
-                   "nonfin", "dtype"]
+        headers = ["health", "absmax", "fp16_headroom", "rms_mean", "rms_max", "eps_dominance",
+                   "common_mode_max", "nonfinite", "dtype"]
         if self.sparklines is not None:
             headers.insert(3, "trend")
-        for header in headers:
-            table.add_column(header, justify="right" if header not in ("health", "dtype", "trend")
-                             else "left", no_wrap=True)
+        for name in headers:
+            table.add_column(header(name), no_wrap=True,
+                             justify="left" if name in ("health", "dtype", "trend") else "right")
         rows = self.rows()
         shown = rows if self.max_rows is None or len(rows) <= self.max_rows else \
             rows[:max(1, self.max_rows - 1)]
         for health, s in shown:
             style = STYLES[health]
-            ratio = (s.absmax or 0.0) / self.fp16_limit
+            headroom = self.fp16_limit / s.absmax if s.absmax else None
             cells: list[Any] = [
                 Text(s.name, style=style if health != "ok" else ""),
                 Text(LABELS[health], style=style),
                 _num(s.absmax),
-                Text(f"{ratio:.2f}" if s.absmax is not None else "-",
-                     style="bold red" if ratio > 1 else ""),
+                Text(_num(headroom), style="bold red" if headroom is not None and headroom < 1
+                     else ""),
             ]
             if self.sparklines is not None:
                 cells.append(self.sparklines.get(s.name, Text("")))
@@ -177,8 +183,9 @@ class ReportSummary:
         table = Table(title="last flush per layer (forward order)", box=box.ASCII2,
                       title_justify="left")
         limit = report_limits(r).fp16_limit
-        for header in ("layer", "max|x|", "x/lim", "rms", "eps dom", "nonfin", "dtype"):
-            table.add_column(header, no_wrap=header != "layer")
+        for name in ("layer", "absmax", "fp16_headroom", "rms_mean", "eps_dominance",
+                     "nonfinite", "dtype"):
+            table.add_column(header(name), no_wrap=name != "layer")
         for layer in r.get("layers") or []:
             history = layer.get("history") or []
             if not history:
@@ -187,7 +194,7 @@ class ReportSummary:
             dtypes = layer.get("dtypes") or {}
             absmax = _float(h.get("absmax"))
             table.add_row(str(layer.get("name")), _num(absmax),
-                          _num(None if absmax is None else absmax / limit),
+                          _num(limit / absmax if absmax else None),
                           _num(_float(h.get("rms_mean"))), _num(_float(h.get("eps_dominance"))),
                           f"{h.get('nonfinite')}/{h.get('out_nonfinite')}",
                           f"{_short(dtypes.get('input'))}>{_short(dtypes.get('output'))}")

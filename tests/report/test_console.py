@@ -38,7 +38,7 @@ def test_worst_first_with_status_words() -> None:
     lines = [line for line in text.splitlines() if "norm " in line]
     assert [line.split()[0].strip("|") for line in lines] == ["b.norm", "c.norm", "a.norm"]
     assert "CRIT" in lines[0] and "WARN" in lines[1] and "OK" in lines[2]
-    assert "300" in lines[0] and "1.17" in lines[0]  # max|x| and x/limit = 300/256
+    assert "300" in lines[0] and "0.853" in lines[0]  # absmax and fp16_headroom = 256/300
     assert "steps 6-10" in text
     assert "f16>f16>f16" in lines[0]
 

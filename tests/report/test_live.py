@@ -22,7 +22,7 @@ from normwatch.report.live import LivePanel, LiveState, sparkline
 from tests.factory import snapshot, stats
 
 
-def render(panel: LivePanel, width: int = 110) -> str:
+def render(panel: LivePanel, width: int = 120) -> str:
     console = Console(record=True, width=width, height=24, force_terminal=True,
                       color_system=None, file=open(os.devnull, "w"))  # noqa: SIM115
     console.print(panel)
@@ -52,7 +52,8 @@ def test_panel_shows_the_worst_layers_first_and_folds_the_healthy_ones() -> None
     assert folded.startswith(f"|+{60 - len(rows)} layers") and "OK" in folded
     assert "▁▄▇!" in text  # the trend of blocks.7.norm: up to past the limit
     assert "step 12 CRIT fp16_overflow: 3 layers, blocks.5.norm … blocks.7.norm" in text
-    assert "nonfin: tokens holding NaN/inf" in text
+    assert "tokens holding NaN/inf" in text
+    assert "fp16_" in text and "headroom" in text  # the logged statistics' names
 
 
 def test_sparkline_scale() -> None:

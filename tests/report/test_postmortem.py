@@ -66,7 +66,7 @@ def test_the_report_records_and_renders_the_limits_used(tmp_path: Path) -> None:
     out = io.StringIO()
     Console(file=out, width=120).print(ReportSummary(report))
     row = next(line for line in out.getvalue().splitlines() if ORDER[0] in line)
-    assert "0.5" in row.split()  # max |x| 50 against the limit 100
+    assert "2" in row.split()  # fp16_headroom: the limit 100 over max |x| 50
 
 
 def test_reports_without_limits_read_as_the_defaults() -> None:
