@@ -33,6 +33,7 @@ SIZES = dict(
     qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, encoder_layers=2, decoder_layers=2,
     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
     decoder_ffn_dim=64, vocab_size_per_layer_input=128, hidden_size_per_layer_input=8,
+    rotary_dim=8,  # GPT-J, CodeGen: rotary dims within the 8-wide heads
 )
 MAX_PARAMS = 20_000_000
 PROJECTIONS = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d)
@@ -52,6 +53,9 @@ AT_INIT = {
     "olmo_hybrid": "*.o_norm",
     "lara_mini": "*.linear_attn.norm",
     "qwen3_next": "*.linear_attn.norm",
+    "qwen3_5": "*.linear_attn.norm",
+    "qwen3_5_moe": "*.linear_attn.norm",
+    "qwen4_exp": "*.linear_attn.norm",
     "qwen3_5_text": "*.linear_attn.norm",
     "qwen3_5_moe_text": "*.linear_attn.norm",
     "qwen4_exp_text": "*.linear_attn.norm",
@@ -73,6 +77,13 @@ def shrink(config: object, depth: int = 0) -> None:
     if isinstance(getattr(config, "qk_rope_head_dim", None), int) and \
             isinstance(getattr(config, "head_dim", None), int):
         config.head_dim = config.qk_rope_head_dim  # type: ignore[attr-defined]  # MLA: rope dims
+    for key, value in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
+        current = getattr(config, key, None)  # special tokens inside the shrunk vocabulary
+        if isinstance(current, int) and current >= SIZES["vocab_size"]:
+            with contextlib.suppress(Exception):
+                setattr(config, key, value)
+    if isinstance(getattr(config, "is_decoder", None), bool):
+        config.is_decoder = True  # type: ignore[attr-defined]  # a causal LM head's decoder
     if hasattr(config, "initializer_range"):
         config.initializer_range = 0.2  # type: ignore[attr-defined]  # width-32 activations
     for sub in list(vars(config).values()) if depth < 2 else []:
@@ -85,18 +96,24 @@ def tiny(model_type: str, class_name: str) -> torch.nn.Module:
     try:
         config = CONFIG_MAPPING[model_type]()
         shrink(config)
-        for key, value in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
-            current = getattr(config, key, None)
-            if isinstance(current, int) and current >= SIZES["vocab_size"]:
-                setattr(config, key, value)
         cls = getattr(transformers, class_name)
         with torch.device("meta"):
-            params = sum(p.numel() for p in cls(config).parameters())
+            try:
+                params = sum(p.numel() for p in cls(config).parameters())
+            except AttributeError:  # a multimodal config: the causal LM takes its text part
+                text = config.get_text_config()  # type: ignore[attr-defined]
+                if text is config:
+                    raise
+                config = text
+                params = sum(p.numel() for p in cls(config).parameters())
         if params > MAX_PARAMS:
             pytest.skip(f"{model_type}: {params / 1e6:.0f}M parameters after shrinking the usual "
                         "size fields")
         torch.manual_seed(0)
         model: torch.nn.Module = cls(config)
+        languages = getattr(config, "languages", None)
+        if hasattr(model, "set_default_language") and languages:  # X-MOD: one adapter set
+            model.set_default_language(languages[0])
         return model
     except pytest.skip.Exception:
         raise

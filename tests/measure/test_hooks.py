@@ -1,4 +1,5 @@
-"""The forward hook: what counts as a call, failures, odd inputs, dtypes, removal."""
+"""The forward hook: what counts as a call, failures, odd inputs, dtypes, removal
+(activation checkpointing, eager and compiled: tests/measure/test_compile.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 import normwatch
 from normwatch.catalog import COLUMNS
@@ -33,28 +33,6 @@ def test_eval_and_no_grad_forwards_are_not_counted_unless_asked() -> None:
     model.eval()
     model(tokens)
     assert w2.flush().layers["norm"].calls == 1
-
-
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_activation_checkpointing_is_not_double_counted(reentrant: bool) -> None:
-    model = TinyLM(dim=32, depth=2)
-    blocks = list(model.blocks)
-
-    def forward(tokens: torch.Tensor) -> torch.Tensor:
-        h = model.embed(tokens)
-        if reentrant:
-            h.requires_grad_(True)
-        for block in blocks:
-            h = checkpoint(block, h, use_reentrant=reentrant)
-        return model.head(model.norm(h))
-
-    w = normwatch.watch(model, flush_every=1)
-    tokens = synthetic_batch(torch.Generator().manual_seed(0), batch=2, seq=8)
-    forward(tokens).float().logsumexp(-1).mean().backward()
-    snap = w.step()
-    assert snap is not None
-    assert {n: s.calls for n, s in snap.layers.items()} == dict.fromkeys(snap.layers, 1)
-    assert all(s.tokens == 16 for s in snap.layers.values())
 
 
 def test_module_called_twice_counts_twice() -> None:
