@@ -10,6 +10,7 @@ any :class:`~normwatch.records.LayerStats` field to change it.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from normwatch.config import WatchConfig
@@ -54,3 +55,14 @@ def context(snap: Snapshot, config: WatchConfig | None = None,
     layers = {name: layer(name, s.kind, eps, builtin=builtin) for name, s in snap.layers.items()}
     return RuleContext(config or WatchConfig(), layers, dict(probes or {}),
                        dict(history or {}))
+
+
+def two_ranks(worker: Any, tmp: Path) -> list[dict[str, Any]]:
+    """Run ``worker(rank, world, init_method, out_dir)`` in 2 real gloo processes; each
+    writes ``rank<r>.json`` into ``tmp``, returned in rank order."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.spawn(worker, args=(2, f"file://{tmp / 'store'}", str(tmp)), nprocs=2, join=True)
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in (0, 1)]

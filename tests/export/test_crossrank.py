@@ -24,6 +24,7 @@ from normwatch.export.crossrank import VerdictExchange, combine_ranks
 from normwatch.measure.discovery import iter_norm_modules
 from normwatch.measure.measurement import Measurement
 from normwatch.records import Limits, Verdict
+from tests.factory import two_ranks
 
 WIDTH = 16
 
@@ -84,11 +85,7 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, object]]:
-    import torch.multiprocessing as mp
-
-    tmp = tmp_path_factory.mktemp("ranks")
-    mp.spawn(_worker, args=(2, f"file://{tmp / 'store'}", str(tmp)), nprocs=2, join=True)
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return two_ranks(_worker, tmp_path_factory.mktemp("ranks"))
 
 
 def test_every_statistic_equals_the_concatenated_inputs(ranks: list[dict[str, object]]

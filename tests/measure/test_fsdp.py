@@ -19,6 +19,7 @@ import torch
 import normwatch
 from normwatch.catalog import PUBLIC
 from normwatch.export.crossrank import combine_ranks
+from tests.factory import two_ranks
 
 STEPS = 2
 
@@ -90,11 +91,7 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    import torch.multiprocessing as mp
-
-    tmp = tmp_path_factory.mktemp("fsdp")
-    mp.spawn(_worker, args=(2, f"file://{tmp / 'store'}", str(tmp)), nprocs=2, join=True)
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return two_ranks(_worker, tmp_path_factory.mktemp("fsdp"))
 
 
 def replica(ranks_fed: tuple[int, ...]) -> dict[str, dict[str, Any]]:
