@@ -64,6 +64,10 @@ class Measurement:
         rt.update(step=step, calls_this_step=0, full_stats=full)
         for hook in self._hooks:
             hook.pending_recompute = 0
+            if hook.state is None:  # built on the meta device, materialised since?
+                device = module_device(hook.module)
+                if device is not None and device.type != "meta":
+                    hook.home(device)  # compiled code traced without it recompiles once
 
     def _forward_begins(self, module: nn.Module, args: object) -> None:
         if torch.compiler.is_compiling():  # compiled calls fold in place: nothing to drop

@@ -270,3 +270,25 @@ def test_a_hook_failing_while_traced_disables_that_layer_only(monkeypatch: pytes
     snap = w.flush()
     assert snap.layers["0"].calls == 3 and snap.layers["2"].calls == 0
     w.close()
+
+
+def test_a_model_built_on_the_meta_device_is_measured_once_materialised() -> None:
+    """FSDP2's usual flow: build on meta, watch, materialise (``to_empty``), compile."""
+    with torch.device("meta"):
+        model = TinyLM(dim=32, depth=1)
+    w = normwatch.watch(model, report_dir=None)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+        model.residual_scale.fill_(1.0)
+    compiled = torch.compile(model, fullgraph=True)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        tokens = synthetic_batch(gen, batch=2, seq=8)
+        lm_loss(compiled(tokens), tokens).backward()
+        w.step()
+    snap = w.flush()
+    # the first step ran traced without state; from the second on every call is measured
+    assert {s.calls for s in snap.layers.values()} == {2}
+    w.close()
