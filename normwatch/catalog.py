@@ -126,6 +126,9 @@ TABLE: tuple[Stat, ...] = (
          metric=_gauge("layer_output_absmax", "Max |y| of the layer's output.")),
     Stat("output_mismatch", "Max relative error of the output against the fp32 formula.",
          reduce="max", history=True),
+    Stat("output_eps", "Precision the output carries: the eps of the coarsest format "
+         "holding every checked output value exactly (bf16, fp16, else its own dtype).",
+         reduce="max"),
     Stat("first_arrived_score", "First call whose input held NaN/inf (see KEY_STRIDE).",
          reduce="max", public=False),
     Stat("first_born_score", "First call whose output, not input, held NaN/inf.",

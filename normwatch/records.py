@@ -176,6 +176,9 @@ class LayerStats:
     """Output tokens holding at least one NaN/inf."""
     out_absmax: float | None
     output_mismatch: float | None
+    output_eps: float | None
+    """The precision the checked outputs carry: eps of the coarsest format (bf16, fp16,
+    else their dtype) holding every value exactly; ``None`` when not checked."""
     input_dtype: str | None = None
     weight_dtype: str | None = None
     output_dtype: str | None = None

@@ -21,7 +21,7 @@ HEALTHY: dict[str, Any] = dict(
     calls=2, tokens=100, finite_tokens=100, stats_tokens=100, absmax=3.0,
     fp16_overflow_tokens=0, sumsq_max=64.0, rms_min=0.8, rms_mean=1.0, rms_max=1.2,
     eps_dominance=1e-5, eps_dominated_tokens=0, common_mode_max=0.1, common_mode_tokens=0,
-    nonfinite=0, out_nonfinite=0, out_absmax=3.5, output_mismatch=None,
+    nonfinite=0, out_nonfinite=0, out_absmax=3.5, output_mismatch=None, output_eps=None,
     input_dtype="float32", weight_dtype="float32", output_dtype="float32", autocast=None,
 )
 

@@ -230,13 +230,17 @@ def dtype_alarms(stats: LayerStats, layer: NormLayer, step: int) -> list[Alarm]:
 
 def output_tolerance(config: WatchConfig, stats: LayerStats) -> float:
     """Relative error that counts as an output mismatch: 4 units of the coarsest precision
-    the output went through (its input, output and autocast dtypes; an fp32 output
-    computed from a bf16 input carries bf16's digits), at least 1e-3."""
+    the output went through — its input, output and autocast dtypes, and the precision its
+    values actually carry (``output_eps``, from their mantissas: an fp32 output whose last
+    rounding happened in bf16 carries bf16's digits) — at least 1e-3."""
     if config.output_tol is not None:
         return config.output_tol
     amp = stats.autocast.split(":")[-1] if stats.autocast else None
     dtypes = [d for d in (stats.input_dtype, stats.output_dtype, amp) if d] or ["float32"]
-    return max(1e-3, 4 * max(DTYPE_EPS.get(d, 1e-7) for d in dtypes))
+    units = [DTYPE_EPS.get(d, 1e-7) for d in dtypes]
+    if stats.output_eps is not None:
+        units.append(stats.output_eps)
+    return max(1e-3, 4 * max(units))
 
 
 def output_alarms(stats: LayerStats, step: int, config: WatchConfig) -> list[Alarm]:

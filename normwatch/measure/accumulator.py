@@ -20,6 +20,8 @@ from normwatch.records import Limits
 _N_SUM, _N_MAX = len(SUM_COLUMNS), len(MAX_COLUMNS)
 _MAX_END = _N_SUM + _N_MAX
 MISMATCH_COLUMN = COLUMNS.index("output_mismatch")
+OUTPUT_EPS_COLUMN = COLUMNS.index("output_eps")
+assert OUTPUT_EPS_COLUMN == MISMATCH_COLUMN + 1  # an output check writes both at once
 
 
 class Accumulator:
@@ -129,10 +131,13 @@ class Accumulator:
             torch._dynamo.mark_static_address(meta)
         return meta[row]
 
-    def update_mismatch(self, row: int, value: torch.Tensor) -> None:
-        """Fold an output-mismatch measurement (0-d tensor) into layer ``row``."""
-        cell = self._block(value.device)[row, MISMATCH_COLUMN : MISMATCH_COLUMN + 1]
-        torch.fmax(cell, value.reshape(1).to(cell.dtype), out=cell)
+    def update_check(self, row: int, error: torch.Tensor, eps: torch.Tensor) -> None:
+        """Fold an output check (0-d tensors: the mismatch and the precision the output
+        carries) into layer ``row``; NaN never beats a value."""
+        block = self._block(error.device)
+        for column, value in ((MISMATCH_COLUMN, error), (OUTPUT_EPS_COLUMN, eps)):
+            cell = block[row, column : column + 1]
+            torch.fmax(cell, value.reshape(1).to(cell.dtype), out=cell)
 
     def read(
         self, extras: dict[torch.device, torch.Tensor] | None = None

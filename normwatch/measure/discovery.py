@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from normwatch.errors import ConfigError
+from normwatch.measure.reductions import carried_eps
 from normwatch.measure.reference import layer_norm, per_head_norms, rms_norm
 from normwatch.records import KINDS, Kind, NormLayer, WeightForm
 
@@ -277,6 +278,9 @@ def behaviour(module: nn.Module, eps: float
     y = y[0] if isinstance(y, tuple | list) and y else y
     if not isinstance(y, torch.Tensor) or y.shape != x.shape:
         return None
+    # the formula matches to the precision the output carries (an fp32 norm whose
+    # output is rounded through bf16 is still that norm)
+    carried = float(carried_eps(y.detach()))
     x, y = x.to(dtype).double(), y.detach().double().cpu()  # what the module saw
     w = weight.detach().double().cpu() if weight is not None else torch.ones(())
     bias = getattr(module, "bias", None)
@@ -294,7 +298,7 @@ def behaviour(module: nn.Module, eps: float
                 err = float(torch.linalg.vector_norm(y - ref) / torch.linalg.vector_norm(ref))
                 if best is None or err < best[0]:
                     best = (err, kind, token, form)
-    tol = 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
+    tol = max(1e-3 if dtype in (torch.float32, torch.float64) else 5e-2, 4 * carried)
     if best is None or not best[0] < tol:
         return None
     shape = None if free and best[2] == dims[-1:] else best[2]

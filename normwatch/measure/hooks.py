@@ -41,6 +41,7 @@ from normwatch.measure.accumulator import (
 )
 from normwatch.measure.reductions import (
     CallRows,
+    carried_eps,
     fold_one,
     mismatch,
     reduce_call,
@@ -330,18 +331,19 @@ class LayerHook:
         call = reduce_call(tokens, out_tokens, self.layer.kind, self._eps, True, 0, key)
         values = fold_one(call, flags[1] > 0, self.rt.accumulator.limits)
         if out is not None and alone and self.rt.output_checks:
-            err = self._traced_mismatch(module, x, out, flags[4] > 0)
-            values = torch.cat([values[:MISMATCH_COLUMN], err.reshape(1).to(values.dtype),
-                                values[MISMATCH_COLUMN + 1:]])
+            check = self._traced_check(module, x, out, flags[4] > 0)  # [mismatch, eps]
+            values = torch.cat([values[:MISMATCH_COLUMN], check.to(values.dtype),
+                                values[MISMATCH_COLUMN + 2:]])
         fold_into(state, values.to(state.device) if moved else values, ctl[3] > 0)
         ctl[2:3].add_(1.0)
         return tokens.shape[0]
 
-    def _traced_mismatch(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                         check: torch.Tensor) -> torch.Tensor:
-        """The output-mismatch value (-inf when not checked). Compiled, the reference runs
-        every call and the flag selects (``torch.cond`` cannot run inside an activation
-        checkpoint); ``output_check_every=0`` leaves it out of the graph."""
+    def _traced_check(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                      check: torch.Tensor) -> torch.Tensor:
+        """The output check as ``[mismatch, carried eps]`` (-inf when not checked).
+        Compiled, the reference runs every call and the flag selects (``torch.cond``
+        cannot run inside an activation checkpoint); ``output_check_every=0`` leaves it out
+        of the graph."""
         layer = self.layer
         params = reference_params(layer, module, x)
         present = tuple(p for p in params if p is not None)
@@ -354,16 +356,16 @@ class LayerHook:
             full = tuple(next(it) if w else None for w in where)
             ref = expected_from(layer, x, full, training)
             if ref is None:
-                return torch.full((), -math.inf, dtype=torch.float64, device=x.device)
-            if ref.shape != y.shape:
-                return torch.ones((), dtype=torch.float64, device=x.device)
-            return mismatch(tokens(y), tokens(ref)).to(torch.float64)
+                return torch.full((2,), -math.inf, dtype=torch.float64, device=x.device)
+            err = torch.ones((), dtype=torch.float64, device=x.device) \
+                if ref.shape != y.shape else mismatch(tokens(y), tokens(ref)).double()
+            return torch.stack([err, carried_eps(y)])
 
         if torch.compiler.is_compiling():
             return torch.where(check, checked(x, y, *present), -math.inf)
         if self.rt.check_outputs:
             return checked(x, y, *present)
-        return torch.full((), -math.inf, dtype=torch.float64, device=x.device)
+        return torch.full((2,), -math.inf, dtype=torch.float64, device=x.device)
 
     def _warn_device(self, got: torch.device, home: torch.device) -> None:
         if not self._warned_device:
@@ -400,7 +402,7 @@ class LayerHook:
             err = torch.ones((), device=y.device)  # wrong-shaped output: fully wrong
         else:
             err = mismatch(self._tokens(y), self._tokens(ref))
-        self.rt.accumulator.update_mismatch(self.row, err.to(torch.float64))
+        self.rt.accumulator.update_check(self.row, err.to(torch.float64), carried_eps(y))
 
     def _record_dtypes(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None) -> None:
         weight = getattr(module, "weight", None)

@@ -398,6 +398,23 @@ def _outputs(calls: Sequence[CallRows], plan: FoldPlan) -> tuple[torch.Tensor, t
     return bad, plan.per_call(absmax, "amax", out=True)[0]
 
 
+def carried_eps(y: torch.Tensor) -> torch.Tensor:
+    """The precision ``y`` carries (0-d float64, on its device): the eps of bf16 if every
+    finite value is exact in bf16, else of fp16 if exact there, else of ``y``'s dtype. An
+    fp32 output whose last rounding happened in bf16 carries bf16's digits."""
+    own = torch.finfo(y.dtype).eps
+    if y.dtype == torch.float64:  # not read from the bits: said as it is
+        return torch.full((), own, dtype=torch.float64, device=y.device)
+    yf = y.float()
+    skip = ~torch.isfinite(yf)
+    # from the bits, not by a round trip through the narrow dtype (a compiler may drop it)
+    bits = yf.view(torch.int32)
+    bf16 = (((bits & 0xFFFF) == 0) | skip).all()  # bf16 keeps the top 16 bits
+    f16 = ((((bits & 0x1FFF) == 0) & (yf.abs() <= 65504.0)) | skip).all()  # 10-bit mantissa
+    carried = torch.where(bf16, 2.0**-7, torch.where(f16, 2.0**-10, own))
+    return carried.to(torch.float64)
+
+
 def mismatch(out_tokens: torch.Tensor, ref_tokens: torch.Tensor) -> torch.Tensor:
     """Largest per-token relative L2 error of ``out`` against ``ref``; tokens where either
     is non-finite are skipped (non-finite outputs are counted elsewhere)."""

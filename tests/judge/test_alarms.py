@@ -243,3 +243,38 @@ def test_autocast_promotion_by_a_custom_norm_is_a_dtype_finding_not_a_mismatch()
     # LlamaRMSNorm: weight (fp32) * hidden.to(bf16) -> fp32, by plain type promotion
     assert found["llama"] == {("dtype_mismatch", "warning")}
     assert found["torch-ln"] == found["torch-rms"] == found["torch-gn"] == set()
+
+
+class RMSNormRoundedInBF16(torch.nn.Module):
+    """An fp32 RMSNorm whose output passes through bf16 (a custom kernel's last rounding):
+    fp32 in, fp32 weight, fp32 out — only the mantissas tell."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(d))
+        self.eps = 1e-6
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return y.bfloat16().float()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_output_tolerance_follows_the_precision_the_output_carries(compiled: bool) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), RMSNormRoundedInBF16(64),
+                                torch.nn.Linear(64, 64), torch.nn.RMSNorm(64))
+    w = normwatch.watch(model, flush_every=1, report_dir=None)
+    run = torch.compile(model) if compiled else model
+    run(torch.randn(8, 64)).sum().backward()
+    snap = w.step()
+    assert snap is not None
+    rounded, plain = snap.layers["1"], snap.layers["3"]
+    assert plain.output_eps == torch.finfo(torch.float32).eps
+    if not compiled:
+        assert rounded.output_eps == 2.0**-7
+        assert rounded.output_mismatch is not None and rounded.output_mismatch > 1e-3
+    else:  # inductor does not emulate the bf16 round trip: the output stays fp32-precise
+        assert rounded.output_eps == torch.finfo(torch.float32).eps
+    assert not [a for a in w.alarms if a.kind == "output_mismatch"]  # not a wrong formula
+    w.close()
+    torch.compiler.reset()

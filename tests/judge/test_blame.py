@@ -76,6 +76,7 @@ def stats(name: str, absmax: float, out_absmax: float) -> LayerStats:
         fp16_overflow_tokens=0, sumsq_max=absmax**2, rms_min=1.0, rms_mean=1.0, rms_max=1.0,
         eps_dominance=1e-6, eps_dominated_tokens=0, common_mode_max=0.1, common_mode_tokens=0,
         nonfinite=0, out_nonfinite=0, out_absmax=out_absmax, output_mismatch=None,
+        output_eps=None,
         input_dtype="float32", weight_dtype="float32", output_dtype="float32", autocast=None,
     )
 

@@ -247,3 +247,16 @@ def test_single_call_fold_equals_the_staged_fold(full: bool, compiled: bool) -> 
                    torch.tensor(full))
         assert got.dtype == torch.float64
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+def test_carried_eps_reads_the_precision_from_the_mantissas() -> None:
+    from normwatch.measure.reductions import carried_eps
+
+    x = torch.randn(64, 16)
+    assert float(carried_eps(x)) == torch.finfo(torch.float32).eps  # genuinely fp32
+    assert float(carried_eps(x.bfloat16().float())) == 2.0**-7  # rounded in bf16 last
+    halves = x.half().float()
+    assert float(carried_eps(halves)) == 2.0**-10  # exact in fp16, not in bf16
+    halves[0, 0] = float("nan")  # non-finite values say nothing about precision
+    assert float(carried_eps(halves)) == 2.0**-10
+    assert float(carried_eps(x.bfloat16())) == 2.0**-7

@@ -16,7 +16,7 @@ def stats(name: str, absmax: float, nonfinite: int = 0) -> LayerStats:
         absmax=absmax,
         fp16_overflow_tokens=0, sumsq_max=absmax**2, rms_min=0.5, rms_mean=1.0, rms_max=2.0,
         eps_dominance=1e-6, eps_dominated_tokens=0, common_mode_max=0.1, common_mode_tokens=0,
-        nonfinite=nonfinite, out_nonfinite=0, out_absmax=3.0, output_mismatch=None,
+        nonfinite=nonfinite, out_nonfinite=0, out_absmax=3.0, output_mismatch=None, output_eps=None,
         input_dtype="float16", weight_dtype="float16", output_dtype="float16", autocast=None,
     )
 
