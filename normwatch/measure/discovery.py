@@ -97,6 +97,11 @@ def describe(module: nn.Module, name: str = "") -> NormLayer | None:
             return NormLayer(name, reg.kind, eps, shape, reg.weight_form, cls_name, groups)
     # torch's own classes (not subclasses with their own forward): one op each
     builtin = type(module).__module__.startswith("torch.nn.")
+    if isinstance(module, _TORCH_NORMS) and not _torch_forward(module):
+        # a subclass of torch's norm computing its own way (Nemotron's 1 + w)
+        found = _per_head(module, name) or _duck_typed(module, name)
+        if found is not None:
+            return found
     if isinstance(module, nn.LayerNorm | nn.RMSNorm):
         eps = module.eps if module.eps is not None else _default_rms_eps()
         return NormLayer(name, _builtin_kind(module), float(eps),
@@ -111,6 +116,16 @@ def describe(module: nn.Module, name: str = "") -> NormLayer | None:
         return NormLayer(name, "batchnorm", float(module.eps), (module.num_features,), "w",
                          cls_name, builtin=builtin)
     return _per_head(module, name) or _duck_typed(module, name)
+
+
+_TORCH_NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm,
+                nn.modules.batchnorm._BatchNorm, nn.SyncBatchNorm)
+
+
+def _torch_forward(module: nn.Module) -> bool:
+    """Whether ``module`` runs one of torch's own norm forwards (else a subclass's)."""
+    forward = type(module).forward
+    return any(forward is c.forward for c in _TORCH_NORMS)
 
 
 def find_norm_layers(

@@ -35,6 +35,8 @@ SIZES = dict(
     decoder_ffn_dim=64, vocab_size_per_layer_input=128, hidden_size_per_layer_input=8,
     rotary_dim=8,  # GPT-J, CodeGen: rotary dims within the 8-wide heads
 )
+DERIVED = ("head_dim", "num_key_value_heads")
+"""Size fields a default config leaves ``None`` (derived later, or by the model): set."""
 MAX_PARAMS = 20_000_000
 PROJECTIONS = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d)
 # Modules named "*Norm*" that compute neither formula: deliberately not watched.
@@ -68,7 +70,8 @@ def shrink(config: object, depth: int = 0) -> None:
         # read-only properties, per-layer attributes: leave them to the config
         with contextlib.suppress(Exception):
             current = getattr(config, key, None)
-            if isinstance(current, int) and not isinstance(current, bool):
+            unset = current is None and key in DERIVED and hasattr(config, key)
+            if unset or (isinstance(current, int) and not isinstance(current, bool)):
                 setattr(config, key, value)
     layers = getattr(config, "num_hidden_layers", None)
     if isinstance(getattr(config, "layer_types", None), list) and isinstance(layers, int):

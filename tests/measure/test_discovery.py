@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import normwatch
-from normwatch.measure.discovery import clean_name
+from normwatch.measure.discovery import clean_name, describe
 from tests.conftest import tiny_hf
 
 
@@ -252,3 +252,20 @@ def test_stablelm_per_head_norms_are_one_layer_with_per_head_weights() -> None:
     assert stats.tokens == 2 * 16 * 4  # batch x seq x heads
     assert stats.output_mismatch is not None and stats.output_mismatch < 1e-5
     assert [a for a in w.alarms if a.severity != "info"] == []
+
+
+def test_a_subclass_of_torch_norm_with_its_own_forward_is_classified_by_behaviour() -> None:
+    """Nemotron's LayerNorm1P subclasses nn.LayerNorm and scales by 1 + w."""
+    import torch.nn.functional as F
+
+    class LayerNorm1P(nn.LayerNorm):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.layer_norm(x, self.normalized_shape, self.weight + 1.0, self.bias, self.eps)
+
+    norm = LayerNorm1P(16)
+    with torch.no_grad():
+        norm.weight.uniform_(-0.5, 0.5)
+    layer = describe(norm, "n")
+    assert layer is not None and (layer.kind, layer.weight_form) == ("layernorm", "1+w")
+    plain = describe(nn.LayerNorm(16), "p")
+    assert plain is not None and plain.weight_form == "w" and plain.builtin
