@@ -244,13 +244,12 @@ class LayerHook:
     ) -> None:
         # The common case first, in few lines: inside a training step every line of
         # Python costs several times what it costs warm.
-        x = args[0] if args and isinstance(args[0], torch.Tensor) else _first_tensor(args, kwargs)
+        x = _input(args, kwargs)
         if x is None or not x.is_floating_point() or x.is_meta:
             return self._skip(x)
         if not self._counted(module):
             return
-        y = output if isinstance(output, torch.Tensor) else \
-            _first_tensor(output if isinstance(output, tuple | list) else (output,), {})
+        y = _output(output)
         # A second tensor input (the gate of a gated RMSNorm) changes what the output is:
         # the formula of x alone no longer applies.
         alone = not self.rt.check_outputs or not _other_tensor(args, kwargs, x)
@@ -285,24 +284,17 @@ class LayerHook:
     def _traced(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any],
                 output: Any) -> None:
         """The hook body ``torch.compile`` traces (see the module docstring)."""
-        x = args[0] if args and isinstance(args[0], torch.Tensor) else _first_tensor(args, kwargs)
+        x = _input(args, kwargs)
         if x is None or not x.is_floating_point() or x.is_meta or self.state is None:
             return
         if not (self.rt.count_eval or (module.training and torch.is_grad_enabled())):
             return
-        y = output if isinstance(output, torch.Tensor) else \
-            _first_tensor(output if isinstance(output, tuple | list) else (output,), {})
+        y = _output(output)
         # Python state is neither read nor written here (a checkpointed region is a
         # higher-order op that refuses side effects): dtypes go to a device row
-        weight = getattr(module, "weight", None)
-        device_type = x.device.type
-        amp = (torch.get_autocast_dtype(device_type)
-               if torch.is_autocast_enabled(device_type) else None)
-        codes = (x.dtype, weight.dtype if isinstance(weight, torch.Tensor) else None,
-                 None if y is None else y.dtype, amp)
         assert self.meta is not None
-        self.meta.copy_(torch.tensor([dtype_code(d) for d in codes], dtype=torch.float64,
-                                     device=self.meta.device))
+        self.meta.copy_(torch.tensor([dtype_code(d) for d in _dtypes(module, x, y)[:4]],
+                                     dtype=torch.float64, device=self.meta.device))
         if x.numel():
             self._fold_in_place(module, x.detach(), None if y is None else y.detach(),
                                 alone=not _other_tensor(args, kwargs, x))
@@ -316,12 +308,7 @@ class LayerHook:
         assert state is not None and ctl is not None
         tokens = self._tokens(x)
         out = y if y is not None and y.is_floating_point() and y.numel() else None
-        if out is None:
-            out_tokens = None
-        elif out.shape == x.shape:
-            out_tokens = self._tokens(out)
-        else:
-            out_tokens = out.reshape(-1, out.shape[-1]) if out.dim() else out.reshape(1, 1)
+        out_tokens = self._out_tokens(out, x)
         moved = x.device != state.device
         if moved:  # the model moved after watch(): correct, with a copy per call
             self._warn_device(x.device, state.device)
@@ -375,16 +362,20 @@ class LayerHook:
                           "them across: attach after moving the model", RuntimeWarning,
                           stacklevel=4)
 
+    def _out_tokens(self, out: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+        """The output as tokens: the input's layout, or for a wrong-shaped output its
+        last dim, whatever those tokens mean; ``None`` for no (or an empty) output."""
+        if out is None or out.numel() == 0:
+            return None
+        if out.shape == x.shape:
+            return self._tokens(out)
+        return out.reshape(-1, out.shape[-1]) if out.dim() else out.reshape(1, 1)
+
     def _reduce(self, tokens: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None,
                 key: float) -> CallRows:
         """One call's per-token rows: the fused kernel on its devices, else torch."""
         kind, eps = self.layer.kind, self._eps
-        if out is None or out.numel() == 0:
-            out_tokens = None
-        elif out.shape == x.shape:
-            out_tokens = self._tokens(out)
-        else:  # a wrong-shaped output: its last dim as tokens, whatever they mean
-            out_tokens = out.reshape(-1, out.shape[-1]) if out.dim() else out.reshape(1, 1)
+        out_tokens = self._out_tokens(out, x)
         if not self.rt.fused(x):
             return reduce_call(tokens, out_tokens, kind, eps, self.rt.full_stats, self.row, key)
         same = out_tokens is not None and out_tokens.shape == tokens.shape
@@ -405,17 +396,13 @@ class LayerHook:
         self.rt.accumulator.update_check(self.row, err.to(torch.float64), carried_eps(y))
 
     def _record_dtypes(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None) -> None:
-        weight = getattr(module, "weight", None)
-        device_type = "cpu" if x.is_cpu else x.device.type
-        amp = (torch.get_autocast_dtype(device_type)
-               if torch.is_autocast_enabled(device_type) else None)
-        signature = (x.dtype, weight.dtype if isinstance(weight, torch.Tensor) else None,
-                     None if y is None else y.dtype, amp, device_type)
+        signature = _dtypes(module, x, y)
         if signature != self._signature:  # names are built only when something changed
             self._signature = signature
             c = self.counts
             c.input_dtype, c.weight_dtype, c.output_dtype = (
                 None if d is None else _dtype_name(d) for d in signature[:3])
+            amp, device_type = signature[3:]
             c.autocast = None if amp is None else f"{device_type}:{_dtype_name(amp)}"
             c.device = x.device
 
@@ -451,6 +438,32 @@ def _other_tensor(args: tuple[Any, ...], kwargs: Mapping[str, Any], x: torch.Ten
     """Whether the call had a tensor input besides ``x``."""
     return any(isinstance(v, torch.Tensor) and v is not x
                for v in (*args, *kwargs.values()))
+
+
+def _input(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> torch.Tensor | None:
+    """The norm's input: its first positional tensor (the common case first), else the
+    first tensor found."""
+    return args[0] if args and isinstance(args[0], torch.Tensor) else _first_tensor(args, kwargs)
+
+
+def _output(output: Any) -> torch.Tensor | None:
+    """The norm's output tensor (the first one of a tuple or list)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    return _first_tensor(output if isinstance(output, tuple | list) else (output,), {})
+
+
+def _dtypes(module: nn.Module, x: torch.Tensor, y: torch.Tensor | None
+            ) -> tuple[torch.dtype, torch.dtype | None, torch.dtype | None, torch.dtype | None,
+                       str]:
+    """Input, weight, output and autocast dtypes of a call, and the device type (reads
+    flags and metadata only: traceable)."""
+    weight = getattr(module, "weight", None)
+    device_type = "cpu" if x.is_cpu else x.device.type
+    amp = (torch.get_autocast_dtype(device_type)
+           if torch.is_autocast_enabled(device_type) else None)
+    return (x.dtype, weight.dtype if isinstance(weight, torch.Tensor) else None,
+            None if y is None else y.dtype, amp, device_type)
 
 
 def _first_tensor(
