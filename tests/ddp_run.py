@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import CSVLogger
 from normwatch.integrations.lightning import NormWatchCallback
 
+from tests.factory import exit_now
 from tests.lightning_helpers import LitLM
 
 
@@ -42,3 +43,4 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    exit_now()
