@@ -144,6 +144,79 @@ TABLE: tuple[Stat, ...] = (
              "layer_fp16_headroom_ratio",
              "fp16 limit / max |x|: below 1 the layer's input overflows x^2 in fp16.")),
 )
+
+
+# -- gradients through each norm (see normwatch.measure.gradients) ---------------------------
+
+GRAD_SITES = {"grad_out": "the gradient arriving at the output (dL/dy)",
+              "grad_in": "the gradient leaving through the input, through the norm only",
+              "grad_hidden": "the gradient at the input, in total (the hidden state's)"}
+"""Where gradients are measured, by column prefix."""
+GRAD_SUMS = ("tokens", "finite", "sumsq", "elements")
+"""Each site's summed columns, adjacent in :data:`COLUMNS` (one in-place add)."""
+_WHERE = {"grad_out": "output", "grad_in": "input", "grad_hidden": "hidden"}
+
+
+def _grad_rms(site: str) -> Callable[[Mapping[str, float], Limits], float | None]:
+    def rms(raw: Mapping[str, float], limits: Limits) -> float | None:
+        n = raw[f"{site}_elements"]
+        return math.sqrt(raw[f"{site}_sumsq"] / n) if n else None
+    return rms
+
+
+def _grad_nonfinite(site: str) -> Callable[[Mapping[str, float], Limits], float | None]:
+    return lambda raw, limits: int(raw[f"{site}_tokens"] - raw[f"{site}_finite"])
+
+
+def _grad_gain(raw: Mapping[str, float], limits: Limits) -> float | None:
+    into, out = _grad_rms("grad_in")(raw, limits), _grad_rms("grad_out")(raw, limits)
+    return into / out if into is not None and out else None
+
+
+def _weight_grad_norm(raw: Mapping[str, float], limits: Limits) -> float | None:
+    n = raw["weight_grads"]
+    return math.sqrt(raw["weight_grad_sumsq"] / n) if n else None
+
+
+def _grad_stats(site: str) -> tuple[Stat, ...]:
+    what, where = GRAD_SITES[site], _WHERE[site]
+    return (
+        Stat(f"{site}_tokens", f"Tokens of {what}.", reduce="sum", integer=True, public=False),
+        Stat(f"{site}_finite", f"Finite tokens of {what}.", reduce="sum", integer=True,
+             public=False),
+        Stat(f"{site}_sumsq", f"Sum of squares over the finite tokens of {what}.",
+             reduce="sum", public=False),
+        Stat(f"{site}_elements", f"Elements of the finite tokens of {what}.", reduce="sum",
+             public=False),
+        Stat(f"{site}_absmax", f"Max |g| of {what}.", reduce="max", history=True,
+             metric=Metric("layer_gradient_absmax", "gauge", "Max |g| of a norm's gradient.",
+                           (("where", where),))),
+        Stat(f"{site}_rms", f"RMS of {what}.", "derived", derive=_grad_rms(site),
+             logged=site != "grad_in", history=True,
+             metric=Metric("layer_gradient_rms", "gauge",
+                           "RMS of a norm's gradient over the last interval.",
+                           (("where", where),))),
+        Stat(f"{site}_nonfinite", f"Tokens of {what} holding NaN/inf.", "derived",
+             derive=_grad_nonfinite(site), integer=True, history=True),
+    )
+
+
+GRADIENTS: tuple[Stat, ...] = (
+    *_grad_stats("grad_out"), *_grad_stats("grad_in"), *_grad_stats("grad_hidden"),
+    Stat("grad_gain", "The norm's gradient gain: RMS of dL/dx through it / RMS of dL/dy.",
+         "derived", derive=_grad_gain, logged=True, history=True,
+         metric=_gauge("layer_gradient_gain_ratio",
+                       "RMS of the gradient leaving a norm's input / arriving at its output.")),
+    Stat("weight_grads", "Backward passes that reached the weight.", reduce="sum",
+         integer=True, public=False),
+    Stat("weight_grad_sumsq", "Sum over backward passes of the weight gradient's squared "
+         "norm.", reduce="sum", public=False),
+    Stat("weight_grad_norm", "RMS over backward passes of the weight gradient's norm.",
+         "derived", derive=_weight_grad_norm, logged=True,
+         metric=_gauge("layer_weight_gradient_norm",
+                       "Norm of the norm layer's weight gradient (per backward, local).")),
+)
+TABLE = TABLE + GRADIENTS
 STATS: dict[str, Stat] = {s.name: s for s in TABLE}
 
 

@@ -33,6 +33,8 @@ class WatchConfig:
     """Full statistics every this many steps; the steps between run the cheap sentinel
     (per-token max |x| and non-finite flags of input and output). 1: everything on every
     step."""
+    gradients: bool = True
+    """Measure the gradients through each norm on full-tier steps (``stats_every``)."""
     early_warning: bool = True
     """On CUDA: peek at max |x| and non-finite counts every step without stalling (pinned
     memory + events) and flush at once when something is wrong."""
@@ -187,7 +189,7 @@ class WatchConfig:
                     )
         if not isinstance(self.early_warning, bool):
             raise ConfigError(f"'early_warning' must be a bool: got {self.early_warning!r}")
-        for flag in ("count_eval", "log_layers"):
+        for flag in ("count_eval", "log_layers", "gradients"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"'{flag}' must be a bool: got {getattr(self, flag)!r}")
         if self.raise_on is not None and self.raise_on not in SEVERITIES:

@@ -184,6 +184,23 @@ class LayerStats:
     output_dtype: str | None = None
     autocast: str | None = None
     """``"<device>:<dtype>"`` when the last call ran under autocast, else ``None``."""
+    # gradients through the norm (full-tier steps; None: no backward measured)
+    grad_out_absmax: float | None = None
+    grad_out_rms: float | None = None
+    """RMS of dL/dy, the gradient arriving at the output."""
+    grad_out_nonfinite: int = 0
+    grad_in_absmax: float | None = None
+    grad_in_rms: float | None = None
+    """RMS of dL/dx through the norm only (the gradient it passes back)."""
+    grad_in_nonfinite: int = 0
+    grad_hidden_absmax: float | None = None
+    grad_hidden_rms: float | None = None
+    """RMS of dL/dx in total: the hidden state's gradient where the norm reads it."""
+    grad_hidden_nonfinite: int = 0
+    grad_gain: float | None = None
+    """``grad_in_rms / grad_out_rms``."""
+    weight_grad_norm: float | None = None
+    """The norm of the weight's gradient, RMS over backward passes (local, per rank)."""
 
     @property
     def seen(self) -> bool:

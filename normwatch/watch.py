@@ -82,7 +82,8 @@ class Watch:
                 stacklevel=3,
             )
         self._measure = Measurement(pairs, c.limits, count_eval=c.count_eval, kernel=c.kernel,
-                                    root=model, output_checks=c.output_check_every > 0)
+                                    root=model, output_checks=c.output_check_every > 0,
+                                    gradients=c.gradients)
         self.layers: tuple[NormLayer, ...] = self._measure.layers
         self._by_name = {layer.name: layer for layer in self.layers}
         self._dispatcher = Dispatcher(c)

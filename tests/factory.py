@@ -23,6 +23,8 @@ HEALTHY: dict[str, Any] = dict(
     eps_dominance=1e-5, eps_dominated_tokens=0, common_mode_max=0.1, common_mode_tokens=0,
     nonfinite=0, out_nonfinite=0, out_absmax=3.5, output_mismatch=None, output_eps=None,
     input_dtype="float32", weight_dtype="float32", output_dtype="float32", autocast=None,
+    grad_out_absmax=0.05, grad_out_rms=0.01, grad_in_absmax=0.05, grad_in_rms=0.01,
+    grad_hidden_absmax=0.06, grad_hidden_rms=0.012, grad_gain=1.0, weight_grad_norm=0.1,
 )
 
 

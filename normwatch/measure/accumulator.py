@@ -45,6 +45,7 @@ class Accumulator:
         self._commits = 0
         self._plans: dict[tuple[Any, ...], FoldPlan] = {}
         self._meta: dict[torch.device, torch.Tensor] = {}
+        self._grads: dict[tuple[torch.device, int], torch.Tensor] = {}
 
     def stage(self, call: CallRows) -> None:
         """Queue one call's rows; no tensor op (the fold is a few dozen ops per step)."""
@@ -131,6 +132,20 @@ class Accumulator:
             torch._dynamo.mark_static_address(meta)
         return meta[row]
 
+    def grad_row(self, device: torch.device, row: int) -> torch.Tensor:
+        """Layer ``row``'s gradient state on ``device``: a row of :data:`COLUMNS` of its
+        own (the backward hooks fold only its gradient columns). Its own storage: the
+        compiled backward saves it, so the forward's in-place folds into the block must
+        not touch its version counter."""
+        grads = self._grads.get((device, row))
+        if grads is None:
+            dtype = torch.float32 if device.type == "mps" else torch.float64
+            grads = torch.empty(1, len(COLUMNS), dtype=dtype, device=device)
+            _reset(grads.data)
+            torch._dynamo.mark_static_address(grads)
+            self._grads[(device, row)] = grads
+        return grads[0]
+
     def update_check(self, row: int, error: torch.Tensor, eps: torch.Tensor) -> None:
         """Fold an output check (0-d tensors: the mismatch and the precision the output
         carries) into layer ``row``; NaN never beats a value."""
@@ -155,6 +170,9 @@ class Accumulator:
         for device in dict.fromkeys([*self._blocks, *extras]):
             parts = []
             block = self._blocks.get(device)
+            grads = {row: t for (d, row), t in self._grads.items() if d == device}
+            if grads:  # merged into a copy of the block (which holds their identities)
+                block = _merge(self._block(device), grads)
             meta = self._meta.get(device)
             if meta is not None:
                 parts.append(meta.flatten())
@@ -190,6 +208,8 @@ class Accumulator:
         self._staged_tokens = 0
         for block in self._blocks.values():
             _reset(block)
+        for grads in self._grads.values():
+            _reset(grads.data)  # .data: compiled backwards that saved it stay valid
 
 
 META = ("meta_input", "meta_weight", "meta_output", "meta_autocast")
@@ -221,6 +241,18 @@ def fold_into(state: torch.Tensor, values: torch.Tensor, gate: torch.Tensor) -> 
         torch.maximum(state[_N_SUM:_MAX_END], values[_N_SUM:_MAX_END].nan_to_num(-inf, inf, -inf)),
         torch.minimum(state[_MAX_END:], values[_MAX_END:].nan_to_num(inf, inf, -inf))])
     state.copy_(torch.where(gate, merged, state))
+
+
+def _merge(block: torch.Tensor, rows: dict[int, torch.Tensor]) -> torch.Tensor:
+    """``block`` combined with separately kept single ``rows`` (by layer), column by
+    column with each column's reduction: a new tensor."""
+    other = torch.empty_like(block)
+    _reset(other)
+    index = torch.tensor(list(rows), device=block.device)
+    other.index_copy_(0, index, torch.cat(list(rows.values())).to(block.dtype))
+    return torch.cat([block[:, :_N_SUM] + other[:, :_N_SUM],
+                      torch.fmax(block[:, _N_SUM:_MAX_END], other[:, _N_SUM:_MAX_END]),
+                      torch.fmin(block[:, _MAX_END:], other[:, _MAX_END:])], 1)
 
 
 def _reset(block: torch.Tensor) -> None:

@@ -39,6 +39,7 @@ from normwatch.measure.accumulator import (
     dtype_code,
     fold_into,
 )
+from normwatch.measure.gradients import GradHooks
 from normwatch.measure.reductions import (
     CallRows,
     carried_eps,
@@ -77,6 +78,15 @@ class Runtime:
     """A flush found compiled calls: eager hooks fold in place too (one call counter)."""
     controls: dict[torch.device, torch.Tensor] = field(default_factory=dict)
     """Per device, the flags compiled hooks read (:data:`CONTROL` order, float64)."""
+    gradients: bool = True
+    """Whether gradients through the norms are measured (fixed: compiled graphs read it)."""
+    gates: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    """Per device, the gradient hooks' flag (:meth:`gate`)."""
+
+    @property
+    def grads_now(self) -> bool:
+        """Whether this step's backward is measured (full tier, not paused)."""
+        return self.gradients and self.full_stats and not self.paused
 
     def control(self, device: torch.device) -> torch.Tensor:
         """The control tensor of ``device`` (made, outside any graph, on first use)."""
@@ -88,6 +98,18 @@ class Runtime:
             self.controls[device] = ctl
         return ctl
 
+    def gate(self, device: torch.device) -> torch.Tensor:
+        """The 0-d flag gradient hooks read on ``device`` (1: measure this backward).
+        Its own tensor, written through ``.data``: compiled backwards save it, and their
+        saved copy must stay valid while it changes."""
+        gate = self.gates.get(device)
+        if gate is None:
+            gate = torch.zeros((), dtype=torch.float64, device=device)
+            _static(gate)
+            gate.data.fill_(float(self.grads_now))
+            self.gates[device] = gate
+        return gate
+
     def update(self, **flags: Any) -> None:
         """Set flags (``step``, ``full_stats``, ``paused``, ``check_outputs``,
         ``calls_this_step``) and write them into every control tensor: a few fills, no
@@ -96,6 +118,8 @@ class Runtime:
             setattr(self, name, value)
         for ctl in self.controls.values():
             self._write(ctl)
+        for gate in self.gates.values():
+            gate.data.fill_(float(self.grads_now))
 
     def _write(self, ctl: torch.Tensor) -> None:
         values = (self.step, self.full_stats, self.calls_this_step, not self.paused,
@@ -180,6 +204,9 @@ class LayerHook:
         self.state: torch.Tensor | None = None
         """This layer's accumulator row on its home device (what compiled calls update)."""
         self.ctl: torch.Tensor | None = None
+        self.grad_state: torch.Tensor | None = None
+        """This layer's gradient row (:meth:`Accumulator.grad_row`) and the gate."""
+        self.grad_gate: torch.Tensor | None = None
         self.meta: torch.Tensor | None = None
         """Dtype codes compiled calls write (:data:`~normwatch.measure.accumulator.META`)."""
         self._warned_device = False
@@ -187,18 +214,71 @@ class LayerHook:
         if home is not None and home.type != "meta":  # meta: placed at its first real call
             self.home(home)
         self.handle: RemovableHandle | None = module.register_forward_hook(self, with_kwargs=True)
+        self.grads: GradHooks | None = None
+        self._pre_handle: RemovableHandle | None = None
+        if runtime.gradients:
+            self.grads = GradHooks(layer.token_size, self._grad_target, self._fail)
+            self.grads.watch_weight(getattr(module, "weight", None))
+            self._pre_handle = module.register_forward_pre_hook(self._pre, with_kwargs=True)
 
     def home(self, device: torch.device) -> None:
         """Place this layer's in-place state on ``device`` (outside any graph)."""
         self.state = self.rt.accumulator.row_state(device, self.row)
         self.meta = self.rt.accumulator.row_meta(device, self.row)
         self.ctl = self.rt.control(device)
+        if self.rt.gradients:
+            self.grad_state = self.rt.accumulator.grad_row(device, self.row)
+            self.grad_gate = self.rt.gate(device)
 
     def remove(self) -> None:
         """Detach from the module (harmless twice)."""
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
+        if self._pre_handle is not None:
+            self._pre_handle.remove()
+            self._pre_handle = None
+        if self.grads is not None:
+            self.grads.remove()
+
+    def _grad_target(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This layer's row and control tensor, for the gradient hooks."""
+        if self.grad_state is None or self.grad_gate is None:
+            return None
+        return self.grad_state, self.grad_gate
+
+    def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+             ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """Forward pre-hook: on measured steps, the norm reads a hooked view of its input
+        (:meth:`GradHooks.watch_input`)."""
+        try:
+            if torch.compiler.is_compiling():
+                if not (module.training and torch.is_grad_enabled()):
+                    return None
+            elif not self._grads_now(module):
+                return None
+            x = _input(args, kwargs)
+            if x is None or not x.requires_grad or not x.is_floating_point() \
+                    or self.grads is None:
+                return None
+            view = self.grads.watch_input(x)
+            if args and args[0] is x:
+                return (view, *args[1:]), kwargs
+            if any(v is x for v in kwargs.values()):
+                return args, {k: view if v is x else v for k, v in kwargs.items()}
+            return tuple(view if a is x else a for a in args), kwargs
+        except Exception as exc:  # never take the training run down
+            self._fail(exc)
+            return None
+
+    def _grads_now(self, module: nn.Module) -> bool:
+        """Eager: whether this call's backward is measured (a counted training call of a
+        measured step; not an activation-checkpoint recompute of a counted one)."""
+        if not self.rt.grads_now or self.state is None:
+            return False
+        if torch._C._current_graph_task_id() != -1:
+            return self.pending_recompute > 0
+        return module.training and torch.is_grad_enabled()
 
     def __call__(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], output: Any
@@ -249,7 +329,7 @@ class LayerHook:
             return self._skip(x)
         if not self._counted(module):
             return
-        y = _output(output)
+        y = y0 = _output(output)
         # A second tensor input (the gate of a gated RMSNorm) changes what the output is:
         # the formula of x alone no longer applies.
         alone = not self.rt.check_outputs or not _other_tensor(args, kwargs, x)
@@ -277,6 +357,10 @@ class LayerHook:
         c.tokens += n_tokens
         c.empty_calls += not n_tokens
         c.input_shape = x.shape
+        if self.grads is not None and rt.grads_now:
+            if y0 is not None and y0.requires_grad:
+                self.grads.watch_output(y0)
+            self.grads.watch_weight(getattr(module, "weight", None))  # FSDP2 swaps it
         if c.calls == 1:
             rt.forward_order.setdefault(self.layer.name, len(rt.forward_order))
         self._record_dtypes(module, x, y)
@@ -298,6 +382,8 @@ class LayerHook:
         if x.numel():
             self._fold_in_place(module, x.detach(), None if y is None else y.detach(),
                                 alone=not _other_tensor(args, kwargs, x))
+        if self.grads is not None and y is not None and y.requires_grad:
+            self.grads.watch_output(y)
 
     def _fold_in_place(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None,
                        alone: bool) -> int | torch.SymInt:

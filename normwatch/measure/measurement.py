@@ -34,12 +34,13 @@ class Measurement:
 
     def __init__(self, pairs: Iterable[tuple[NormLayer, nn.Module]], limits: Limits,
                  *, count_eval: bool = False, kernel: str = "auto",
-                 root: nn.Module | None = None, output_checks: bool = True) -> None:
+                 root: nn.Module | None = None, output_checks: bool = True,
+                 gradients: bool = True) -> None:
         pairs = list(pairs)
         self.layers: tuple[NormLayer, ...] = tuple(layer for layer, _ in pairs)
         self.limits = limits
         self._rt = Runtime(Accumulator(len(pairs), limits), count_eval=count_eval,
-                           kernel=kernel, output_checks=output_checks)
+                           kernel=kernel, output_checks=output_checks, gradients=gradients)
         fallback = None if root is None else module_device(root)
         self._hooks = [LayerHook(layer, module, i, self._rt, module_device(module) or fallback)
                        for i, (layer, module) in enumerate(pairs)]

@@ -1,0 +1,166 @@
+"""Gradients through one norm: what arrives at its output, what it passes back, and the
+hidden state's gradient where it reads it; and its weight's gradient.
+
+    >>> hooks = GradHooks(state, control, width)     # one per norm layer
+    >>> hooks.watch_input(x)   # forward pre-hook: returns the view the norm must read
+    >>> hooks.watch_output(y)  # forward hook
+
+Tensor hooks registered in the forward (on full-tier steps) fire in the backward with
+``dL/dy`` (``grad_out``, on the output), ``dL/dx`` through the norm only (``grad_in``, on
+a view of the input that only the norm reads) and ``dL/dx`` in total (``grad_hidden``, on
+the input itself: the residual stream of a pre-norm block). Each folds a few numbers into
+the layer's accumulator row in place (:func:`fold_grad`): tensor ops only, no host sync,
+traceable by ``torch.compile`` (Dynamo puts the hook into the backward graph). The hooks
+live on the step's autograd graph and go with it: no tensor is kept past the step.
+
+The weight's gradient is measured by a hook on the parameter, registered once: it fires
+with each backward's local gradient, before DDP reduces it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from normwatch.catalog import COLUMNS, GRAD_SITES, GRAD_SUMS
+
+SUM_AT = {site: COLUMNS.index(f"{site}_tokens") for site in GRAD_SITES}
+"""Where each site's summed columns start (adjacent, :data:`GRAD_SUMS` order)."""
+PEAK_AT = {site: COLUMNS.index(f"{site}_absmax") for site in GRAD_SITES}
+WEIGHT_AT = COLUMNS.index("weight_grads")
+assert all(COLUMNS[SUM_AT[s]:SUM_AT[s] + len(GRAD_SUMS)] == tuple(f"{s}_{c}" for c in GRAD_SUMS)
+           for s in GRAD_SITES)
+assert COLUMNS[WEIGHT_AT + 1] == "weight_grad_sumsq"
+
+def reduce_grad(g: torch.Tensor, width: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One gradient as ``([tokens, finite tokens, sum of squares, elements], max |g|)``
+    over its finite tokens (``width`` elements each, else its last dim): float32 on its
+    device, six row reductions."""
+    if g.dim() == 0:
+        t = g.reshape(1, 1)
+    elif width and g.shape[-1] == width:
+        t = g.reshape(-1, width)
+    else:
+        t = g.reshape(-1, g.shape[-1])
+    t = t.float()
+    a = t.abs().amax(1)  # NaN/inf exactly on the tokens holding them
+    ok = a.isfinite()
+    okf = ok.float()
+    sumsq = torch.where(ok, (t * t).sum(1), 0.0).sum()
+    finite = okf.sum()
+    sums = torch.stack([torch.ones_like(okf).sum(), finite, sumsq, finite * t.shape[1]])
+    return sums, torch.where(ok, a, -math.inf).amax()
+
+
+def fold_grad(state: torch.Tensor, gate: torch.Tensor, site: str, g: torch.Tensor,
+              width: int | None) -> None:
+    """Fold gradient ``g`` measured at ``site`` into a layer's accumulator row ``state``
+    in place, where the 0-d bool ``gate`` is true."""
+    sums, peak = reduce_grad(g.detach(), width)
+    start, n = SUM_AT[site], len(GRAD_SUMS)
+    cells = state[start:start + n]
+    cells.add_(torch.where(gate, sums, 0.0).to(state.dtype))
+    at = PEAK_AT[site]
+    cell = state[at:at + 1]
+    cell.copy_(torch.fmax(cell, torch.where(gate, peak, -math.inf).to(state.dtype).reshape(1)))
+
+
+def fold_weight_grad(state: torch.Tensor, gate: torch.Tensor, g: torch.Tensor) -> None:
+    """Fold one backward's weight gradient (its local shard, for a DTensor) into
+    ``state``: one backward pass and its squared norm."""
+    local = g.to_local() if hasattr(g, "to_local") else g
+    local = local.detach().float()
+    both = torch.stack([torch.ones((), device=local.device), (local * local).sum()])
+    cells = state[WEIGHT_AT:WEIGHT_AT + 2]
+    cells.add_(torch.where(gate.to(local.device), both, 0.0).to(state.dtype))
+
+
+class GradHooks:
+    """The gradient side of one layer's hook (see the module docstring).
+
+    ``target()`` gives the layer's gradient row and gate (0-d), or ``None`` while
+    it has no home; ``fail`` disables the layer on an exception (eager only: a traced
+    hook must not touch Python state).
+    """
+
+    def __init__(self, width: int | None, target: Any, fail: Any) -> None:
+        self.width = width
+        self._target = target
+        self._fail = fail
+        self._weight: nn.Parameter | None = None
+        self._weight_handle: RemovableHandle | None = None
+
+    def watch_input(self, x: torch.Tensor) -> torch.Tensor:
+        """Hook ``x`` (the hidden state's gradient) and return the view of it the norm
+        must read instead (the gradient through the norm only)."""
+        if not isinstance(x, nn.Parameter):  # a leaf that lives on keeps its hooks
+            x.register_hook(self._hidden)
+        view = x.view_as(x)
+        view.register_hook(self._in)
+        return view
+
+    def watch_output(self, y: torch.Tensor) -> None:
+        """Hook the norm's output (the gradient arriving at it)."""
+        y.register_hook(self._out)
+
+    def watch_weight(self, weight: object) -> None:
+        """Hook the layer's weight once (again when the module's weight is replaced, as
+        FSDP2 does with the unsharded parameter)."""
+        if weight is self._weight or not isinstance(weight, torch.Tensor) \
+                or not weight.requires_grad:
+            return
+        self.remove()
+        self._weight = weight  # type: ignore[assignment]
+        self._weight_handle = weight.register_hook(self._weight_grad)
+
+    def remove(self) -> None:
+        """Remove the weight's hook (the activation hooks go with their graphs)."""
+        if self._weight_handle is not None:
+            self._weight_handle.remove()
+            self._weight_handle = None
+        self._weight = None
+
+    def _out(self, g: torch.Tensor) -> None:
+        self._fold("grad_out", g)
+
+    def _in(self, g: torch.Tensor) -> None:
+        self._fold("grad_in", g)
+
+    def _hidden(self, g: torch.Tensor) -> None:
+        self._fold("grad_hidden", g)
+
+    def _fold(self, site: str, g: torch.Tensor) -> None:
+        if torch.compiler.is_compiling():
+            self._fold_now(site, g)
+            return
+        try:
+            self._fold_now(site, g)
+        except Exception as exc:  # never take the training run down
+            self._fail(exc)
+
+    def _fold_now(self, site: str, g: torch.Tensor) -> None:
+        target = self._target()
+        if target is None or not g.numel():
+            return
+        state, flag = target
+        gate = flag > 0
+        if g.device != state.device:
+            gate = gate.to(g.device)
+            fold = state.to(g.device)
+            fold_grad(fold, gate, site, g, self.width)
+            state.copy_(fold.to(state.device))
+            return
+        fold_grad(state, gate, site, g, self.width)
+
+    def _weight_grad(self, g: torch.Tensor) -> None:
+        try:
+            target = self._target()
+            if target is not None and g is not None:
+                state, flag = target
+                fold_weight_grad(state, flag > 0, g)
+        except Exception as exc:  # never take the training run down
+            self._fail(exc)
