@@ -35,6 +35,12 @@ class WatchConfig:
     step."""
     gradients: bool = True
     """Measure the gradients through each norm on full-tier steps (``stats_every``)."""
+    gradient_decay_ratio: float = 0.5
+    """``gradient_decay`` fires when the hidden state's gradient RMS at the first norm is
+    below this fraction of the last norm's, falling with depth."""
+    placement: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Where norms sit, by glob pattern of layer names: ``"pre"`` (on a residual branch)
+    or ``"post"`` (on the trunk after the add); unlisted norms are inferred."""
     early_warning: bool = True
     """On CUDA: peek at max |x| and non-finite counts every step without stalling (pinned
     memory + events) and flush at once when something is wrong."""
@@ -187,6 +193,12 @@ class WatchConfig:
                         f"{key!r} must be a sequence of str patterns: got "
                         f"{type(pattern).__name__} {pattern!r}"
                     )
+        _number(self.gradient_decay_ratio, "gradient_decay_ratio", low=0.0, low_open=True)
+        if not isinstance(self.placement, Mapping) or any(
+                not isinstance(k, str) or v not in ("pre", "post")
+                for k, v in self.placement.items()):
+            raise ConfigError(f"'placement' must map layer-name patterns to 'pre' or 'post': "
+                              f"got {self.placement!r}")
         if not isinstance(self.early_warning, bool):
             raise ConfigError(f"'early_warning' must be a bool: got {self.early_warning!r}")
         for flag in ("count_eval", "log_layers", "gradients"):
@@ -270,6 +282,8 @@ def _parse(name: str, text: str, default: Any) -> Any:
         return text.lower() in ("1", "true", "yes")
     if isinstance(default, tuple):
         return tuple(p for p in text.split(",") if p)
+    if isinstance(default, Mapping):  # NORMWATCH_PLACEMENT=blocks.*.norm=post,final=pre
+        return dict(p.split("=", 1) for p in text.split(",") if "=" in p)
     for kind in (int, float) if isinstance(default, int | float) else ():
         try:
             return kind(text)

@@ -22,7 +22,8 @@ SEVERITY_RANK: dict[str, int] = {s: i for i, s in enumerate(SEVERITIES)}
 
 AlarmKind = Literal[
     "fp16_overflow", "fp16_headroom", "nonfinite", "eps_dominance", "common_mode",
-    "dtype_mismatch", "output_mismatch",
+    "dtype_mismatch", "output_mismatch", "gradient_nonfinite", "gradient_decay",
+    "gradient_headroom",
 ]  # fmt: skip
 ALARM_KINDS: tuple[AlarmKind, ...] = get_args(AlarmKind)
 

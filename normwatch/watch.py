@@ -105,6 +105,7 @@ class Watch:
         self._absmax_history: dict[str, deque[tuple[int, float]]] = {
             layer.name: deque(maxlen=HISTORY_POINTS) for layer in self.layers
         }
+        self._grad_history: deque[tuple[int, float]] = deque(maxlen=HISTORY_POINTS)
         self._losses = LossBuffer()
         self.step_count = 0
         self._interval_start = 1
@@ -190,8 +191,13 @@ class Watch:
         for name, stats in snapshot.layers.items():
             if stats.absmax is not None:
                 self._absmax_history[name].append((snapshot.step, stats.absmax))
+        peak = max((s.grad_out_absmax for s in snapshot.layers.values()
+                     if s.fp16 and s.grad_out_absmax is not None), default=None)
+        if peak is not None:
+            self._grad_history.append((snapshot.step, peak))
         context = RuleContext(self.config, self._by_name, self._measure.probes(snapshot),
-                              {k: tuple(v) for k, v in self._absmax_history.items()})
+                              {k: tuple(v) for k, v in self._absmax_history.items()},
+                              self.forward_order, tuple(self._grad_history))
         self.last_findings = evaluate(snapshot, context)
         if checked:
             self._last_check = [a for a in self.last_findings if a.kind == "output_mismatch"]

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from normwatch.config import WatchConfig
+from normwatch.judge.depth import gradient_alarms
 from normwatch.judge.headroom import steps_to_limit
 from normwatch.records import (
     FP16_MAX,
@@ -34,6 +35,10 @@ class RuleContext:
     layers: Mapping[str, NormLayer]
     probes: Mapping[str, ProbeResult] = field(default_factory=dict)
     absmax_history: Mapping[str, Sequence[tuple[int, float]]] = field(default_factory=dict)
+    order: Sequence[str] = ()
+    """Layer names in forward order (the gradient rules walk them backwards)."""
+    grad_history: Sequence[tuple[int, float]] = ()
+    """``(step, largest |dL/dy| of the fp16 layers)`` per flush, oldest first."""
 
 
 def evaluate(snapshot: Snapshot, ctx: RuleContext) -> list[Alarm]:
@@ -49,6 +54,9 @@ def evaluate(snapshot: Snapshot, ctx: RuleContext) -> list[Alarm]:
         alarms += common_mode_alarms(stats, step, ctx.config)
         alarms += dtype_alarms(stats, layer, step)
         alarms += output_alarms(stats, step, ctx.config)
+    alarms += gradient_alarms(snapshot, ctx.order, decay_ratio=ctx.config.gradient_decay_ratio,
+                              stated=ctx.config.placement, grad_history=ctx.grad_history,
+                              horizon=ctx.config.headroom_horizon)
     return alarms
 
 

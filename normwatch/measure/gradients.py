@@ -98,14 +98,14 @@ class GradHooks:
         """Hook ``x`` (the hidden state's gradient) and return the view of it the norm
         must read instead (the gradient through the norm only)."""
         if not isinstance(x, nn.Parameter):  # a leaf that lives on keeps its hooks
-            x.register_hook(self._hidden)
+            x.register_hook(self._hidden)  # type: ignore[no-untyped-call]
         view = x.view_as(x)
-        view.register_hook(self._in)
+        view.register_hook(self._in)  # type: ignore[no-untyped-call]
         return view
 
     def watch_output(self, y: torch.Tensor) -> None:
         """Hook the norm's output (the gradient arriving at it)."""
-        y.register_hook(self._out)
+        y.register_hook(self._out)  # type: ignore[no-untyped-call]
 
     def watch_weight(self, weight: object) -> None:
         """Hook the layer's weight once (again when the module's weight is replaced, as
@@ -115,7 +115,8 @@ class GradHooks:
             return
         self.remove()
         self._weight = weight  # type: ignore[assignment]
-        self._weight_handle = weight.register_hook(self._weight_grad)
+        self._weight_handle = weight.register_hook(  # type: ignore[no-untyped-call]
+            self._weight_grad)
 
     def remove(self) -> None:
         """Remove the weight's hook (the activation hooks go with their graphs)."""
