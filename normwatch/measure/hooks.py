@@ -293,7 +293,10 @@ class LayerHook:
 
     def _fail(self, exc: Exception) -> None:
         """Disable this hook with one warning (while tracing: Dynamo breaks the graph
-        here and the recompile drops the hook)."""
+        here and the recompile drops the hook). Once: the hooks already registered on
+        this step's tensors may fail again."""
+        if self.disabled_reason is not None:
+            return
         self.disabled_reason = f"{type(exc).__name__}: {exc}"
         self.remove()
         warnings.warn(

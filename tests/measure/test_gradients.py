@@ -1,0 +1,244 @@
+"""Gradients through the norms: against a float64 autograd reference, under gradient
+accumulation, activation checkpointing and tiers; hooks that keep nothing alive."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import math
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import normwatch
+import normwatch.measure.gradients
+from normwatch.records import LayerStats
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, pre: bool, norm: type[nn.Module] = nn.LayerNorm) -> None:
+        super().__init__()
+        self.pre = pre
+        self.norm = norm(d)
+        self.ff = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.ff(self.norm(h)) if self.pre else self.norm(h + self.ff(h))
+
+
+def model(pre: bool = True, depth: int = 3, d: int = 16) -> nn.Sequential:
+    torch.manual_seed(0)
+    norms = [nn.LayerNorm, nn.RMSNorm]
+    blocks = [Block(d, pre, norms[i % 2]) for i in range(depth)]
+    for b in blocks:  # weights away from 1: the weight gradient is not trivially related
+        nn.init.uniform_(b.norm.weight, 0.5, 1.5)  # type: ignore[arg-type]
+    return nn.Sequential(nn.Linear(d, d), *blocks)
+
+
+def batch(seed: int = 1, d: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(3, 5, d, generator=g), torch.randn(3, 5, d, generator=g)
+
+
+def reference(net: nn.Sequential, batches: list[tuple[torch.Tensor, torch.Tensor]]
+              ) -> dict[str, dict[str, float]]:
+    """Per norm, float64: RMS / max |g| of dL/dy, dL/dx through the norm (autograd.grad
+    of its output alone), dL/dx in total, and the weight gradient's norm per backward."""
+    ref = {}
+    net64 = copy.deepcopy(net).double()
+    acc: dict[str, dict[str, list[torch.Tensor]]] = {}
+    for x, target in batches:
+        seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        handles = []
+        for name, mod in net64.named_modules():
+            if isinstance(mod, nn.LayerNorm | nn.RMSNorm):
+                def post(m: nn.Module, args: tuple[Any, ...], out: torch.Tensor,
+                         name: str = name, seen: dict[str, Any] = seen) -> None:
+                    seen[name] = (args[0], out)
+                handles.append(mod.register_forward_hook(post))
+        y = net64(x.double())
+        loss = (y * target.double()).sum()
+        outs = {n: o for n, (_, o) in seen.items()}
+        # dL/dy of every norm, then the gradient through each norm alone
+        grads = torch.autograd.grad(loss, [*outs.values(), *[i for i, _ in seen.values()
+                                                             if i.requires_grad]],
+                                    retain_graph=True)
+        gy = dict(zip(outs, grads[:len(outs)], strict=True))
+        gx = dict(zip([n for n, (i, _) in seen.items() if i.requires_grad],
+                      grads[len(outs):], strict=True))
+        for name, (inp, out) in seen.items():
+            a = acc.setdefault(name, {"out": [], "in": [], "hidden": [], "w": []})
+            a["out"].append(gy[name])
+            if inp.requires_grad:
+                (through,) = torch.autograd.grad(out, inp, gy[name], retain_graph=True)
+                a["in"].append(through)
+                a["hidden"].append(gx[name])
+            weight = net64.get_submodule(name).weight
+            (gw,) = torch.autograd.grad(out, weight, gy[name], retain_graph=True)
+            a["w"].append(gw)
+        for h in handles:
+            h.remove()
+    for name, a in acc.items():
+        row = {}
+        for site in ("out", "in", "hidden"):
+            if a[site]:
+                flat = torch.cat([g.flatten() for g in a[site]])
+                row[f"grad_{site}_rms"] = float(flat.square().mean().sqrt())
+                row[f"grad_{site}_absmax"] = float(flat.abs().max())
+        row["weight_grad_norm"] = math.sqrt(sum(float(g.square().sum()) for g in a["w"])
+                                            / len(a["w"]))
+        row["grad_gain"] = row.get("grad_in_rms", math.nan) / row["grad_out_rms"]
+        ref[name] = row
+    return ref
+
+
+def measured(stats: LayerStats) -> dict[str, float | None]:
+    return {f: getattr(stats, f) for f in (
+        "grad_out_rms", "grad_out_absmax", "grad_in_rms", "grad_in_absmax", "grad_hidden_rms",
+        "grad_hidden_absmax", "grad_gain", "weight_grad_norm")}
+
+
+def train(net: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
+          run: Any = None, **options: Any) -> normwatch.Snapshot:
+    """One optimizer step over ``batches`` (gradient accumulation), flushed."""
+    w = normwatch.watch(net, flush_every=1, stats_every=1, report_dir=None, **options)
+    for x, target in batches:
+        y = (run or net)(x)
+        (y * target).sum().backward()
+    snap = w.step()
+    w.close()
+    assert snap is not None
+    return snap
+
+
+@pytest.mark.parametrize("pre", [True, False], ids=["pre-norm", "post-norm"])
+@pytest.mark.parametrize("micro", [1, 3], ids=["one-batch", "accumulate-3"])
+def test_gradient_statistics_match_a_float64_reference(pre: bool, micro: int) -> None:
+    net = model(pre)
+    batches = [batch(seed) for seed in range(micro)]
+    ref = reference(net, batches)
+    snap = train(net, batches)
+    for name, expected in ref.items():
+        got = measured(snap.layers[name])
+        for field, value in expected.items():
+            assert got[field] == pytest.approx(value, rel=1e-5), (name, field)
+        stats = snap.layers[name]
+        assert stats.grad_out_nonfinite == stats.grad_in_nonfinite == 0
+    # the gradient through a post-norm is all the gradient its input gets
+    for name in ref:
+        s = snap.layers[name]
+        same = s.grad_hidden_rms == pytest.approx(s.grad_in_rms, rel=1e-6)
+        assert same is (not pre), name
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_measures_each_backward_once(reentrant: bool) -> None:
+    plain = model()
+    expected = train(plain, [batch()])
+    net = model()
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        h = net[0](x)
+        for block in list(net)[1:]:
+            h = checkpoint(block, h, use_reentrant=reentrant)
+        return h
+
+    x, target = batch()
+    got = train(net, [(x.requires_grad_(), target)], run=run)
+    for name, stats in expected.layers.items():
+        a, b = measured(stats), measured(got.layers[name])
+        for field in ("grad_out_rms", "grad_in_rms", "weight_grad_norm"):
+            assert b[field] == pytest.approx(a[field], rel=1e-5), (name, field)
+
+
+def test_only_full_tier_steps_are_measured_and_the_option_turns_it_off() -> None:
+    net = model()
+    w = normwatch.watch(net, flush_every=4, stats_every=2, report_dir=None)
+    for _ in range(4):  # full tier: steps 1 and 3
+        x, target = batch()
+        (net(x) * target).sum().backward()
+        w.step()
+    snap = w.last_snapshot
+    assert snap is not None
+    one = train(model(), [batch()])
+    for name, stats in snap.layers.items():
+        assert stats.grad_out_rms == pytest.approx(one.layers[name].grad_out_rms, rel=1e-5)
+    row = w._measure.accumulator.grad_row(torch.device("cpu"), 1)
+    assert row.tolist() == pytest.approx(row.tolist())  # reset, still readable
+    w.close()
+    off = train(model(), [batch()], gradients=False)
+    assert all(s.grad_out_rms is None and s.weight_grad_norm is None
+               for s in off.layers.values())
+    assert all(not m._forward_pre_hooks for m in model().modules())
+
+
+def test_a_nonfinite_gradient_is_counted_where_it_arrives() -> None:
+    net = model(depth=4)
+
+    class Poison(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, h: torch.Tensor) -> torch.Tensor:
+            return h.clone()
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            g = g.clone()
+            g[0, 0, 0] = math.nan
+            return g
+
+    blocks = list(net)[1:]
+    w = normwatch.watch(net, flush_every=1, stats_every=1, report_dir=None)
+    x, target = batch()
+    h = net[0](x)
+    for i, block in enumerate(blocks):
+        h = block(Poison.apply(h) if i == 2 else h)
+    (h * target).sum().backward()
+    snap = w.step()
+    assert snap is not None
+    order = w.forward_order
+    bad = [n for n in order if snap.layers[n].grad_out_nonfinite]
+    assert bad == order[:2]  # the poison sits between norms 1 and 2: below it, NaN
+    alarm = next(a for a in w.alarms if a.kind == "gradient_nonfinite")
+    assert alarm.layer == order[1] and alarm.tag == "born" and alarm.severity == "critical"
+    w.close()
+
+
+def test_hooks_keep_no_tensor_alive_past_the_step() -> None:
+    net = model()
+    w = normwatch.watch(net, flush_every=1, stats_every=1, report_dir=None)
+    x, target = batch()
+    y = net(x)
+    ref = weakref.ref(y)
+    (y * target).sum().backward()
+    del y
+    gc.collect()
+    assert ref() is None
+    y = net(x)  # a forward whose backward never runs: its graph goes with it
+    ref = weakref.ref(y)
+    del y
+    gc.collect()
+    assert ref() is None
+    w.step()
+    w.close()
+
+
+def test_a_failing_gradient_hook_warns_once_and_training_goes_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(normwatch.measure.gradients, "fold_grad", broken)
+    net = model()
+    w = normwatch.watch(net, flush_every=1, stats_every=1, report_dir=None)
+    with pytest.warns(RuntimeWarning, match="boom") as caught:
+        for _ in range(2):
+            x, target = batch()
+            (net(x) * target).sum().backward()
+            w.step()
+    assert len([c for c in caught if "boom" in str(c.message)]) == len(w.layers)
+    assert set(w.disabled) == set(w.forward_order)
+    w.close()
