@@ -43,9 +43,12 @@ class LedgerBlock(nn.Module):
             self.down.weight.copy_(torch.randn(d, k, generator=gen) / math.sqrt(k))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor
         if self.placement == "pre":
-            return h + self.down(torch.relu(self.up(self.norm(h))))
-        return self.norm(h + self.down(torch.relu(self.up(h))))
+            out = h + self.down(torch.relu(self.up(self.norm(h))))
+        else:
+            out = self.norm(h + self.down(torch.relu(self.up(h))))
+        return out
 
 
 @dataclass(frozen=True)
