@@ -30,6 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from normwatch.catalog import TABLE, Metric, layer_values
+from normwatch.judge.depth import depth_profile
 from normwatch.records import (
     ALARM_KINDS,
     BLAMES,
@@ -56,6 +57,7 @@ class _State:
     last_flush: float = 0.0
     flushes: int = 0
     loss: float | None = None
+    depth_ratio: float | None = None
     gauges: dict[str, dict[str, float]] = field(default_factory=dict)
     """family -> layer -> value."""
     counters: dict[str, dict[_Key, float]] = field(default_factory=dict)
@@ -99,6 +101,9 @@ class NormwatchCollector(Collector):
                     s.loss = loss
                 else:
                     s.nonfinite_losses += 1
+            profile = depth_profile(snapshot, ())
+            if profile is not None:
+                s.depth_ratio = profile.ratio
             for name, stats in snapshot.layers.items():
                 if not stats.seen:
                     continue
@@ -138,6 +143,8 @@ class NormwatchCollector(Collector):
             ("normwatch_fp16_limit", "The |x| alarm threshold (256: x^2 overflows fp16).",
              self.limits.fp16_limit),
             ("normwatch_loss", "Last finite loss passed to watch.step().", state.loss),
+            ("normwatch_gradient_depth_ratio", "Hidden-state gradient RMS at the first norm / "
+             "at the last (below 1: it decays toward the input).", state.depth_ratio),
         ]
         for name, help_, value in scalars:
             if value is not None:
