@@ -31,6 +31,9 @@ from normwatch.records import FP16_MAX, Alarm, LayerStats, Snapshot
 Placement = Literal["pre", "post", "unknown"]
 SAME = 1e-4
 """Relative difference below which the total and through-norm input gradients agree."""
+MIN_DECAY_POINTS = 8
+"""``gradient_decay`` needs this many trunk norms: a decay *with depth* (4 blocks of two
+norms); a 2-block model's few points say little about depth."""
 
 
 @dataclass(frozen=True)
@@ -87,8 +90,12 @@ def placement_of(stats: LayerStats, stated: Mapping[str, str] | None = None) -> 
 
 def depth_profile(snapshot: Snapshot, order: Sequence[str],
                   stated: Mapping[str, str] | None = None) -> DepthProfile | None:
-    """The profile of the norms (forward ``order``) whose hidden-state gradient was
-    measured with a positive finite RMS; ``None`` with fewer than 3 of them."""
+    """The profile of the trunk's norms (forward ``order``) whose hidden-state gradient
+    was measured with a positive finite RMS; ``None`` with fewer than 3 of them.
+
+    In a model with pre-norms the trunk is what they read: its norms whose input nothing
+    else reads are then off the trunk (a final norm, a q/k norm, the post-branch norm of a
+    sandwich) and left out. Without pre-norms, every norm is taken."""
     names = [n for n in order if n in snapshot.layers] + \
         [n for n in snapshot.layers if n not in order]
     found = []
@@ -98,6 +105,8 @@ def depth_profile(snapshot: Snapshot, order: Sequence[str],
         rms = trunk_rms(stats, where)
         if rms is not None and math.isfinite(rms) and rms > 0:
             found.append((name, rms, where))
+    if any(where == "pre" for _, _, where in found):
+        found = [f for f in found if f[2] != "post"]
     if len(found) < 3:
         return None
     return DepthProfile(tuple(DepthPoint(name, i, rms, where)
@@ -120,7 +129,8 @@ def gradient_alarms(snapshot: Snapshot, order: Sequence[str], *, decay_ratio: fl
     """``gradient_nonfinite``, ``gradient_decay`` and ``gradient_headroom`` findings."""
     out = _nonfinite(snapshot, order)
     profile = depth_profile(snapshot, order, stated)
-    if profile is not None and profile.ratio < decay_ratio and profile.slope > 0:
+    if profile is not None and len(profile.points) >= MIN_DECAY_POINTS and \
+            profile.ratio < decay_ratio and profile.slope > 0:
         post = profile.count("post")
         where = (f"{post} of {len(profile.points)} norms sit on the trunk after the residual "
                  "add (post-norm): every hop pays the norm's Jacobian" if post else

@@ -142,7 +142,6 @@ def test_output_tolerance_follows_the_coarsest_precision_the_output_went_through
 def test_every_alarm_kind_is_covered_here() -> None:
     import inspect
     import sys
-
     from pathlib import Path
 
     text = inspect.getsource(sys.modules[__name__]) + \
