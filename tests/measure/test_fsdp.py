@@ -124,7 +124,17 @@ def same(got: dict[str, dict[str, Any]], want: dict[str, dict[str, Any]], rel: f
 def test_each_rank_equals_an_unsharded_replica(ranks: list[dict[str, Any]],
                                                variant: str) -> None:
     for rank, result in enumerate(ranks):
-        same(result[variant], replica((rank,)), rel=1e-4)
+        want = replica((rank,))
+        if variant == "compiled":
+            # Inside a compiled block the hook does not follow the unsharded weight FSDP2
+            # swaps in: no weight gradient there (docs/gradients.md); the final norm, run
+            # eagerly, has it.
+            for name in want:
+                if name.startswith("model.layers."):
+                    assert result[variant][name]["weight_grad_norm"] is None, name
+                    want[name]["weight_grad_norm"] = None
+            assert result[variant]["model.norm"]["weight_grad_norm"] is not None
+        same(result[variant], want, rel=1e-4)
         assert result[variant]["model.norm"]["calls"] == STEPS
 
 
