@@ -1,9 +1,9 @@
 """Gradients through one norm: what arrives at its output, what it passes back, and the
 hidden state's gradient where it reads it; and its weight's gradient.
 
-    >>> hooks = GradHooks(state, control, width)     # one per norm layer
-    >>> hooks.watch_input(x)   # forward pre-hook: returns the view the norm must read
-    >>> hooks.watch_output(y)  # forward hook
+    >>> hooks = GradHooks(tokens, target, fail)       # one per norm layer
+    >>> view = hooks.watch_input(x)  # forward pre-hook: the norm reads the view
+    >>> hooks.watch_output(y)        # forward hook
 
 Tensor hooks registered in the forward (on full-tier steps) fire in the backward with
 ``dL/dy`` (``grad_out``, on the output), ``dL/dx`` through the norm only (``grad_in``, on
@@ -20,7 +20,7 @@ with each backward's local gradient, before DDP reduces it.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -36,17 +36,16 @@ assert all(COLUMNS[SUM_AT[s]:SUM_AT[s] + len(GRAD_SUMS)] == tuple(f"{s}_{c}" for
            for s in GRAD_SITES)
 assert COLUMNS[WEIGHT_AT + 1] == "weight_grad_sumsq"
 
-def reduce_grad(g: torch.Tensor, width: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+Tokens = Callable[[torch.Tensor], torch.Tensor]
+"""A layer's token view (``(tokens, elements)``, as its forward hook reads x and y)."""
+Target = Callable[[], "tuple[torch.Tensor, torch.Tensor] | None"]
+
+
+def reduce_grad(g: torch.Tensor, tokens: Tokens) -> tuple[torch.Tensor, torch.Tensor]:
     """One gradient as ``([tokens, finite tokens, sum of squares, elements], max |g|)``
-    over its finite tokens (``width`` elements each, else its last dim): float32 on its
+    over its finite tokens (``tokens`` gives the layer's token view): float32 on its
     device, six row reductions."""
-    if g.dim() == 0:
-        t = g.reshape(1, 1)
-    elif width and g.shape[-1] == width:
-        t = g.reshape(-1, width)
-    else:
-        t = g.reshape(-1, g.shape[-1])
-    t = t.float()
+    t = tokens(g).float()
     a = t.abs().amax(1)  # NaN/inf exactly on the tokens holding them
     ok = a.isfinite()
     okf = ok.float()
@@ -57,10 +56,10 @@ def reduce_grad(g: torch.Tensor, width: int | None) -> tuple[torch.Tensor, torch
 
 
 def fold_grad(state: torch.Tensor, gate: torch.Tensor, site: str, g: torch.Tensor,
-              width: int | None) -> None:
+              tokens: Tokens) -> None:
     """Fold gradient ``g`` measured at ``site`` into a layer's accumulator row ``state``
     in place, where the 0-d bool ``gate`` is true."""
-    sums, peak = reduce_grad(g.detach(), width)
+    sums, peak = reduce_grad(g.detach(), tokens)
     start, n = SUM_AT[site], len(GRAD_SUMS)
     cells = state[start:start + n]
     cells.add_(torch.where(gate, sums, 0.0).to(state.dtype))
@@ -87,11 +86,12 @@ class GradHooks:
     hook must not touch Python state).
     """
 
-    def __init__(self, width: int | None, target: Any, fail: Any) -> None:
-        self.width = width
+    def __init__(self, tokens: Tokens, target: Target,
+                 fail: Callable[[Exception], None]) -> None:
+        self.tokens = tokens
         self._target = target
         self._fail = fail
-        self._weight: nn.Parameter | None = None
+        self._weight: torch.Tensor | None = None
         self._weight_handle: RemovableHandle | None = None
 
     def watch_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,7 +114,7 @@ class GradHooks:
                 or not weight.requires_grad:
             return
         self.remove()
-        self._weight = weight  # type: ignore[assignment]
+        self._weight = weight
         self._weight_handle = weight.register_hook(  # type: ignore[no-untyped-call]
             self._weight_grad)
 
@@ -135,27 +135,19 @@ class GradHooks:
         self._fold("grad_hidden", g)
 
     def _fold(self, site: str, g: torch.Tensor) -> None:
-        if torch.compiler.is_compiling():
-            self._fold_now(site, g)
-            return
         try:
-            self._fold_now(site, g)
+            target = self._target()
+            if target is None or not g.numel():
+                return
+            state, flag = target
+            if g.device == state.device:
+                fold_grad(state, flag > 0, site, g, self.tokens)
+                return
+            moved = state.to(g.device)  # the model moved after watch(): a copy per call
+            fold_grad(moved, (flag > 0).to(g.device), site, g, self.tokens)
+            state.copy_(moved.to(state.device))
         except Exception as exc:  # never take the training run down
             self._fail(exc)
-
-    def _fold_now(self, site: str, g: torch.Tensor) -> None:
-        target = self._target()
-        if target is None or not g.numel():
-            return
-        state, flag = target
-        gate = flag > 0
-        if g.device != state.device:
-            gate = gate.to(g.device)
-            fold = state.to(g.device)
-            fold_grad(fold, gate, site, g, self.width)
-            state.copy_(fold.to(state.device))
-            return
-        fold_grad(state, gate, site, g, self.width)
 
     def _weight_grad(self, g: torch.Tensor) -> None:
         try:

@@ -205,8 +205,9 @@ class LayerHook:
         """This layer's accumulator row on its home device (what compiled calls update)."""
         self.ctl: torch.Tensor | None = None
         self.grad_state: torch.Tensor | None = None
-        """This layer's gradient row (:meth:`Accumulator.grad_row`) and the gate."""
+        """This layer's gradient row (:meth:`Accumulator.grad_row`)."""
         self.grad_gate: torch.Tensor | None = None
+        """The gradient hooks' flag (:meth:`Runtime.gate`)."""
         self.meta: torch.Tensor | None = None
         """Dtype codes compiled calls write (:data:`~normwatch.measure.accumulator.META`)."""
         self._warned_device = False
@@ -217,7 +218,7 @@ class LayerHook:
         self.grads: GradHooks | None = None
         self._pre_handle: RemovableHandle | None = None
         if runtime.gradients:
-            self.grads = GradHooks(layer.token_size, self._grad_target, self._fail)
+            self.grads = GradHooks(self._tokens, self._grad_target, self._fail)
             self.grads.watch_weight(getattr(module, "weight", None))
             self._pre_handle = module.register_forward_pre_hook(self._pre, with_kwargs=True)
 
@@ -242,7 +243,7 @@ class LayerHook:
             self.grads.remove()
 
     def _grad_target(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """This layer's row and control tensor, for the gradient hooks."""
+        """This layer's gradient row and gate, for the gradient hooks."""
         if self.grad_state is None or self.grad_gate is None:
             return None
         return self.grad_state, self.grad_gate
