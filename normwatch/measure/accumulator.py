@@ -109,11 +109,7 @@ class Accumulator:
     def _block(self, device: torch.device) -> torch.Tensor:
         block = self._blocks.get(device)
         if block is None:
-            dtype = torch.float32 if device.type == "mps" else torch.float64
-            block = torch.empty(self.n_layers, len(COLUMNS), dtype=dtype, device=device)
-            _reset(block)
-            torch._dynamo.mark_static_address(block)  # CUDA graphs keep its address
-            self._blocks[device] = block
+            block = self._blocks[device] = _new_state(self.n_layers, device)
         return block
 
     def row_state(self, device: torch.device, row: int) -> torch.Tensor:
@@ -139,11 +135,7 @@ class Accumulator:
         not touch its version counter."""
         grads = self._grads.get((device, row))
         if grads is None:
-            dtype = torch.float32 if device.type == "mps" else torch.float64
-            grads = torch.empty(1, len(COLUMNS), dtype=dtype, device=device)
-            _reset(grads.data)
-            torch._dynamo.mark_static_address(grads)
-            self._grads[(device, row)] = grads
+            grads = self._grads[(device, row)] = _new_state(1, device)
         return grads[0]
 
     def update_check(self, row: int, error: torch.Tensor, eps: torch.Tensor) -> None:
@@ -167,17 +159,17 @@ class Accumulator:
         per_device: list[list[dict[str, float]]] = []
         out_extras: dict[torch.device, list[float]] = {}
         metas: list[list[float]] = [[0.0] * len(META) for _ in range(self.n_layers)]
+        grad_rows: list[list[dict[str, float]]] = [[] for _ in range(self.n_layers)]
         for device in dict.fromkeys([*self._blocks, *extras]):
             parts = []
             block = self._blocks.get(device)
             grads = {row: t for (d, row), t in self._grads.items() if d == device}
-            if grads:  # merged into a copy of the block (which holds their identities)
-                block = _merge(self._block(device), grads)
             meta = self._meta.get(device)
             if meta is not None:
                 parts.append(meta.flatten())
             if block is not None:
                 parts.append(block.flatten().to(torch.float64))
+            parts += [t.flatten().to(torch.float64) for t in grads.values()]
             extra = extras.get(device)
             if extra is not None:
                 parts.append(extra.detach().flatten().to(torch.float64))
@@ -186,15 +178,18 @@ class Accumulator:
                 codes, flat = flat[:meta.numel()], flat[meta.numel():]
                 for i, row in enumerate(metas):
                     row[:] = [max(a, b) for a, b in zip(row, codes[i * len(META):], strict=False)]
+            width = len(COLUMNS)
             if block is not None:
-                width = len(COLUMNS)
                 per_device.append([dict(zip(COLUMNS, flat[i * width : (i + 1) * width],
                                             strict=True)) for i in range(self.n_layers)])
+                flat = flat[block.numel():]
+            for i, layer in enumerate(grads):  # gradient rows: combined like a device's
+                grad_rows[layer].append(dict(zip(COLUMNS, flat[i * width : (i + 1) * width],
+                                               strict=True)))
             if extra is not None:
                 out_extras[device] = flat[len(flat) - extra.numel() :]
-        rows = [combine([d[i] for d in per_device], COLUMNS) | dict(zip(META, metas[i],
-                                                                            strict=True))
-                for i in range(self.n_layers)]
+        rows = [combine([d[i] for d in per_device] + grad_rows[i], COLUMNS)
+                | dict(zip(META, metas[i], strict=True)) for i in range(self.n_layers)]
         return rows, out_extras
 
     @property
@@ -243,16 +238,14 @@ def fold_into(state: torch.Tensor, values: torch.Tensor, gate: torch.Tensor) -> 
     state.copy_(torch.where(gate, merged, state))
 
 
-def _merge(block: torch.Tensor, rows: dict[int, torch.Tensor]) -> torch.Tensor:
-    """``block`` combined with separately kept single ``rows`` (by layer), column by
-    column with each column's reduction: a new tensor."""
-    other = torch.empty_like(block)
-    _reset(other)
-    index = torch.tensor(list(rows), device=block.device)
-    other.index_copy_(0, index, torch.cat(list(rows.values())).to(block.dtype))
-    return torch.cat([block[:, :_N_SUM] + other[:, :_N_SUM],
-                      torch.fmax(block[:, _N_SUM:_MAX_END], other[:, _N_SUM:_MAX_END]),
-                      torch.fmin(block[:, _MAX_END:], other[:, _MAX_END:])], 1)
+def _new_state(rows: int, device: torch.device) -> torch.Tensor:
+    """``rows`` rows of :data:`COLUMNS` at their identities, kept at a fixed address (the
+    compiler treats it as static; CUDA graphs keep it)."""
+    dtype = torch.float32 if device.type == "mps" else torch.float64
+    state = torch.empty(rows, len(COLUMNS), dtype=dtype, device=device)
+    _reset(state)
+    torch._dynamo.mark_static_address(state)
+    return state
 
 
 def _reset(block: torch.Tensor) -> None:
