@@ -148,13 +148,14 @@ TABLE: tuple[Stat, ...] = (
 
 # -- gradients through each norm (see normwatch.measure.gradients) ---------------------------
 
-GRAD_SITES = {"grad_out": "the gradient arriving at the output (dL/dy)",
-              "grad_in": "the gradient leaving through the input, through the norm only",
-              "grad_hidden": "the gradient at the input, in total (the hidden state's)"}
-"""Where gradients are measured, by column prefix."""
+GRAD_SITES = {
+    "grad_out": ("the gradient arriving at the output (dL/dy)", "output"),
+    "grad_in": ("the gradient leaving through the input, through the norm only", "input"),
+    "grad_hidden": ("the gradient at the input, in total (the hidden state's)", "hidden"),
+}
+"""Where gradients are measured, by column prefix: what it is, its ``where`` label."""
 GRAD_SUMS = ("tokens", "finite", "sumsq", "elements")
 """Each site's summed columns, adjacent in :data:`COLUMNS` (one in-place add)."""
-_WHERE = {"grad_out": "output", "grad_in": "input", "grad_hidden": "hidden"}
 
 
 def _grad_rms(site: str) -> Callable[[Mapping[str, float], Limits], float | None]:
@@ -179,7 +180,7 @@ def _weight_grad_norm(raw: Mapping[str, float], limits: Limits) -> float | None:
 
 
 def _grad_stats(site: str) -> tuple[Stat, ...]:
-    what, where = GRAD_SITES[site], _WHERE[site]
+    what, where = GRAD_SITES[site]
     return (
         Stat(f"{site}_tokens", f"Tokens of {what}.", reduce="sum", integer=True, public=False),
         Stat(f"{site}_finite", f"Finite tokens of {what}.", reduce="sum", integer=True,

@@ -28,6 +28,7 @@ from normwatch._version import __version__
 from normwatch.config import WatchConfig
 from normwatch.errors import ConfigError, NumericalHealthError
 from normwatch.judge.alarms import RuleContext, evaluate
+from normwatch.judge.depth import worst_fp16_gradient
 from normwatch.measure.compiling import compiled_code, guard_hooks
 from normwatch.measure.discovery import iter_norm_modules
 from normwatch.measure.losses import LossBuffer
@@ -191,10 +192,9 @@ class Watch:
         for name, stats in snapshot.layers.items():
             if stats.absmax is not None:
                 self._absmax_history[name].append((snapshot.step, stats.absmax))
-        peak = max((s.grad_out_absmax for s in snapshot.layers.values()
-                     if s.fp16 and s.grad_out_absmax is not None), default=None)
-        if peak is not None:
-            self._grad_history.append((snapshot.step, peak))
+        worst = worst_fp16_gradient(snapshot)
+        if worst is not None and worst.grad_out_absmax is not None:
+            self._grad_history.append((snapshot.step, worst.grad_out_absmax))
         context = RuleContext(self.config, self._by_name, self._measure.probes(snapshot),
                               {k: tuple(v) for k, v in self._absmax_history.items()},
                               self.forward_order, tuple(self._grad_history))

@@ -96,21 +96,30 @@ def depth_profile(snapshot: Snapshot, order: Sequence[str],
     In a model with pre-norms the trunk is what they read: its norms whose input nothing
     else reads are then off the trunk (a final norm, a q/k norm, the post-branch norm of a
     sandwich) and left out. Without pre-norms, every norm is taken."""
-    names = [n for n in order if n in snapshot.layers] + \
-        [n for n in snapshot.layers if n not in order]
     found = []
-    for name in names:
-        stats = snapshot.layers[name]
+    for stats in in_order(snapshot, order):
         where = placement_of(stats, stated)
         rms = trunk_rms(stats, where)
         if rms is not None and math.isfinite(rms) and rms > 0:
-            found.append((name, rms, where))
+            found.append((stats.name, rms, where))
     if any(where == "pre" for _, _, where in found):
         found = [f for f in found if f[2] != "post"]
     if len(found) < 3:
         return None
     return DepthProfile(tuple(DepthPoint(name, i, rms, where)
                               for i, (name, rms, where) in enumerate(found)))
+
+
+def in_order(snapshot: Snapshot, order: Sequence[str]) -> list[LayerStats]:
+    """The snapshot's layers in forward ``order``, then those it does not name."""
+    return [snapshot.layers[n] for n in order if n in snapshot.layers] + \
+        [s for n, s in snapshot.layers.items() if n not in order]
+
+
+def worst_fp16_gradient(snapshot: Snapshot) -> LayerStats | None:
+    """The fp16 layer with the largest measured dL/dy (``None``: no such layer)."""
+    fp16 = [s for s in snapshot.layers.values() if s.fp16 and s.grad_out_absmax is not None]
+    return max(fp16, key=lambda s: s.grad_out_absmax or 0.0, default=None)
 
 
 def trunk_rms(stats: LayerStats, placement: Placement) -> float | None:
@@ -150,8 +159,7 @@ def gradient_alarms(snapshot: Snapshot, order: Sequence[str], *, decay_ratio: fl
 
 def _nonfinite(snapshot: Snapshot, order: Sequence[str]) -> list[Alarm]:
     """The first norm in backward order whose gradients hold NaN/inf."""
-    names = [n for n in order if n in snapshot.layers]
-    backward = [snapshot.layers[n] for n in reversed(names)]
+    backward = in_order(snapshot, order)[::-1]
     measured = [s for s in backward if s.grad_out_rms is not None or s.grad_out_nonfinite]
     for i, s in enumerate(measured):
         if s.grad_out_nonfinite:
@@ -179,10 +187,9 @@ def _headroom(snapshot: Snapshot, history: Sequence[tuple[int, float]],
               horizon: int) -> list[Alarm]:
     """fp16 runs: the largest gradient is past, or heading for, 65504 (loss scaling
     multiplies it; the scaler then skips steps)."""
-    fp16 = [s for s in snapshot.layers.values() if s.fp16 and s.grad_out_absmax is not None]
-    if not fp16:
+    worst = worst_fp16_gradient(snapshot)
+    if worst is None:
         return []
-    worst = max(fp16, key=lambda s: s.grad_out_absmax or 0.0)
     peak = worst.grad_out_absmax or 0.0
     if peak > FP16_MAX:
         return [Alarm("gradient_headroom", "critical", worst.name, snapshot.step, peak, FP16_MAX,
