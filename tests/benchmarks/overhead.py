@@ -73,11 +73,15 @@ def modes() -> list[Mode]:
                                                                  report_dir=None)),
         Mode("normwatch stats_every=8", lambda m: normwatch.watch(m, stats_every=8,
                                                                  report_dir=None)),
+        Mode("normwatch gradients=False", lambda m: normwatch.watch(m, gradients=False,
+                                                                   report_dir=None)),
         Mode("DebugUnderflowOverflow", debug_underflow_overflow),
         Mode("detect_anomaly", lambda m: None, anomaly),
         Mode("compiled", lambda m: None, compiled=True),
         Mode("compiled + normwatch (defaults)", lambda m: normwatch.watch(m, report_dir=None),
              compiled=True),
+        Mode("compiled + normwatch gradients=False",
+             lambda m: normwatch.watch(m, gradients=False, report_dir=None), compiled=True),
         Mode("compiled + normwatch stats_every=1",
              lambda m: normwatch.watch(m, stats_every=1, report_dir=None), compiled=True),
     ]
@@ -115,7 +119,7 @@ def run(rounds: int, steps: int, hidden: int, layers: int, batch: int, seq: int,
             start = time.perf_counter()
             for _ in range(steps):
                 with mode.context():
-                    loss = model(tokens, labels=tokens).loss
+                    loss = model(tokens, labels=tokens, use_cache=False).loss
                     loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
