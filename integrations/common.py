@@ -3,6 +3,7 @@
     >>> config = trainer_config(options, flush_every=50, rank=0, world_size=2, local_rank=0)
     >>> metrics = on_flush(watch, snapshot, exchange)   # logger metrics; verdicts shared
     >>> on_training_error(watch, exc)                   # post-mortem, hooks removed
+    >>> watch_optimizers(watch, trainer.optimizers)     # gradient and update norms
 
 Both callbacks validate their options when constructed (:func:`validate`), so bad
 configuration fails at setup, never mid-run.
@@ -10,7 +11,8 @@ configuration fails at setup, never mid-run.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from normwatch.config import WatchConfig
@@ -65,3 +67,15 @@ def on_training_error(watch: Watch | None, exc: BaseException) -> None:
         watch.report_exception(exc)
     finally:
         watch.close()
+
+
+def watch_optimizers(watch: Watch, optimizers: Iterable[object]) -> None:
+    """Measure the trainer's optimizers' steps; one that cannot be hooked is skipped
+    with a warning (the run goes on, its verdicts without the update side)."""
+    for optimizer in optimizers:
+        try:
+            watch.watch_optimizer(optimizer)
+        except Exception as exc:  # never lose the run over a monitor
+            warnings.warn(f"normwatch: the optimizer {type(optimizer).__name__} cannot be "
+                          f"watched ({exc}); its steps are not measured", RuntimeWarning,
+                          stacklevel=3)

@@ -23,7 +23,7 @@ import torch
 from normwatch.export.crossrank import VerdictExchange
 from normwatch.watch import Watch
 
-from .common import on_flush, on_training_error, trainer_config, validate
+from .common import on_flush, on_training_error, trainer_config, validate, watch_optimizers
 
 
 class NormWatchCallback(pl.Callback):
@@ -52,6 +52,7 @@ class NormWatchCallback(pl.Callback):
             local_rank=trainer.local_rank, quiet=_has_rich_bar(trainer))
         model = trainer.strategy.model if trainer.strategy.model is not None else pl_module
         self.watch = Watch(model, config)
+        watch_optimizers(self.watch, trainer.optimizers)
         if self._pending_state is not None:
             self.watch.load_state_dict(self._pending_state)
             self._pending_state = None

@@ -9,8 +9,9 @@ Models are found as they are called: a global forward pre-hook sees every outerm
 module call, and the first one in training mode whose tree holds normalization layers
 (the same discovery rules as :func:`normwatch.watch`) gets a watch. Steps are the
 optimizer steps (the global optimizer step hook; several optimizers stepping after one
-forward count once); the loss is the scalar a ``backward()`` starts from (kept on its
-device). If the script dies of an exception, a post-mortem is written. Options come from
+forward count once), each optimizer's gradient and update norms are measured from its
+first step; the loss is the scalar a ``backward()`` starts from (kept on its device). If
+the script dies of an exception, a post-mortem is written. Options come from
 ``NORMWATCH_*`` environment variables (:func:`~normwatch.config.options_from_env`).
 """
 
@@ -30,6 +31,8 @@ from torch.utils.hooks import RemovableHandle
 from normwatch.config import WatchConfig, options_from_env
 from normwatch.measure.discovery import iter_norm_modules
 from normwatch.watch import Watch
+
+from .common import watch_optimizers
 
 
 class AutoWatch:
@@ -54,10 +57,14 @@ class AutoWatch:
             register_module_forward_hook,
             register_module_forward_pre_hook,
         )
-        from torch.optim.optimizer import register_optimizer_step_post_hook
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
 
         self._handles = [register_module_forward_pre_hook(self._pre),
                          register_module_forward_hook(self._post, always_call=True),
+                         register_optimizer_step_pre_hook(self._stepping),
                          register_optimizer_step_post_hook(self._stepped)]
         self._real_backward = real = torch.Tensor.backward
 
@@ -87,6 +94,13 @@ class AutoWatch:
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         self._depth = max(0, self._depth - 1)
+
+    def _stepping(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Before an optimizer's first step: every watch measures its steps (the
+        optimizer's own hooks run after this global one, from this step on)."""
+        for watch in self.watches.values():
+            if not watch.closed:
+                watch_optimizers(watch, [optimizer])
 
     def _stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self._forward_since_step:

@@ -34,7 +34,7 @@ from transformers import (
 from normwatch.export.crossrank import VerdictExchange
 from normwatch.watch import Watch
 
-from .common import on_flush, on_training_error, trainer_config, validate
+from .common import on_flush, on_training_error, trainer_config, validate, watch_optimizers
 
 
 class NormWatchTrainerCallback(TrainerCallback):
@@ -62,6 +62,8 @@ class NormWatchTrainerCallback(TrainerCallback):
             rank=args.process_index, world_size=args.world_size,
             local_rank=max(args.local_process_index, 0))
         self.watch = Watch(model, config)
+        if kwargs.get("optimizer") is not None:
+            watch_optimizers(self.watch, [kwargs["optimizer"]])
         self.watch.set_step(state.global_step)  # resuming: continue the step numbering
         self._guard(_calling_trainer(self))
 

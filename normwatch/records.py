@@ -94,7 +94,9 @@ class Verdict:
     layer: str | None
     cause: str | None
     """An alarm kind (``fp16_overflow``, ``eps_dominance``, ``output_mismatch``,
-    ``nonfinite``), ``stat_jump``, or ``None`` when nothing in the norms explains it."""
+    ``nonfinite``) or ``stat_jump`` when a norm is blamed; ``optimizer`` (the update
+    before the trigger jumped) or ``data`` (normal updates, healthy norms, a jump only
+    in the loss) when not; ``None`` when nothing measured explains it."""
     evidence: tuple[str, ...]
     block: str | None = None
     """When a non-finite value arrived from upstream: the code between the last healthy
@@ -227,6 +229,27 @@ class FirstNonfinite:
 
 
 @dataclass(frozen=True)
+class UpdateStats:
+    """One optimizer step seen from its step hooks: the gradient it received and the
+    update it made (local to this rank: a shard under FSDP2)."""
+
+    step: int
+    grad_norm: float
+    """The global L2 norm of the gradients the optimizer received (after any clipping)."""
+    update_norm: float
+    """The L2 norm of the parameter change the step made."""
+    param_norm: float
+    """The L2 norm of the parameters after the step."""
+    lr: float | None
+    """The largest learning rate of the optimizers' groups (``None`` when not a number)."""
+
+    @property
+    def update_ratio(self) -> float | None:
+        """``update_norm / param_norm``: the relative size of the step."""
+        return self.update_norm / self.param_norm if self.param_norm > 0 else None
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """Everything one flush copied to the host."""
 
@@ -238,3 +261,5 @@ class Snapshot:
     first_nonfinite: FirstNonfinite | None = None
     losses: tuple[tuple[int, float], ...] = field(default=())
     """``(step, loss)`` for each ``watch.step(loss)`` of the interval."""
+    updates: tuple[UpdateStats, ...] = field(default=())
+    """One per optimizer step of the interval (optimizers given to ``watch_optimizer``)."""

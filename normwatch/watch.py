@@ -31,10 +31,11 @@ from normwatch.judge.alarms import RuleContext, evaluate
 from normwatch.judge.depth import worst_fp16_gradient
 from normwatch.measure.compiling import compiled_code, guard_hooks
 from normwatch.measure.discovery import iter_norm_modules
-from normwatch.measure.losses import LossBuffer
+from normwatch.measure.losses import LossBuffer, ride_along
 from normwatch.measure.measurement import Measurement
 from normwatch.measure.triton_kernel import available as triton_available
 from normwatch.measure.triton_kernel import usable as triton_usable
+from normwatch.measure.updates import UpdateMonitor
 from normwatch.records import Alarm, NormLayer, Snapshot, Verdict
 from normwatch.report.dispatch import Dispatcher
 from normwatch.report.document import prepare_report_dir
@@ -108,6 +109,7 @@ class Watch:
         }
         self._grad_history: deque[tuple[int, float]] = deque(maxlen=HISTORY_POINTS)
         self._losses = LossBuffer()
+        self._updates = UpdateMonitor(lambda: self.step_count + 1)
         self.step_count = 0
         self._interval_start = 1
         self.flushes = 0
@@ -180,9 +182,12 @@ class Watch:
         if self._early is not None:
             self._early.reset()
         checked = self._measure.checking_outputs
-        rows, copied = self._measure.read(self._losses.tensors())
+        rows, copied = self._measure.read(ride_along(self._losses.tensors(),
+                                                     self._updates.tensors()))
+        values = {d: iter(v) for d, v in copied.items()}  # losses first, then updates
+        losses, updates = self._losses.resolve(values), self._updates.resolve(values)
         snapshot = self._measure.snapshot(rows, self.step_count, self._interval_start,
-                                          self._losses.resolve(copied))
+                                          losses, updates)
         self.flushes += 1
         every = self.config.output_check_every
         self._measure.reset(check_outputs=every > 0 and self.flushes % every == 0)
@@ -217,7 +222,7 @@ class Watch:
                 from normwatch.export.crossrank import combine_ranks
 
                 shared = self._measure.snapshot(combine_ranks(rows), snapshot.step,
-                                                snapshot.first_step, snapshot.losses)
+                                                snapshot.first_step, losses, updates)
             self._collector.update(shared, passed, verdicts)
         if fatal:
             self._dispatcher.raise_if_fatal(passed)
@@ -331,6 +336,14 @@ class Watch:
         self._measure.begin_step(step + 1, full=step % self.config.stats_every == 0)
         self._interval_start = step + 1
 
+    def watch_optimizer(self, optimizer: object) -> None:
+        """Measure each step of ``optimizer`` (a ``torch.optim.Optimizer`` or a wrapper of
+        one): the global gradient norm it received and the update it made, on the device.
+        Verdicts then tell an optimizer blow-up or a bad batch from a norm's fault."""
+        if self._closed_use("watch_optimizer"):
+            return
+        self._updates.attach(optimizer)
+
     def add_loss(self, loss: Any, step: int | None = None) -> None:
         """Record a loss for ``step`` (default: the last completed step) without stepping;
         for loops that learn the loss later than the step (e.g. from a logger)."""
@@ -358,6 +371,7 @@ class Watch:
         watched runs the hooks' switched-off tensor ops until it recompiles). Harmless
         twice."""
         self._measure.close()
+        self._updates.detach()
         if self.view is not None:
             self.view.close()
         if self.endpoint is not None:
@@ -382,9 +396,17 @@ class Watch:
         return f"<Watch {len(self.layers)} norm layers, {state}>"
 
 
-def watch(model: nn.Module, **options: Any) -> Watch:
+def watch(model: nn.Module, optimizer: object = None, **options: Any) -> Watch:
     """Watch every normalization layer of ``model``; options as in :class:`WatchConfig`.
+    With ``optimizer``, its steps too (:meth:`Watch.watch_optimizer`).
 
-        >>> w = normwatch.watch(model, flush_every=10, raise_on="critical")
+        >>> w = normwatch.watch(model, optimizer, flush_every=10, raise_on="critical")
     """
-    return Watch(model, WatchConfig.from_options(**options))
+    w = Watch(model, WatchConfig.from_options(**options))
+    if optimizer is not None:
+        try:
+            w.watch_optimizer(optimizer)
+        except BaseException:
+            w.close()
+            raise
+    return w

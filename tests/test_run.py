@@ -103,6 +103,12 @@ def test_a_planted_fault_is_caught_in_an_unmodified_script(tmp_path: Path, kind:
     step = first["first_nonfinite"]["step"]  # type: ignore[index]
     planted = {"plain": 8, "lightning": 6, "transformers": 5}[kind]
     assert step == planted  # steps counted from the optimizer steps
+    updates = first["update_history"]  # the script's optimizer was found and watched
+    # (Lightning runs the first forward inside the first optimizer.step(closure): the
+    # model is found after that step began, its optimizer measured from step 2)
+    assert isinstance(updates, list) and updates[0]["step"] == (2 if kind == "lightning"
+                                                                  else 1), updates
+    assert all(u["update_norm"] != "nan" for u in updates if u["step"] < planted)
 
 
 def test_a_script_that_dies_leaves_a_post_mortem(tmp_path: Path) -> None:

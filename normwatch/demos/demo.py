@@ -39,6 +39,8 @@ class Fault:
     before_step: Callable[[TinyLM, int], None] = field(default=lambda model, step: None)
     prepare: Callable[[TinyLM], None] = field(default=lambda model: None)
     batch: Callable[[torch.Tensor, int], torch.Tensor] = field(default=lambda tokens, step: tokens)
+    lr_factor: Callable[[int], float] = field(default=lambda step: 1.0)
+    """The learning rate of a step, as a factor of ``lr`` (a schedule)."""
 
 
 def _grow_residual(model: TinyLM, step: int) -> None:
@@ -60,6 +62,10 @@ def _corrupt_batch(tokens: torch.Tensor, step: int) -> torch.Tensor:
     return torch.randint(1, 64, tokens.shape, generator=gen)  # a shuffled, meaningless batch
 
 
+def _lr_spike(step: int) -> float:
+    return 100.0 if step == 80 else 1.0  # a schedule bug: one step at 100x
+
+
 def _common_mode(model: TinyLM) -> None:
     with torch.no_grad():
         model.embed.weight.add_(30.0)  # every token rides on a large shared offset
@@ -78,6 +84,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           dtype=torch.bfloat16, prepare=_fp32_norm_weights),
     Fault("common-mode", "RMSNorm inputs dominated by a shared offset", prepare=_common_mode),
     Fault("bad-batch", "a corrupted data batch (random tokens) at step 80", batch=_corrupt_batch),
+    Fault("lr-spike", "the learning rate at 100x for the one step 80", lr_factor=_lr_spike),
     Fault("none", "a healthy fp16 run with torch's RMSNorm", dtype=torch.float16),
 )}
 DEFAULT_FAULT = "fp16-overflow"
@@ -129,8 +136,8 @@ def run_demo(
     result = DemoResult(fault.name, 0, [])
     console.print(f"[bold]normwatch demo[/] · fault [bold]{fault.name}[/]: {fault.summary}")
     # A small model: full statistics on every step make the live table richest.
-    with watch(model, flush_every=flush_every, report_dir=report_dir, report_console=False,
-               stats_every=1) as w:
+    with watch(model, optimizer, flush_every=flush_every, report_dir=report_dir,
+               report_console=False, stats_every=1) as w:
         w.view = view = ConsoleView(console, live=live)
         for step in range(1, steps + 1):
             fault.before_step(model, step)
@@ -139,6 +146,8 @@ def run_demo(
                 tokens[:, -8:] = 0
             loss = lm_loss(model(tokens), tokens)
             loss.backward()  # type: ignore[no-untyped-call]
+            for group in optimizer.param_groups:
+                group["lr"] = fault.lr * fault.lr_factor(step)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             w.step(loss)

@@ -5,8 +5,10 @@
      'normwatch/alarms/critical': 0.0}
 
 By default a handful of worst-layer summaries (:data:`SUMMARY`): a 60-layer model logs
-as many keys as a 2-layer one. With ``per_layer`` every layer's statistics that
-:data:`normwatch.catalog.TABLE` marks ``logged`` as ``normwatch/<layer>/<stat>`` too.
+as many keys as a 2-layer one; with an optimizer watched, its last step's ``grad_norm``,
+``update_norm`` and ``update_ratio`` (update over parameter norm). With ``per_layer``
+every layer's statistics that :data:`normwatch.catalog.TABLE` marks ``logged`` as
+``normwatch/<layer>/<stat>`` too.
 Only finite numbers are returned, so loggers never receive NaN; layers not called in the
 interval are left out.
 """
@@ -39,6 +41,12 @@ def flat_metrics(snapshot: Snapshot, alarms: Sequence[Alarm] = (), verdicts: int
     measured = {name: layer_values(stats, limits) for name, stats in snapshot.layers.items()
                 if stats.seen}
     out.update(_summary(measured, order, prefix))
+    if snapshot.updates:  # the interval's last optimizer step
+        last = snapshot.updates[-1]
+        for name, value in (("grad_norm", last.grad_norm), ("update_norm", last.update_norm),
+                            ("update_ratio", last.update_ratio)):
+            if value is not None and math.isfinite(value):
+                out[f"{prefix}{name}"] = float(value)
     for name, values in measured.items() if per_layer else ():
         for field in LOGGED:
             value = values[field]

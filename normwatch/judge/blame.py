@@ -8,8 +8,11 @@ non-finite value born inside it, a reduction that overflows in fp16, eps-dominat
 zero-variance tokens, an output that disagrees with the fp32 formula, or an output
 statistic that jumped against the layer's own history. It is not to blame when the first
 non-finite value arrived in a norm's input (the block before it produced it) or when
-every norm stayed healthy (look at the data or the learning rate). A jump in norm
-*inputs* alone, with healthy outputs, is inconclusive.
+every norm stayed healthy. With the optimizer's steps measured (``updates``), the verdict
+names the cause outside the norms: an update that jumped just before the trigger, with no
+norm failing, is ``optimizer`` (even when norm statistics moved: they all follow the
+parameters); normal updates, healthy norms and a jump only in the loss is ``data``. A
+jump in norm *inputs* alone, with healthy outputs and normal updates, is inconclusive.
 """
 
 from __future__ import annotations
@@ -18,10 +21,13 @@ import statistics
 from collections.abc import Sequence
 
 from normwatch.judge.history import Record, first_nonfinite
-from normwatch.records import Alarm, FirstNonfinite, LayerStats, Trigger, Verdict
+from normwatch.judge.updates import UpdateJump, normal_before, update_jump
+from normwatch.records import Alarm, FirstNonfinite, LayerStats, Trigger, UpdateStats, Verdict
 
 JUMP_RATIO = 4.0
 MIN_HISTORY = 3
+MOVED = 1.5
+"""A layer's statistic *moved* when it changed by this factor against its history."""
 
 
 def is_norm_failure(alarm: Alarm) -> bool:
@@ -33,12 +39,13 @@ def is_norm_failure(alarm: Alarm) -> bool:
     return alarm.kind == "nonfinite" and alarm.tag == "norm"
 
 
-def judge(trigger: Trigger, step: int, records: Sequence[Record], order: Sequence[str]
-          ) -> Verdict:
-    """The verdict for ``trigger`` at ``step`` given recent ``records`` (oldest first) and
-    the layers' forward ``order``."""
+def judge(trigger: Trigger, step: int, records: Sequence[Record], order: Sequence[str],
+          updates: Sequence[UpdateStats] = ()) -> Verdict:
+    """The verdict for ``trigger`` at ``step`` given recent ``records`` (oldest first),
+    the layers' forward ``order`` and the optimizer steps measured (oldest first)."""
     position = {name: i for i, name in enumerate(order)}
     first = first_nonfinite(records)
+    jump = update_jump(updates, step)
     failures = sorted(
         (a for r in records for a in r.findings if is_norm_failure(a)),
         key=lambda a: (a.step, position.get(a.layer or "", len(order))),
@@ -56,9 +63,13 @@ def judge(trigger: Trigger, step: int, records: Sequence[Record], order: Sequenc
         if first is not None:
             evidence.append(f"The first non-finite value then reached {first.layer!r} at step "
                             f"{first.step}, after the norm had already failed.")
+        if jump is not None:
+            evidence += jump.sentences()  # context: what pushed the norm over
         return Verdict(trigger, step, "normalization", worst.layer, worst.kind, tuple(evidence))
     if first is not None:
-        return _arrived(trigger, step, first, order)
+        return _arrived(trigger, step, first, order, jump)
+    if jump is not None:
+        return _optimizer(trigger, step, jump, records, order)
     jumps = _jumps(records, order)
     out_jumps = [j for j in jumps if j[1] == "output"]
     if out_jumps:
@@ -76,18 +87,42 @@ def judge(trigger: Trigger, step: int, records: Sequence[Record], order: Sequenc
         return Verdict(trigger, step, "inconclusive", jumps[0][0], "stat_jump", tuple(evidence))
     seen = [n for n in order if any(n in r.snapshot.layers and r.snapshot.layers[n].seen
                                     for r in records)]
+    healthy = (f"All {len(seen)} norm layers stayed healthy: finite inputs and outputs, no "
+               "fp16 overflow, no eps dominance, no output mismatch, no jump against their "
+               "history.")
+    normal = normal_before(updates, step)
+    if normal is not None and trigger == "loss_spike":
+        return Verdict(trigger, step, "not_normalization", None, "data", (
+            healthy, normal, "Only the loss jumped: look at the batch of that step (corrupted, "
+            "mislabelled, out of distribution, a different length or source)."))
     where = ("after the last norm (LM head, loss or labels)" if trigger == "nonfinite_loss"
              else "in the data or the optimisation")
     return Verdict(trigger, step, "not_normalization", None, None, (
-        f"All {len(seen)} norm layers stayed healthy: finite inputs and outputs, no fp16 "
-        "overflow, no eps dominance, no output mismatch, no jump against their history.",
+        healthy, *([normal] if normal else []),
         f"Look {where}: a corrupted or mislabelled batch, the learning rate or its schedule, "
         "gradient clipping.",
     ))
 
 
-def _arrived(trigger: Trigger, step: int, first: FirstNonfinite, order: Sequence[str]
-             ) -> Verdict:
+def _optimizer(trigger: Trigger, step: int, jump: UpdateJump, records: Sequence[Record],
+               order: Sequence[str]) -> Verdict:
+    evidence = jump.sentences()
+    moved = [r for _, side, r, _, _ in _ratios(records, order)
+             if side == "input" and not 1 / MOVED < r < MOVED]
+    inputs = sum(side == "input" for _, side, _, _, _ in _ratios(records, order))
+    if inputs:
+        together = (f"{len(moved)} of {inputs} norms' inputs moved with it (median change "
+                    f"{statistics.median(moved):.1f}x)" if moved else
+                    f"None of the {inputs} norms' inputs moved much")
+        evidence.append(f"{together}, and no norm failed: no fp16 overflow, no eps dominance, "
+                        "no output mismatch, no non-finite value born inside a norm.")
+    evidence.append("Look at the optimizer: the learning rate and its schedule, warm-up, "
+                    "gradient clipping, the optimizer's state after a resume.")
+    return Verdict(trigger, step, "not_normalization", None, "optimizer", tuple(evidence))
+
+
+def _arrived(trigger: Trigger, step: int, first: FirstNonfinite, order: Sequence[str],
+             jump: UpdateJump | None = None) -> Verdict:
     index = order.index(first.layer) if first.layer in order else first.position
     if index <= 0:
         block = f"before {first.layer} (embedding or input data)"
@@ -101,13 +136,24 @@ def _arrived(trigger: Trigger, step: int, first: FirstNonfinite, order: Sequence
         f"{first.step}; every norm before it saw finite values.",
         f"It was produced {block}: attention, MLP, the residual add or the data, not a norm.",
     )
+    if jump is not None:  # the parameters that produced it had just been blown up
+        return Verdict(trigger, step, "not_normalization", first.layer, "optimizer",
+                       (*jump.sentences(), *evidence), block)
     return Verdict(trigger, step, "not_normalization", first.layer, "nonfinite", evidence, block)
 
 
 def _jumps(records: Sequence[Record], order: Sequence[str]
            ) -> list[tuple[str, str, float, float, float]]:
     """``(layer, 'input'|'output', ratio, now, median before)`` for statistics of the last
-    record that jumped against the layer's own earlier records."""
+    record that jumped against the layer's own earlier records, outputs first."""
+    found = [j for j in _ratios(records, order) if j[2] > JUMP_RATIO]
+    return sorted(found, key=lambda j: (j[1] != "output", -j[2]))
+
+
+def _ratios(records: Sequence[Record], order: Sequence[str]
+            ) -> list[tuple[str, str, float, float, float]]:
+    """``(layer, 'input'|'output', ratio, now, median before)`` of each layer's max |x| in
+    the last record against its earlier records (those with enough history)."""
     if len(records) < MIN_HISTORY + 1:
         return []
     last, earlier = records[-1].snapshot, [r.snapshot for r in records[:-1]]
@@ -122,9 +168,8 @@ def _jumps(records: Sequence[Record], order: Sequence[str]
             current = get(now)
             if len(values) >= MIN_HISTORY and current is not None:
                 median = statistics.median(values)
-                if current > JUMP_RATIO * median:
-                    found.append((name, side, current / median, current, median))
-    return sorted(found, key=lambda j: (j[1] != "output", -j[2]))
+                found.append((name, side, current / median, current, median))
+    return found
 
 
 def _in_absmax(stats: LayerStats) -> float | None:

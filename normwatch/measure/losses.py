@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numbers
 import warnings
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -49,12 +50,23 @@ class LossBuffer:
                 by_device.setdefault(value.device, []).append(value.to(torch.float64))
         return {d: torch.stack(v) for d, v in by_device.items()}
 
-    def resolve(self, copied: dict[torch.device, list[float]]) -> tuple[tuple[int, float], ...]:
+    def resolve(self, copied: Mapping[torch.device, Iterable[float]]
+                ) -> tuple[tuple[int, float], ...]:
         """``(step, loss)`` pairs, tensor losses read from ``copied`` (what
-        :meth:`tensors` became on the host, per device)."""
+        :meth:`tensors` became on the host, per device; iterators are consumed)."""
         iters = {d: iter(v) for d, v in copied.items()}
         return tuple((step, next(iters[value.device]) if isinstance(value, torch.Tensor)
                       else value) for step, value in self._losses)
 
     def clear(self) -> None:
         self._losses.clear()
+
+
+def ride_along(*parts: Mapping[torch.device, torch.Tensor]) -> dict[torch.device, torch.Tensor]:
+    """Several per-device extras as one flat float64 tensor per device (in ``parts``
+    order: read them back in that order from iterators over the copy)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for part in parts:
+        for device, tensor in part.items():
+            by_device.setdefault(device, []).append(tensor.flatten().to(torch.float64))
+    return {d: torch.cat(v) for d, v in by_device.items()}

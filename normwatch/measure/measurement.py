@@ -25,7 +25,15 @@ from normwatch.catalog import PUBLIC, decode_score, values
 from normwatch.measure.accumulator import META, Accumulator
 from normwatch.measure.hooks import HostCounts, LayerHook, Runtime, module_device
 from normwatch.measure.probe import ProbeCache, ProbeTarget
-from normwatch.records import FirstNonfinite, LayerStats, Limits, NormLayer, ProbeResult, Snapshot
+from normwatch.records import (
+    FirstNonfinite,
+    LayerStats,
+    Limits,
+    NormLayer,
+    ProbeResult,
+    Snapshot,
+    UpdateStats,
+)
 
 
 class Measurement:
@@ -142,11 +150,12 @@ class Measurement:
         self._rt.update(check_outputs=check_outputs)
 
     def snapshot(self, rows: Sequence[Mapping[str, float]], step: int, first_step: int,
-                 losses: tuple[tuple[int, float], ...] = ()) -> Snapshot:
+                 losses: tuple[tuple[int, float], ...] = (),
+                 updates: tuple[UpdateStats, ...] = ()) -> Snapshot:
         """The plain-data snapshot of raw ``rows`` (one per layer, as :meth:`read` gives)."""
         order = self._rt.forward_order
         return build_snapshot(self.layers, rows, [h.counts for h in self._hooks], order,
-                              self.limits, step, first_step, losses)
+                              self.limits, step, first_step, losses, updates)
 
     def probes(self, snapshot: Snapshot) -> dict[str, ProbeResult]:
         """fp16-safety probes of the layers whose statistics call for one (cached)."""
@@ -197,8 +206,8 @@ class _OpenForward:
 
 def build_snapshot(layers: Sequence[NormLayer], rows: Sequence[Mapping[str, float]],
                    counts: Sequence[HostCounts], order: Mapping[str, int], limits: Limits,
-                   step: int, first_step: int, losses: tuple[tuple[int, float], ...] = ()
-                   ) -> Snapshot:
+                   step: int, first_step: int, losses: tuple[tuple[int, float], ...] = (),
+                   updates: tuple[UpdateStats, ...] = ()) -> Snapshot:
     """Derive each layer's :class:`LayerStats` from its raw row (pure) and locate the
     interval's first non-finite value."""
     stats: dict[str, LayerStats] = {}
@@ -218,4 +227,4 @@ def build_snapshot(layers: Sequence[NormLayer], rows: Sequence[Mapping[str, floa
     if first is not None and decoded is not None:
         first_nonfinite = FirstNonfinite(decoded[0], first[1], order.get(first[1], -1),
                                          "input" if first[2] == "input" else "norm")
-    return Snapshot(step, first_step, stats, first_nonfinite, losses)
+    return Snapshot(step, first_step, stats, first_nonfinite, losses, updates)

@@ -27,7 +27,8 @@ LABELS = {"ok": "OK", "info": "INFO", "warning": "WARN", "critical": "CRIT"}
 LEGEND = ("columns are the logged statistics' names · absmax: max |x| · fp16_headroom: "
           "fp16 limit / absmax (below 1: overflow) · rms_mean, rms_max: per-token RMS · "
           "eps_dominance: max eps/(s+eps) · common_mode_max: max |mean|/RMS · nonfinite: "
-          "tokens holding NaN/inf, input/output · dtype: input>weight>output")
+          "tokens holding NaN/inf, input/output · grad_hidden_rms: RMS of dL/dx, the hidden "
+          "state's gradient at the norm's input · dtype: input>weight>output")
 
 
 def header(name: str) -> str:
@@ -78,12 +79,15 @@ class HealthTable:
         snap = self.snapshot
         title = self.title or f"normwatch · steps {snap.first_step}-{snap.step}"
         table = Table(title=title, box=box.ASCII2, title_justify="left", pad_edge=False,
-                      caption=LEGEND, caption_justify="left")
+                      caption=LEGEND, caption_justify="left", collapse_padding=True)
         table.add_column("layer", min_width=10, overflow="fold")
         headers = ["health", "absmax", "fp16_headroom", "rms_mean", "rms_max", "eps_dominance",
-                   "common_mode_max", "nonfinite", "dtype"]
+                   "common_mode_max", "nonfinite", "grad_hidden_rms", "dtype"]
         if self.sparklines is not None:
             headers.insert(3, "trend")
+        grads = any(s.grad_hidden_rms is not None for s in snap.layers.values())
+        if not grads:
+            headers.remove("grad_hidden_rms")
         for name in headers:
             table.add_column(header(name), no_wrap=True,
                              justify="left" if name in ("health", "dtype", "trend") else "right")
@@ -110,6 +114,8 @@ class HealthTable:
                 _num(s.common_mode_max) if s.kind == "rmsnorm" else "-",
                 Text(f"{s.nonfinite}/{s.out_nonfinite}",
                      style="bold red" if s.nonfinite or s.out_nonfinite else ""),
+                *([Text(_num(s.grad_hidden_rms), style="bold red" if s.grad_hidden_nonfinite
+                        else "")] if grads else []),
                 f"{_short(s.input_dtype)}>{_short(s.weight_dtype)}>{_short(s.output_dtype)}",
             )
         folded = rows[len(shown):]
@@ -184,7 +190,7 @@ class ReportSummary:
                       title_justify="left")
         limit = report_limits(r).fp16_limit
         for name in ("layer", "absmax", "fp16_headroom", "rms_mean", "eps_dominance",
-                     "nonfinite", "dtype"):
+                     "nonfinite", "grad_hidden_rms", "dtype"):
             table.add_column(header(name), no_wrap=name != "layer")
         for layer in r.get("layers") or []:
             history = layer.get("history") or []
@@ -197,8 +203,22 @@ class ReportSummary:
                           _num(limit / absmax if absmax else None),
                           _num(_float(h.get("rms_mean"))), _num(_float(h.get("eps_dominance"))),
                           f"{h.get('nonfinite')}/{h.get('out_nonfinite')}",
+                          _num(_float(h.get("grad_hidden_rms"))),
                           f"{_short(dtypes.get('input'))}>{_short(dtypes.get('output'))}")
         yield table
+        depth = r.get("gradient_depth")
+        if depth:
+            yield Text(f"gradient depth profile at step {depth.get('step')}: first/last "
+                       f"hidden-gradient RMS ratio {_num(_float(depth.get('ratio')))} over "
+                       f"{len(depth.get('points') or [])} norms (below 1: decays toward the "
+                       "input)")
+        updates = r.get("update_history") or []
+        if updates:
+            last = updates[-1]
+            yield Text(f"last optimizer step {last.get('step')}: gradient norm "
+                       f"{_num(_float(last.get('grad_norm')))}, update norm "
+                       f"{_num(_float(last.get('update_norm')))}, lr "
+                       f"{_num(_float(last.get('lr')))}")
         counts: dict[str, int] = {}
         for alarm in r.get("alarms") or []:
             key = f"{alarm.get('severity')} {alarm.get('kind')}"

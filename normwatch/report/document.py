@@ -5,8 +5,8 @@
 
 Schema (``docs/report-schema.md``): ``schema``, ``version``, ``created``, ``trigger``,
 ``step``, ``rank``, ``limits``, ``verdict``, ``first_nonfinite``, ``layers`` (with each
-layer's recent ``history``), ``alarms``, ``loss_history``, ``spikes``, ``environment``,
-``exception``.
+layer's recent ``history``), ``alarms``, ``loss_history``, ``spikes``, ``update_history``,
+``gradient_depth``, ``environment``, ``exception``.
 Non-finite numbers are stored as the strings ``"nan"``, ``"inf"``, ``"-inf"`` (strict JSON).
 """
 
@@ -29,9 +29,10 @@ import torch
 from normwatch._version import __version__
 from normwatch.catalog import TABLE
 from normwatch.errors import ConfigError
+from normwatch.judge.depth import depth_profile
 from normwatch.judge.history import Record, first_nonfinite
 from normwatch.judge.spikes import Spike
-from normwatch.records import Alarm, Limits, NormLayer, Verdict
+from normwatch.records import Alarm, Limits, NormLayer, UpdateStats, Verdict
 
 SCHEMA = "normwatch.report"
 VERSION = 1
@@ -57,8 +58,11 @@ def build_report(
     rank: int | None = None,
     exception: BaseException | None = None,
     limits: Limits | None = None,
+    updates: Sequence[UpdateStats] = (),
+    placement: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The report document as plain JSON-able data (pure: no I/O)."""
+    """The report document as plain JSON-able data (pure: no I/O). ``placement``: the
+    norms' stated placements (glob → ``pre``/``post``) for the gradient depth profile."""
     first = first_nonfinite(records)
     position = {name: i for i, name in enumerate(order)}
     ordered = sorted(layers, key=lambda x: position.get(x.name, len(order) + layers.index(x)))
@@ -78,6 +82,10 @@ def build_report(
         "loss_history": [[s, _num(v)] for s, v in losses],
         "spikes": [{"step": s.step, "loss": _num(s.loss), "baseline": _num(s.baseline),
                     "margin": _num(s.margin)} for s in spikes],
+        "update_history": [{"step": u.step, "grad_norm": _num(u.grad_norm),
+                            "update_norm": _num(u.update_norm), "param_norm": _num(u.param_norm),
+                            "lr": _num(u.lr)} for u in updates],
+        "gradient_depth": gradient_depth(records, order, placement),
         "environment": environment(records),
         "exception": None if exception is None else {
             "type": type(exception).__name__,
@@ -85,6 +93,18 @@ def build_report(
             "traceback": "".join(traceback.format_exception(exception)),
         },
     }
+
+
+def gradient_depth(records: Sequence[Record], order: Sequence[str],
+                   placement: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+    """The hidden-state gradient by depth at the last flush that measured one."""
+    for record in reversed(records):
+        profile = depth_profile(record.snapshot, order, placement)
+        if profile is not None:
+            return {"step": record.snapshot.step, "ratio": _num(profile.ratio),
+                    "points": [{"layer": p.layer, "rms": _num(p.hidden_rms),
+                                "placement": p.placement} for p in profile.points]}
+    return None
 
 
 def environment(records: Sequence[Record] = ()) -> dict[str, Any]:

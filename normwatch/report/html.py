@@ -4,7 +4,8 @@
 
 Verdict and evidence first; then max |x| per layer over steps as a heatmap against the
 fp16 limit and as lines against it (the limit ``report.json`` recorded), the loss with
-spike and NaN markers, the depth profile of RMS across layers, eps dominance per layer,
+spike and NaN markers, the depth profile of RMS across layers, the hidden-state gradient
+by depth, the optimizer's gradient and update norms per step, eps dominance per layer,
 the alarms and the environment. Every string taken from the report is HTML-escaped.
 """
 
@@ -62,6 +63,10 @@ def render_html(report: dict[str, Any]) -> str:
         "<h2>loss</h2>", loss_chart(report.get("loss_history") or [], report.get("spikes") or [],
                                     steps=span),
         "<h2>depth profile: RMS across layers (last finite flush)</h2>", depth_profile(layers),
+        "<h2>gradient depth profile: hidden-state gradient RMS across layers</h2>",
+        gradient_depth(report.get("gradient_depth")),
+        "<h2>optimizer steps: gradient and update norms</h2>",
+        update_chart(report.get("update_history") or [], steps=span),
         "<h2>eps dominance per layer (max eps / (s + eps))</h2>", eps_bars(layers),
         "<h2>alarms</h2>", _alarms(report.get("alarms") or []),
         "<h2>environment</h2>", _environment(report.get("environment") or {}),
@@ -233,6 +238,30 @@ def depth_profile(layers: Sequence[dict[str, Any]]) -> str:
             peak.append((len(names), number(rows[-1].get("rms_max"))))
             names.append(str(layer.get("name")))
     return line_chart({"rms mean": mean, "rms max": peak}, log_y=True, x_labels=names)
+
+
+def gradient_depth(depth: dict[str, Any] | None) -> str:
+    """The trunk's gradient RMS by depth at the last flush that measured it, with the
+    first/last ratio (below 1: it decays toward the input, the Post-Norm signature)."""
+    if not depth or not depth.get("points"):
+        return "<p class='muted'>no gradients measured (gradients=False, or no full-tier " \
+            "step with a backward)</p>"
+    points = depth["points"]
+    ratio = number(depth.get("ratio"))
+    series = {"dL/dh rms": [(i, number(p.get("rms"))) for i, p in enumerate(points)]}
+    places = sorted({str(p.get("placement")) for p in points})
+    return (f"<div class='muted'>step {escape(str(depth.get('step')))} · first/last ratio "
+            f"{_fmt(ratio)} · placement {escape(', '.join(places))}</div>"
+            + line_chart(series, log_y=True, x_labels=[str(p.get("layer")) for p in points]))
+
+
+def update_chart(updates: Sequence[dict[str, Any]], steps: tuple[int, int] | None = None
+                 ) -> str:
+    """Per optimizer step: the global gradient norm and the update norm (log scale)."""
+    if not updates:
+        return "<p class='muted'>no optimizer attached (normwatch.watch(model, optimizer))</p>"
+    return line_chart({name: [(int(u["step"]), number(u.get(name))) for u in updates]
+                       for name in ("grad_norm", "update_norm")}, log_y=True, x_range=steps)
 
 
 def eps_bars(layers: Sequence[dict[str, Any]], width: int = 1040) -> str:

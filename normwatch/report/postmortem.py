@@ -19,7 +19,7 @@ from normwatch.config import WatchConfig
 from normwatch.judge.blame import judge
 from normwatch.judge.history import History
 from normwatch.judge.spikes import Spike, SpikeDetector
-from normwatch.records import Alarm, NormLayer, Snapshot, Trigger, Verdict
+from normwatch.records import Alarm, NormLayer, Snapshot, Trigger, UpdateStats, Verdict
 from normwatch.report.document import build_report, write_report
 
 LOSS_LOG = 4096
@@ -40,6 +40,7 @@ class PostMortem:
         self.detector = SpikeDetector(config.spike_window, config.spike_warmup,
                                       config.spike_threshold, config.spike_min_rel)
         self.losses: deque[tuple[int, float]] = deque(maxlen=LOSS_LOG)
+        self.updates: deque[UpdateStats] = deque(maxlen=LOSS_LOG)
         self.spikes: deque[Spike] = deque(maxlen=256)
         self.verdicts: list[Verdict] = []
         self.reports: list[Path] = []
@@ -59,6 +60,7 @@ class PostMortem:
         if first is not None and not self._in_nonfinite:
             triggers["nonfinite_activation"] = first.step
         self._in_nonfinite = first is not None
+        self.updates.extend(snapshot.updates)
         for step, loss in snapshot.losses:
             self.losses.append((step, loss))
             spike = self.detector.observe(step, loss)
@@ -88,7 +90,7 @@ class PostMortem:
     def _conclude(self, trigger: Trigger, step: int, order: Sequence[str],
                   exc: BaseException | None = None) -> Verdict:
         records = self.history.records(since_step=step - self.config.blame_lookback)
-        verdict = judge(trigger, step, records, order)
+        verdict = judge(trigger, step, records, order, list(self.updates))
         self.verdicts.append(verdict)
         self._logger.warning("[verdict] %s at step %d: %s%s. %s", trigger, step, verdict.blame,
                              f" ({verdict.layer})" if verdict.layer else "",
@@ -127,7 +129,8 @@ class PostMortem:
             trigger=trigger, step=step, verdict=verdict, layers=self.layers, order=order,
             records=self.history.records(), alarms=self.alarm_log,
             losses=list(self.losses), spikes=list(self.spikes), rank=self.config.rank,
-            exception=exc, limits=self.config.limits,
+            exception=exc, limits=self.config.limits, updates=list(self.updates),
+            placement=self.config.placement,
         )
 
     def state_dict(self) -> dict[str, Any]:

@@ -45,6 +45,12 @@ def test_trainer_callback_logs_normwatch_metrics(tmp_path: Path) -> None:
     assert entries[-1]["normwatch/model.norm/rms_mean"] > 0
     absmax = entries[-1]["normwatch/model.norm/absmax"]  # headroom against the user's limit
     assert entries[-1]["normwatch/model.norm/fp16_headroom"] == pytest.approx(64.0 / absmax)
+    # the Trainer's (Accelerate-wrapped) AdamW was watched: one update per optimizer step
+    updates = list(watch.postmortem.updates)
+    assert [u.step for u in updates] == list(range(1, 9))
+    assert all(u.update_norm > 0 and u.grad_norm > 0 for u in updates)
+    assert entries[-1]["normwatch/update_norm"] == pytest.approx(updates[-1].update_norm)
+    assert max(u.lr or 0 for u in updates) <= 1e-3  # linear decay from 1e-3
     # per flush: 2 optimizer steps x 2 accumulated micro-batches x 4 x 16 tokens
     snap = watch.postmortem.history.records()[0].snapshot
     assert snap.layers["model.norm"].tokens == 2 * 2 * 4 * 16

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import io
+import math
 import statistics
 from dataclasses import replace
 
+import torch
 from rich.console import Console
 
+import normwatch
 from normwatch.demos.demo import DemoResult, run_demo
 from normwatch.judge.blame import judge
 from normwatch.judge.history import Record
-from normwatch.records import Alarm, LayerStats, Snapshot
+from normwatch.judge.updates import UPDATE_JUMP
+from normwatch.records import Alarm, LayerStats, Snapshot, UpdateStats
+from tests.conftest import tiny_hf
 
 
 def drill(fault: str, steps: int = 200) -> DemoResult:
@@ -56,12 +61,93 @@ def test_nan_born_in_an_mlp_is_not_normalization_and_names_the_block() -> None:
         "blocks.1.norm2)"
 
 
-def test_corrupted_batch_spike_is_not_normalization() -> None:
+def test_corrupted_batch_spike_is_blamed_on_the_data() -> None:
     result = drill("bad-batch", steps=100)
-    assert [(v.trigger, v.step, v.blame) for v in result.verdicts] == [
-        ("loss_spike", 80, "not_normalization")]
-    assert "look in the data" in result.verdicts[0].evidence[1].lower()
+    assert [(v.trigger, v.step, v.blame, v.cause) for v in result.verdicts] == [
+        ("loss_spike", 80, "not_normalization", "data")]
+    assert "optimizer steps before it were normal" in result.verdicts[0].evidence[1]
+    assert "look at the batch" in result.verdicts[0].evidence[2].lower()
     assert result.reports == []  # a finite spike gets a verdict, not a post-mortem
+
+
+def test_one_step_learning_rate_spike_is_blamed_on_the_optimizer() -> None:
+    result = drill("lr-spike", steps=100)
+    assert [(v.trigger, v.step, v.blame, v.layer, v.cause) for v in result.verdicts] == [
+        ("loss_spike", 81, "not_normalization", None, "optimizer")]
+    evidence = result.verdicts[0].evidence
+    assert evidence[0].startswith("The optimizer step at step 80 moved the parameters")
+    assert "the learning rate was 5, 100x its median 0.05" in evidence[1]
+
+
+def lr_blowup(optimizer_watched: bool) -> normwatch.Watch:
+    """A tiny Llama trained with AdamW whose learning rate is 1000x for step 30."""
+    model = tiny_hf("llama")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    w = normwatch.watch(model, opt if optimizer_watched else None, flush_every=5,
+                        report_dir=None)
+    data = torch.randint(0, 64, (8, 4, 16), generator=torch.Generator().manual_seed(0))
+    for step in range(1, 41):
+        tokens = data[step % 8]
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        for group in opt.param_groups:
+            group["lr"] = 1.0 if step == 30 else 1e-3
+        opt.step()
+        opt.zero_grad()
+        w.step(loss)
+    return w
+
+
+def test_learning_rate_blowup_on_a_transformers_model_is_blamed_on_the_optimizer() -> None:
+    w = lr_blowup(optimizer_watched=True)
+    (verdict,) = w.verdicts
+    assert (verdict.trigger, verdict.step, verdict.blame, verdict.cause) == (
+        "loss_spike", 31, "not_normalization", "optimizer")
+    jump = next(u for u in w.postmortem.updates if u.step == 30)
+    normal = [u.update_norm for u in w.postmortem.updates if u.step < 30]
+    assert jump.update_norm > 100 * max(normal) and jump.lr == 1.0
+    assert "1000x its median 0.001" in verdict.evidence[1]
+    assert "5 of 5 norms' inputs moved with it" in verdict.evidence[2]
+    # without the optimizer's steps the same run can only shrug at the norm inputs' jump
+    (blind,) = lr_blowup(optimizer_watched=False).verdicts
+    assert (blind.blame, blind.cause) == ("inconclusive", "stat_jump")
+
+
+def updates(*norms: float) -> list[UpdateStats]:
+    return [UpdateStats(s, 1.0, n, 100.0, 1e-3) for s, n in enumerate(norms, 1)]
+
+
+def test_update_jump_outranks_stat_jumps_but_not_a_failing_norm() -> None:
+    steady = [0.1, 0.11, 0.09, 0.1, 0.1, 0.12]
+    jumped = updates(*steady, 0.1 * UPDATE_JUMP * 2)  # step 7 jumped
+    out = judge("loss_spike", 8, history(5.0, 30.0), ["a", "b"], jumped)
+    assert (out.blame, out.layer, out.cause) == ("not_normalization", None, "optimizer")
+    assert "8x the median" in out.evidence[0]
+    assert out.evidence[1].startswith("None of the 2 norms' inputs moved much")
+    # a jump 4 steps before the spike is too old to explain it; a small rise is no jump
+    assert judge("loss_spike", 11, history(5.0, 30.0), ["a", "b"], jumped).cause == "stat_jump"
+    assert judge("loss_spike", 8, history(5.0, 30.0), ["a", "b"],
+                 updates(*steady, 0.1 * UPDATE_JUMP * 0.9)).cause == "stat_jump"
+    nan = judge("loss_spike", 8, history(5.0, 3.0), ["a", "b"], updates(*steady, math.nan))
+    assert nan.cause == "optimizer" and "not finite" in nan.evidence[0]
+    records = history(5.0, 3.0)
+    failure = Alarm("eps_dominance", "warning", "b", 6, 0.5, 0.01, "b: eps dominates. More.")
+    records[5] = replace(records[5], findings=(failure,))
+    failing = judge("loss_spike", 8, records, ["a", "b"], jumped)
+    assert (failing.blame, failing.layer, failing.cause) == (
+        "normalization", "b", "eps_dominance")
+    assert any("moved the parameters" in e for e in failing.evidence)  # as context
+
+
+def test_normal_updates_and_healthy_norms_blame_the_data_unknown_updates_do_not() -> None:
+    normal = updates(0.1, 0.11, 0.09, 0.1, 0.1, 0.12, 0.1)
+    calm = judge("loss_spike", 8, history(5.0, 3.0), ["a", "b"], normal)
+    assert (calm.blame, calm.cause) == ("not_normalization", "data")
+    assert judge("loss_spike", 8, history(5.0, 3.0), ["a", "b"], normal[:3]).cause is None
+    assert judge("loss_spike", 8, history(5.0, 3.0), ["a", "b"]).cause is None
+    # a NaN loss with healthy norms could be the loss or the labels: not called data
+    assert judge("nonfinite_loss", 8, history(5.0, 3.0), ["a", "b"], normal).cause is None
+
 
 
 def test_healthy_run_has_no_verdict() -> None:

@@ -87,13 +87,16 @@ def run(steps: int, nan_at: int | None = None, fold_in_hook: bool = False,
     if in_place:  # the compiled hook body, run eagerly (as after a flush saw compiled calls)
         w._measure._rt.traced = True
     gen = torch.Generator().manual_seed(0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    w.watch_optimizer(opt)  # the optimizer step hooks are on the hot path too
     for step in range(1, steps + 1):
         model.blocks[1].mlp.fault = step == nan_at
         tokens = synthetic_batch(gen, batch=4, seq=16)
         loss = lm_loss(model(tokens), tokens)
         loss.backward()
-        opt.zero_grad()  # NaN grads are dropped: keep the model usable
+        if step != nan_at:  # NaN grads are dropped: keep the model usable
+            opt.step()
+        opt.zero_grad()
         w.step(loss)
     return w
 
@@ -107,6 +110,8 @@ def test_no_host_sync_between_flushes(monkeypatch: pytest.MonkeyPatch,
     assert trap.violations == []
     assert w.flushes == 3
     assert any(a.kind == "nonfinite" for a in w.alarms)  # the NaN path was exercised
+    assert w.last_snapshot is not None and [u.step for u in w.last_snapshot.updates] == \
+        [9, 10, 11, 12]  # the optimizer steps were measured
 
 
 def test_the_trap_catches_a_sync_in_the_hook(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -128,21 +133,22 @@ def test_the_trap_catches_a_sync_in_the_hook(monkeypatch: pytest.MonkeyPatch) ->
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_sync_debug_mode() -> None:  # pragma: no cover - runs on GPU machines only
     model = TinyLM(dim=64, depth=2).cuda()
-    w = normwatch.watch(model, flush_every=10)
-    gen = torch.Generator().manual_seed(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    w = normwatch.watch(model, opt, flush_every=10)
+    gen = torch.Generator().manual_seed(0)
     batches = [synthetic_batch(gen).cuda() for _ in range(20)]
     for step, tokens in enumerate(batches, 1):
         torch.cuda.set_sync_debug_mode("error")
         try:
             loss = lm_loss(model(tokens), tokens)
             loss.backward()
+            opt.step()
             if step % 10:
                 w.step(loss)
         finally:
             torch.cuda.set_sync_debug_mode(0)
-        opt.step()
         opt.zero_grad()
         if not step % 10:
             w.step(loss)
     assert w.flushes == 2
+    assert w.last_snapshot is not None and len(w.last_snapshot.updates) == 10

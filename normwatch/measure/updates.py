@@ -1,0 +1,162 @@
+"""The update side of a step: gradient and parameter-update norms from optimizer hooks.
+
+    >>> monitor = UpdateMonitor(step=lambda: watch.step_count + 1)
+    >>> monitor.attach(optimizer)            # step pre/post hooks on that optimizer
+    ... # optimizer.step() records one device row: [|g|², |Δp|², |p|²]
+    >>> updates = monitor.resolve(copied)    # at the flush: (UpdateStats, ...)
+
+The pre-hook keeps a copy of the trainable parameters; the post-hook sums the squared
+gradients the step used, the squared change and the squared parameters, and drops the
+copy. Everything stays on the parameters' devices (no host
+sync) until the flush copies the rows along with the statistics. The copy costs the
+optimizer's local parameters in memory for the duration of ``step()`` (a shard under
+FSDP2). Several optimizers stepping in one training step add up into one row. A failure
+in a hook detaches the monitor with one warning; training goes on.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from normwatch.errors import ConfigError
+from normwatch.records import UpdateStats
+
+WIDTH = 3
+"""Values per device row: gradient, update and parameter sums of squares."""
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def unwrap(optimizer: object) -> torch.optim.Optimizer:
+    """The torch optimizer inside wrappers, or a clear error. A wrapper may itself
+    subclass ``Optimizer`` without being one (Accelerate's steps the one it holds)."""
+    inner = optimizer
+    while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+        inner = inner.optimizer  # type: ignore[attr-defined]
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise ConfigError("'optimizer' must be a torch.optim.Optimizer (or a wrapper with an "
+                          f"'optimizer' attribute holding one): got {type(optimizer).__name__}")
+    return inner
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor`` (a DTensor's local shard; a plain tensor itself)."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def sumsq(tensors: Iterable[torch.Tensor]) -> dict[torch.device, torch.Tensor]:
+    """The float64 sum of squares of ``tensors`` per device (0-d tensors, no sync)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    out: dict[torch.device, torch.Tensor] = {}
+    for (device, dtype), group in groups.items():
+        norms = torch._foreach_norm(group, 2, dtype=torch.float32 if dtype in _LOW else None)
+        total = torch.stack(norms).to(torch.float64).square().sum()
+        out[device] = out[device] + total if device in out else total
+    return out
+
+
+class UpdateMonitor:
+    """Per-step gradient and update norms of the attached optimizers; see the module
+    docstring. ``step()`` gives the number of the training step being taken."""
+
+    def __init__(self, step: Callable[[], int]) -> None:
+        self._step = step
+        self._handles: list[RemovableHandle] = []
+        self._attached: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._before: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._rows: list[tuple[int, torch.device, torch.Tensor]] = []
+        self._lrs: dict[int, float | None] = {}
+        self.failed: str | None = None
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    def attach(self, optimizer: object) -> None:
+        """Hook ``optimizer`` (once; wrappers are unwrapped)."""
+        inner = unwrap(optimizer)
+        if inner in self._attached or self.failed is not None:
+            return
+        self._attached.add(inner)
+        self._handles += [inner.register_step_pre_hook(self._pre),
+                          inner.register_step_post_hook(self._post)]
+
+    def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        try:
+            with torch.no_grad():
+                params = [p for g in optimizer.param_groups for p in g["params"]
+                          if p.requires_grad]
+                self._before[id(optimizer)] = (params, [local(p).detach().clone()
+                                                        for p in params])
+        except Exception as exc:  # never take the training run down
+            self._fail(exc)
+
+    def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        before = self._before.pop(id(optimizer), None)
+        if before is None:
+            return
+        try:
+            with torch.no_grad():
+                params, copies = before
+                now = [local(p).detach() for p in params]
+                torch._foreach_sub_(copies, now)  # the copies become -Δp
+                # the gradients are read after the step: a closure (LBFGS, Lightning)
+                # computes them inside step(), after the pre-hook
+                grads = sumsq(local(p.grad) for p in params if p.grad is not None)
+                changes, sizes = sumsq(copies), sumsq(now)
+                step = self._step()
+                for device in dict.fromkeys([*grads, *changes]):
+                    zero = torch.zeros((), dtype=torch.float64, device=device)
+                    self._rows.append((step, device, torch.stack([
+                        grads.get(device, zero), changes.get(device, zero),
+                        sizes.get(device, zero)])))
+                lrs = [g["lr"] for g in optimizer.param_groups]
+                lr = max(lrs) if lrs and all(isinstance(v, float | int) for v in lrs) else None
+                old = self._lrs.get(step)
+                self._lrs[step] = lr if old is None or lr is None else max(old, lr)
+        except Exception as exc:
+            self._fail(exc)
+
+    def tensors(self) -> dict[torch.device, torch.Tensor]:
+        """This interval's rows, flat per device, to ride along the flush copy."""
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for _, device, row in self._rows:
+            by_device.setdefault(device, []).append(row)
+        return {d: torch.cat(v) for d, v in by_device.items()}
+
+    def resolve(self, copied: Mapping[torch.device, Iterable[float]]) -> tuple[UpdateStats, ...]:
+        """One :class:`UpdateStats` per step from ``copied`` (the host values of
+        :meth:`tensors`, per device; iterators are consumed), then forget the interval."""
+        iters = {d: iter(v) for d, v in copied.items()}
+        sums: dict[int, list[float]] = {}
+        for step, device, _ in self._rows:
+            row = [next(iters[device]) for _ in range(WIDTH)]
+            total = sums.setdefault(step, [0.0] * WIDTH)
+            total[:] = [a + b for a, b in zip(total, row, strict=True)]
+        out = tuple(UpdateStats(step, g**0.5, u**0.5, p**0.5, self._lrs.get(step))
+                    for step, (g, u, p) in sorted(sums.items()))
+        self._rows.clear()
+        self._lrs.clear()
+        return out
+
+    def _fail(self, exc: Exception) -> None:
+        self.failed = f"{type(exc).__name__}: {exc}"
+        self._before.clear()
+        self.detach()
+        warnings.warn(f"normwatch: measuring the optimizer step failed ({self.failed}); "
+                      "gradient and update norms are no longer recorded, training continues",
+                      RuntimeWarning, stacklevel=3)
+
+    def detach(self) -> None:
+        """Remove the hooks (harmless twice)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

@@ -1,0 +1,121 @@
+"""Gradient and update norms from optimizer step hooks, against a float64 reference."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import normwatch
+import normwatch.measure.updates
+from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
+from normwatch.errors import ConfigError
+
+
+def reference(params: list[torch.nn.Parameter], before: list[torch.Tensor]
+              ) -> tuple[float, float, float]:
+    """Gradient, update and parameter L2 norms in float64, one parameter at a time."""
+    def norm(ts: list[torch.Tensor]) -> float:
+        return math.sqrt(sum(float(t.double().square().sum()) for t in ts))
+    with_grad = [(p, b) for p, b in zip(params, before, strict=True) if b is not None]
+    return (norm([b[1] for _, b in with_grad]),
+            norm([p.detach() - b[0] for p, b in with_grad]),
+            norm([p.detach() for p, _ in with_grad]))
+
+
+def test_norms_match_a_float64_reference_with_two_optimizers_and_accumulation() -> None:
+    model = TinyLM(dim=32, depth=2)
+    model.blocks[0].requires_grad_(False)  # frozen: no gradient, no update, not counted
+    head = [p for n, p in model.named_parameters() if n.startswith("blocks.1")]
+    rest = [p for n, p in model.named_parameters()
+            if not n.startswith(("blocks.0", "blocks.1"))]
+    adam = torch.optim.AdamW(head, lr=1e-2, weight_decay=0.1)
+    sgd = torch.optim.SGD(rest, lr=0.05, momentum=0.9)
+    w = normwatch.watch(model, adam, flush_every=3, report_dir=None)
+    w.watch_optimizer(sgd)
+    w.watch_optimizer(sgd)  # twice: still one set of hooks
+    params = head + rest
+    gen = torch.Generator().manual_seed(0)
+    expected = []
+    for _ in range(6):
+        for _ in range(2):  # gradient accumulation: two micro-batches per step
+            tokens = synthetic_batch(gen, batch=2, seq=8)
+            (lm_loss(model(tokens), tokens) / 2).backward()
+        before = [(p.detach().clone(), p.grad.clone()) if p.grad is not None else None
+                  for p in params]
+        adam.step()
+        sgd.step()
+        expected.append(reference(params, before))  # type: ignore[arg-type]
+        adam.zero_grad()
+        sgd.zero_grad()
+        w.step()
+    got = [u for s in [w.flush()] for u in s.updates]
+    snapshots = [u for u in w.postmortem.updates]
+    assert [u.step for u in snapshots] == [1, 2, 3, 4, 5, 6] and got == []
+    for u, (g, d, p) in zip(snapshots, expected, strict=True):
+        assert u.grad_norm == pytest.approx(g, rel=1e-6)
+        assert u.update_norm == pytest.approx(d, rel=1e-5)
+        assert u.param_norm == pytest.approx(p, rel=1e-6)
+        assert u.lr == 0.05 and u.update_ratio == pytest.approx(d / p, rel=1e-5)
+    assert w._updates._before == {}  # the parameter copies are dropped after each step
+    w.close()
+    assert not adam._optimizer_step_pre_hooks and not sgd._optimizer_step_post_hooks
+
+
+def test_half_precision_gradients_sum_without_overflowing() -> None:
+    layer = torch.nn.Linear(512, 512, bias=False).half()
+    opt = torch.optim.SGD(layer.parameters(), lr=1e-6)
+    w = normwatch.watch(torch.nn.Sequential(torch.nn.LayerNorm(512), layer), opt,
+                        report_dir=None)
+    layer.weight.grad = torch.full_like(layer.weight, 300.0)  # |g|² = 2.4e10 >> 65504
+    opt.step()
+    w.step()
+    (u,) = w.flush().updates
+    assert u.grad_norm == pytest.approx(300.0 * 512, rel=1e-3)
+    assert math.isfinite(u.update_norm) and u.update_norm > 0
+
+
+def test_wrappers_are_unwrapped_and_bad_input_names_the_argument() -> None:
+    model = TinyLM(dim=16, depth=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = normwatch.watch(model, report_dir=None)
+    w.watch_optimizer(SimpleNamespace(optimizer=opt))  # Accelerate/Lightning-style wrapper
+    tokens = synthetic_batch(torch.Generator().manual_seed(0), batch=2, seq=8)
+    lm_loss(model(tokens), tokens).backward()
+    opt.step()
+    w.step()
+    assert len(w.flush().updates) == 1
+    with pytest.raises(ConfigError, match=r"'optimizer' must be a torch.optim.Optimizer.*"
+                                          r"got str"):
+        w.watch_optimizer("adam")
+    with pytest.raises(ConfigError, match="'optimizer'"):
+        normwatch.watch(model, optimizer=[opt])
+
+
+def test_a_failing_hook_warns_once_and_training_goes_on(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    model = TinyLM(dim=16, depth=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    w = normwatch.watch(model, opt, report_dir=None)
+
+    def broken(tensors: object) -> dict[torch.device, torch.Tensor]:
+        raise RuntimeError("no norms today")
+
+    monkeypatch.setattr(normwatch.measure.updates, "sumsq", broken)
+    gen = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            tokens = synthetic_batch(gen, batch=2, seq=8)
+            lm_loss(model(tokens), tokens).backward()
+            weight = model.norm.weight.detach().clone()
+            opt.step()
+            assert not torch.equal(weight, model.norm.weight)  # the step still happened
+            opt.zero_grad()
+            w.step()
+    failures = [c for c in caught if "measuring the optimizer step failed" in str(c.message)]
+    assert len(failures) == 1 and "no norms today" in str(failures[0].message)
+    assert w.flush().updates == () and not opt._optimizer_step_pre_hooks
