@@ -223,7 +223,8 @@ class Watch:
 
                 shared = self._measure.snapshot(combine_ranks(rows), snapshot.step,
                                                 snapshot.first_step, losses, updates)
-            self._collector.update(shared, passed, verdicts)
+            self._collector.update(shared, passed, verdicts, self.forward_order,
+                                   self.config.placement)
         if fatal:
             self._dispatcher.raise_if_fatal(passed)
         return snapshot, verdicts
@@ -253,7 +254,8 @@ class Watch:
             for i, record in enumerate(records):
                 last = i == len(records) - 1
                 collector.update(record.snapshot, self.alarms if last else [],
-                                 self.verdicts if last else [])
+                                 self.verdicts if last else [], self.forward_order,
+                                 self.config.placement)
             self._collector = collector
         return self._collector
 

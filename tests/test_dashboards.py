@@ -59,8 +59,9 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("prom")
     torch.manual_seed(0)
     model = TinyLM(dim=32, depth=2).half()  # fp16 with a drift: alarms, spikes and NaN data
-    w = normwatch.watch(model, flush_every=1, prometheus_port=0, report_dir=str(tmp / "r"),
-                        report_console=False, run_id="live-run")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    w = normwatch.watch(model, opt, flush_every=1, prometheus_port=0,
+                        report_dir=str(tmp / "r"), report_console=False, run_id="live-run")
     assert w.endpoint is not None and w.endpoint.port is not None
     prom_port = free_port()
     (tmp / "prometheus.yml").write_text(yaml.safe_dump({
@@ -75,7 +76,6 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{prom_port}"
     try:
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
         gen = torch.Generator().manual_seed(0)
         deadline = time.monotonic() + 12
         step = 0

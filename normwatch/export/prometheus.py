@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -58,8 +58,11 @@ class _State:
     flushes: int = 0
     loss: float | None = None
     depth_ratio: float | None = None
-    gauges: dict[str, dict[str, float]] = field(default_factory=dict)
-    """family -> layer -> value."""
+    grad_norm: float | None = None
+    update_norm: float | None = None
+    update_ratio: float | None = None
+    gauges: dict[str, dict[_Key, float]] = field(default_factory=dict)
+    """family -> (layer, label values) -> value."""
     counters: dict[str, dict[_Key, float]] = field(default_factory=dict)
     """family (per-layer counters, alarms, spikes) -> label values -> value."""
     nonfinite_losses: float = 0.0
@@ -91,8 +94,10 @@ class NormwatchCollector(Collector):
         self._state = _State(counters=counters)
 
     def update(self, snapshot: Snapshot, alarms: Iterable[Alarm] = (),
-               verdicts: Iterable[Verdict] = ()) -> None:
-        """Fold one flush in: gauges replaced, counters incremented."""
+               verdicts: Iterable[Verdict] = (), order: Sequence[str] = (),
+               placement: Mapping[str, str] | None = None) -> None:
+        """Fold one flush in: gauges replaced, counters incremented. ``order``: the
+        layers' forward order and ``placement`` the stated placements (depth profile)."""
         with self._lock:
             s = self._state
             s.step, s.last_flush, s.flushes = snapshot.step, time.time(), s.flushes + 1
@@ -101,9 +106,15 @@ class NormwatchCollector(Collector):
                     s.loss = loss
                 else:
                     s.nonfinite_losses += 1
-            profile = depth_profile(snapshot, ())
+            profile = depth_profile(snapshot, order, placement)
             if profile is not None:
                 s.depth_ratio = profile.ratio
+            if snapshot.updates:  # the interval's largest: a one-step blow-up stays visible
+                s.grad_norm, s.update_norm, s.update_ratio = (
+                    max((v for v in values if v is not None and math.isfinite(v)),
+                        default=None) for values in zip(
+                        *((u.grad_norm, u.update_norm, u.update_ratio) for u in snapshot.updates),
+                        strict=True))
             for name, stats in snapshot.layers.items():
                 if not stats.seen:
                     continue
@@ -112,10 +123,10 @@ class NormwatchCollector(Collector):
                     value = measured[stat]
                     if value is None or not math.isfinite(value):
                         continue  # not measured: the gauge keeps its last value
+                    key = (name, *(v for _, v in metric.labels))
                     if metric.type == "gauge":
-                        s.gauges.setdefault(metric.name, {})[name] = float(value)
+                        s.gauges.setdefault(metric.name, {})[key] = float(value)
                     else:
-                        key = (name, *(v for _, v in metric.labels))
                         family = s.counters[metric.name]
                         family[key] = family.get(key, 0.0) + float(value)
             for alarm in alarms:
@@ -145,6 +156,13 @@ class NormwatchCollector(Collector):
             ("normwatch_loss", "Last finite loss passed to watch.step().", state.loss),
             ("normwatch_gradient_depth_ratio", "Hidden-state gradient RMS at the first norm / "
              "at the last (below 1: it decays toward the input).", state.depth_ratio),
+            ("normwatch_optimizer_gradient_norm", "Largest global L2 norm of the gradients "
+             "of an optimizer step in the last flush interval (watch_optimizer).",
+             state.grad_norm),
+            ("normwatch_optimizer_update_norm", "Largest L2 norm of the parameter change of "
+             "an optimizer step in the last flush interval.", state.update_norm),
+            ("normwatch_optimizer_update_ratio", "Largest update norm / parameter norm of an "
+             "optimizer step in the last flush interval.", state.update_ratio),
         ]
         for name, help_, value in scalars:
             if value is not None:
@@ -158,9 +176,10 @@ class NormwatchCollector(Collector):
             seen.add(metric.name)
             if metric.type == "gauge":
                 g = GaugeMetricFamily(f"normwatch_{metric.name}", metric.help,
-                                      labels=[*base, "layer", "kind"])
-                for layer, value in state.gauges.get(metric.name, {}).items():
-                    g.add_metric([*ids, layer, self.kinds.get(layer, "")], value)
+                                      labels=[*base, "layer", "kind",
+                                              *(k for k, _ in metric.labels)])
+                for (layer, *extra), value in state.gauges.get(metric.name, {}).items():
+                    g.add_metric([*ids, layer, self.kinds.get(layer, ""), *extra], value)
                 yield g
             else:
                 labels = [*base, "layer", *(k for k, _ in metric.labels)]

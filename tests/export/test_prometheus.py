@@ -76,6 +76,37 @@ def test_metrics_follow_the_flushes_and_counters_never_see_nan() -> None:
         w.close()
 
 
+def test_gradient_sites_and_optimizer_steps_are_separate_series() -> None:
+    model, w = model_and_watch(stats_every=1, flush_every=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w.watch_optimizer(opt)
+    assert w.endpoint is not None and w.endpoint.port
+    try:
+        for scale in (1.0, 50.0):  # the second step's gradient is 50x the first's
+            model(torch.randn(4, 8)).mul(scale).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            w.step()
+        got = samples(scrape(w.endpoint.port))
+        stats = w.last_snapshot.layers["norm"]  # type: ignore[union-attr]
+        layer = (("kind", "layernorm"), ("layer", "norm"), ("rank", "0"))
+        for where, value in (("output", stats.grad_out_rms), ("input", stats.grad_in_rms),
+                             ("hidden", stats.grad_hidden_rms)):
+            assert value is not None and got[("normwatch_layer_gradient_rms",
+                                              (*layer, ("where", where)))] == pytest.approx(value)
+        assert stats.grad_out_rms != stats.grad_in_rms  # three distinct series, not one
+        updates = w.last_snapshot.updates  # type: ignore[union-attr]
+        rank = (("rank", "0"),)
+        assert got[("normwatch_optimizer_gradient_norm", rank)] == pytest.approx(
+            max(u.grad_norm for u in updates)) == pytest.approx(updates[1].grad_norm)
+        assert got[("normwatch_optimizer_update_norm", rank)] == pytest.approx(
+            updates[1].update_norm)
+        assert got[("normwatch_optimizer_update_ratio", rank)] == pytest.approx(
+            max(u.update_norm / u.param_norm for u in updates))
+    finally:
+        w.close()
+
+
 def test_binds_to_loopback_and_stops_on_close() -> None:
     _, w = model_and_watch()
     assert w.endpoint is not None and w.endpoint.server is not None
