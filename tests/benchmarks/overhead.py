@@ -35,7 +35,7 @@ Row = tuple[str, float, float, "tuple[int, int, int] | None"]
 @dataclass
 class Mode:
     name: str
-    attach: Callable[[torch.nn.Module], object]
+    attach: Callable[[torch.nn.Module, torch.optim.Optimizer], object]
     context: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext
     compiled: bool = False
     times: list[float] = field(default_factory=list)
@@ -65,25 +65,29 @@ def anomaly() -> Iterator[None]:
         yield
 
 
+def watching(**options: object) -> Callable[[torch.nn.Module, torch.optim.Optimizer], object]:
+    return lambda m, o: normwatch.watch(m, report_dir=None, **options)
+
+
+def with_optimizer(m: torch.nn.Module, o: torch.optim.Optimizer) -> object:
+    return normwatch.watch(m, o, report_dir=None)
+
+
 def modes() -> list[Mode]:
     return [
-        Mode("unmonitored", lambda m: None),
-        Mode("normwatch (defaults)", lambda m: normwatch.watch(m, report_dir=None)),
-        Mode("normwatch stats_every=1", lambda m: normwatch.watch(m, stats_every=1,
-                                                                 report_dir=None)),
-        Mode("normwatch stats_every=8", lambda m: normwatch.watch(m, stats_every=8,
-                                                                 report_dir=None)),
-        Mode("normwatch gradients=False", lambda m: normwatch.watch(m, gradients=False,
-                                                                   report_dir=None)),
-        Mode("DebugUnderflowOverflow", debug_underflow_overflow),
-        Mode("detect_anomaly", lambda m: None, anomaly),
-        Mode("compiled", lambda m: None, compiled=True),
-        Mode("compiled + normwatch (defaults)", lambda m: normwatch.watch(m, report_dir=None),
-             compiled=True),
-        Mode("compiled + normwatch gradients=False",
-             lambda m: normwatch.watch(m, gradients=False, report_dir=None), compiled=True),
-        Mode("compiled + normwatch stats_every=1",
-             lambda m: normwatch.watch(m, stats_every=1, report_dir=None), compiled=True),
+        Mode("unmonitored", lambda m, o: None),
+        Mode("normwatch (defaults)", watching()),
+        Mode("normwatch + optimizer", with_optimizer),
+        Mode("normwatch stats_every=1", watching(stats_every=1)),
+        Mode("normwatch stats_every=8", watching(stats_every=8)),
+        Mode("normwatch gradients=False", watching(gradients=False)),
+        Mode("DebugUnderflowOverflow", lambda m, o: debug_underflow_overflow(m)),
+        Mode("detect_anomaly", lambda m, o: None, anomaly),
+        Mode("compiled", lambda m, o: None, compiled=True),
+        Mode("compiled + normwatch (defaults)", watching(), compiled=True),
+        Mode("compiled + normwatch + optimizer", with_optimizer, compiled=True),
+        Mode("compiled + normwatch gradients=False", watching(gradients=False), compiled=True),
+        Mode("compiled + normwatch stats_every=1", watching(stats_every=1), compiled=True),
     ]
 
 
@@ -105,8 +109,8 @@ def run(rounds: int, steps: int, hidden: int, layers: int, batch: int, seq: int,
     runs = []
     for mode in selected:
         model = copy.deepcopy(base)
-        watcher = mode.attach(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        watcher = mode.attach(model, opt)
         runs.append((mode, torch.compile(model) if mode.compiled else model, opt, watcher))
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 1024, (batch, seq), generator=gen)

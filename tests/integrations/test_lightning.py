@@ -59,7 +59,8 @@ def test_a_compiled_model_logs_the_eager_numbers_without_graph_breaks(tmp_path: 
     eager, compiled_rows = logged[False], logged[True]
     assert len(eager) == len(compiled_rows) and any(r for r in eager)
     keys = set().union(*eager)  # the default: worst-layer summaries, no per-layer series
-    assert "normwatch/absmax_max" in keys and len(keys) <= 10
+    assert "normwatch/absmax_max" in keys and len(keys) <= 13
+    assert {"normwatch/grad_norm", "normwatch/update_norm", "normwatch/update_ratio"} <= keys
     assert not [k for k in keys if k.count("/") > 1 and not k.startswith("normwatch/alarms")]
     for want, got in zip(eager, compiled_rows, strict=True):
         assert got.keys() == want.keys()

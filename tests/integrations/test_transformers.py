@@ -88,7 +88,8 @@ def test_torch_compile_true_logs_the_eager_numbers_without_graph_breaks(tmp_path
         "normwatch/absmax_max", "normwatch/absmax_max_layer", "normwatch/fp16_headroom_min",
         "normwatch/eps_dominance_max", "normwatch/nonfinite_tokens", "normwatch/alarms/info",
         "normwatch/alarms/warning", "normwatch/alarms/critical", "normwatch/verdicts",
-        "normwatch/remote_verdicts"}
+        "normwatch/remote_verdicts", "normwatch/grad_norm", "normwatch/update_norm",
+        "normwatch/update_ratio"}
     assert len(logged[True]) == len(logged[False]) == 2
     for want, got in zip(logged[False], logged[True], strict=True):
         assert got.keys() == want.keys()

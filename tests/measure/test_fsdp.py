@@ -4,6 +4,8 @@ Each rank trains its own batch, eager and with every decoder layer compiled. Per
 the statistics equal an unsharded replica fed the same batch; combined across ranks
 they equal one process over both batches; weight dtypes are read from the unsharded
 parameter (bf16 under a bf16 ``MixedPrecisionPolicy``, while the shards stay fp32).
+The optimizer's step is measured per rank: under FSDP2 each rank's shard (the shards
+add up to one process stepping on both batches), under DDP the whole, reduced model.
 """
 
 from __future__ import annotations
@@ -85,8 +87,37 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
         result[f"{variant}_shard_dtype"] = str(
             next(model.parameters()).dtype).removeprefix("torch.")
         w.close()
+    for variant in ("fsdp_step", "ddp_step"):
+        result[variant] = one_step(rank, variant)
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
+
+
+LR = 0.5
+
+
+def one_step(rank: int, variant: str) -> list[float]:
+    """One SGD step on the rank's batch, FSDP2-sharded or DDP-wrapped: the watch's
+    ``[grad_norm, update_norm, param_norm]``."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = llama()
+    if variant == "fsdp_step":
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    else:
+        model = DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    w = normwatch.watch(model, opt, flush_every=100, report_dir=None)
+    tokens = batch(rank, 0)
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    opt.step()
+    w.step()
+    (u,) = w.flush().updates
+    w.close()
+    return [u.grad_norm, u.update_norm, u.param_norm]
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +183,24 @@ def test_weight_dtype_is_the_unsharded_parameters(ranks: list[dict[str, Any]]) -
         layer = result["bf16"]["model.layers.0.input_layernorm"]
         assert (layer["weight_dtype"], layer["input_dtype"]) == ("bfloat16", "bfloat16")
         assert result["eager"]["model.norm"]["weight_dtype"] == "float32"
+
+
+def test_optimizer_steps_per_rank_under_fsdp2_and_ddp(ranks: list[dict[str, Any]]) -> None:
+    # the reference: one unsharded model stepping on the mean loss of both ranks' batches
+    # (FSDP2 and DDP average the ranks' gradients), norms in float64 one tensor at a time
+    model = llama()
+    before = [p.detach().double().clone() for p in model.parameters()]
+    losses = [model(input_ids=batch(r, 0), labels=batch(r, 0)).loss for r in (0, 1)]
+    (sum(losses) / 2).backward()  # type: ignore[operator]
+    grad = sum(float(p.grad.double().square().sum()) for p in model.parameters())
+    torch.optim.SGD(model.parameters(), lr=LR).step()
+    update = sum(float((p.detach().double() - b).square().sum())
+                 for p, b in zip(model.parameters(), before, strict=True))
+    param = sum(float(p.detach().double().square().sum()) for p in model.parameters())
+    want = [grad**0.5, update**0.5, param**0.5]
+    for result in ranks:  # DDP: every rank holds the reduced gradient and the whole model
+        assert result["ddp_step"] == pytest.approx(want, rel=1e-5)
+    shards = [result["fsdp_step"] for result in ranks]  # FSDP2: each rank its shard
+    assert [sum(s[i] ** 2 for s in shards) ** 0.5 for i in range(3)] == pytest.approx(
+        want, rel=1e-5)
+    assert all(0 < s[0] < want[0] for s in shards)
