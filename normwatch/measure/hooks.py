@@ -243,9 +243,12 @@ class LayerHook:
             self.grads.remove()
 
     def _grad_target(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """This layer's gradient row and gate, for the gradient hooks."""
+        """This layer's gradient row and gate, for the gradient hooks (``None`` when
+        there is nothing to measure: eager hooks skip the gated-off tensor work)."""
         if self.grad_state is None or self.grad_gate is None:
             return None
+        if not self.rt.grads_now and not torch.compiler.is_compiling():
+            return None  # the gate reads 0: the weight's hook fires on every backward
         return self.grad_state, self.grad_gate
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
