@@ -5,13 +5,14 @@
     ... # optimizer.step() records one device row: [|g|², |Δp|², |p|²]
     >>> updates = monitor.resolve(copied)    # at the flush: (UpdateStats, ...)
 
-The pre-hook keeps a copy of the trainable parameters; the post-hook sums the squared
-gradients the step used, the squared change and the squared parameters, and drops the
-copy. Everything stays on the parameters' devices (no host
-sync) until the flush copies the rows along with the statistics. The copy costs the
-optimizer's local parameters in memory for the duration of ``step()`` (a shard under
-FSDP2). Several optimizers stepping in one training step add up into one row. A failure
-in a hook detaches the monitor with one warning; training goes on.
+The pre-hook copies the trainable parameters; the post-hook sums the squared gradients
+the step used, the squared change and the squared parameters. Everything stays on the
+parameters' devices (no host sync) until the flush copies the rows along with the
+statistics. The copy costs the optimizer's local parameters in memory (a shard under
+FSDP2): for the duration of ``step()`` on accelerators, kept between steps on the CPU
+(:meth:`UpdateMonitor._copy`). Several optimizers stepping in one training step add up
+into one row. A failure in a hook detaches the monitor with one warning; training goes
+on.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from torch.utils.hooks import RemovableHandle
 from normwatch.errors import ConfigError
 from normwatch.records import UpdateStats
 
+KEEP_ON = frozenset({"cpu"})
+"""Device types whose parameter copies are kept between steps (:meth:`UpdateMonitor._copy`)."""
 WIDTH = 3
 """Values per device row: gradient, update and parameter sums of squares."""
 _LOW = (torch.float16, torch.bfloat16)
@@ -72,6 +75,7 @@ class UpdateMonitor:
         self._handles: list[RemovableHandle] = []
         self._attached: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._before: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._kept: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._rows: list[tuple[int, torch.device, torch.Tensor]] = []
         self._lrs: dict[int, float | None] = {}
         self.failed: str | None = None
@@ -94,10 +98,30 @@ class UpdateMonitor:
             with torch.no_grad():
                 params = [p for g in optimizer.param_groups for p in g["params"]
                           if p.requires_grad]
-                self._before[id(optimizer)] = (params, [local(p).detach().clone()
-                                                        for p in params])
+                self._before[id(optimizer)] = (params, self._copy(optimizer, params))
         except Exception as exc:  # never take the training run down
             self._fail(exc)
+
+    def _copy(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]
+              ) -> list[torch.Tensor]:
+        """The parameters' values before the step. CPU copies are kept between steps and
+        overwritten (a fresh large CPU allocation page-faults: it cost more than AdamW's
+        step); on accelerators the caching allocator makes a transient copy cheap."""
+        values = [local(p).detach() for p in params]
+        keep = [v.device.type in KEEP_ON for v in values]
+        if not any(keep):
+            return [v.clone() for v in values]
+        kept = self._kept.get(id(optimizer))
+        if kept is None or len(kept[0]) != len(params) or \
+                any(a is not b for a, b in zip(kept[0], params, strict=True)):
+            kept = (params, [v.clone() if k else v for v, k in zip(values, keep, strict=True)])
+            self._kept[id(optimizer)] = kept
+            return [c if k else v.clone() for c, v, k in zip(kept[1], values, keep, strict=True)]
+        out = [c if k else v.clone() for c, v, k in zip(kept[1], values, keep, strict=True)]
+        pairs = [(c, v) for c, v, k in zip(out, values, keep, strict=True) if k]
+        if pairs:
+            torch._foreach_copy_([c for c, _ in pairs], [v for _, v in pairs])
+        return out
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         before = self._before.pop(id(optimizer), None)
@@ -156,7 +180,8 @@ class UpdateMonitor:
                       RuntimeWarning, stacklevel=3)
 
     def detach(self) -> None:
-        """Remove the hooks (harmless twice)."""
+        """Remove the hooks and drop the kept copies (harmless twice)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._kept.clear()

@@ -12,6 +12,7 @@ import contextlib
 import fnmatch
 import logging
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -64,6 +65,26 @@ AT_INIT = {
 }
 
 
+# Families whose size fields go by other names or must agree with each other: set after
+# the shrink ("a.b": a sub-config's field; "config": build from that sub-config).
+OVERRIDES: dict[str, dict[str, Any]] = {}
+
+
+def override(config: Any, model_type: str) -> Any:
+    """Apply the family's :data:`OVERRIDES`; returns the config to build from."""
+    fields = dict(OVERRIDES.get(model_type, {}))
+    sub = fields.pop("config", None)
+    if sub is not None:
+        config = getattr(config, sub)
+    for key, value in fields.items():
+        *path, name = key.split(".")
+        target = config
+        for part in path:
+            target = getattr(target, part)
+        setattr(target, name, value)
+    return config
+
+
 def shrink(config: object, depth: int = 0) -> None:
     """Set the usual size fields of ``config`` and its sub-configs (text, vision, ...)."""
     for key, value in SIZES.items():
@@ -99,6 +120,7 @@ def tiny(model_type: str, class_name: str) -> torch.nn.Module:
     try:
         config = CONFIG_MAPPING[model_type]()
         shrink(config)
+        config = override(config, model_type)
         cls = getattr(transformers, class_name)
         with torch.device("meta"):
             try:

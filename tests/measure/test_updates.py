@@ -26,7 +26,11 @@ def reference(params: list[torch.nn.Parameter], before: list[torch.Tensor]
             norm([p.detach() for p, _ in with_grad]))
 
 
-def test_norms_match_a_float64_reference_with_two_optimizers_and_accumulation() -> None:
+@pytest.mark.parametrize("kept", [True, False], ids=["copies kept", "copies per step"])
+def test_norms_match_a_float64_reference_with_two_optimizers_and_accumulation(
+        kept: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not kept:  # the accelerator path: a transient copy per step
+        monkeypatch.setattr(normwatch.measure.updates, "KEEP_ON", frozenset())
     model = TinyLM(dim=32, depth=2)
     model.blocks[0].requires_grad_(False)  # frozen: no gradient, no update, not counted
     head = [p for n, p in model.named_parameters() if n.startswith("blocks.1")]
@@ -60,8 +64,10 @@ def test_norms_match_a_float64_reference_with_two_optimizers_and_accumulation() 
         assert u.update_norm == pytest.approx(d, rel=1e-5)
         assert u.param_norm == pytest.approx(p, rel=1e-6)
         assert u.lr == 0.05 and u.update_ratio == pytest.approx(d / p, rel=1e-5)
-    assert w._updates._before == {}  # the parameter copies are dropped after each step
+    assert w._updates._before == {}  # the step's references are dropped after each step
+    assert bool(w._updates._kept) == kept
     w.close()
+    assert w._updates._kept == {}
     assert not adam._optimizer_step_pre_hooks and not sgd._optimizer_step_post_hooks
 
 
