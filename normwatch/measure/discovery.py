@@ -29,7 +29,7 @@ from torch import nn
 
 from normwatch.errors import ConfigError
 from normwatch.measure.reductions import carried_eps
-from normwatch.measure.reference import layer_norm, per_head_norms, rms_norm
+from normwatch.measure.reference import flattens_heads, layer_norm, per_head_norms, rms_norm
 from normwatch.records import KINDS, Kind, NormLayer, WeightForm
 
 EPS_ATTRS = ("eps", "variance_epsilon", "epsilon", "variance_eps")
@@ -187,6 +187,19 @@ def _eps(module: nn.Module, attrs: Sequence[str]) -> float:
     return math.nan
 
 
+def _heads(module: nn.Module) -> tuple[int, int] | None:
+    """``(num_heads, head_dim)`` of a norm that takes its input split into heads (xLSTM's
+    ``xLSTMMultiHeadLayerNorm``: a flat weight over all heads), else ``None``."""
+    heads, width = getattr(module, "num_heads", None), getattr(module, "head_dim", None)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 1
+               for v in (heads, width)):
+        return None
+    shape = _weight_shape(module)
+    if shape is not None and math.prod(shape) != heads * width:  # type: ignore[operator]
+        return None
+    return heads, width  # type: ignore[return-value]
+
+
 def _weight_shape(module: nn.Module) -> tuple[int, ...] | None:
     weight = getattr(module, "weight", None)
     if isinstance(weight, torch.Tensor):
@@ -271,7 +284,8 @@ def behaviour(module: nn.Module, eps: float
     if (weight is not None and (weight.is_meta or weight.dim() == 0)) or \
             hasattr(module, "running_mean"):
         return None
-    dims = _weight_shape(module)
+    heads = _heads(module)
+    dims = heads or _weight_shape(module)
     free = not dims
     dims = dims or _FREE_DIMS
     if math.prod(dims) > 1 << 16:
@@ -283,7 +297,8 @@ def behaviour(module: nn.Module, eps: float
     dtype = weight.dtype if weight is not None else torch.float32
     device = weight.device if weight is not None else torch.device("cpu")
     g = torch.Generator().manual_seed(0)
-    x = torch.randn((3, *dims), generator=g, dtype=torch.float64)
+    lead = (3, 2) if heads else (3,)  # a split-heads input is (batch, seq, heads, width)
+    x = torch.randn((*lead, *dims), generator=g, dtype=torch.float64)
     x = x * torch.linspace(0.5, 2.0, math.prod(dims), dtype=torch.float64).reshape(dims) + 1.5
     y = _run(module, x.to(device, dtype))
     gated = y is None  # a required second input: a gate, run wide open
@@ -291,15 +306,18 @@ def behaviour(module: nn.Module, eps: float
         y = _run(module, x.to(device, dtype), torch.full(x.shape, 20.0, dtype=dtype,
                                                        device=device))
     y = y[0] if isinstance(y, tuple | list) and y else y
+    if isinstance(y, torch.Tensor) and flattens_heads(x.shape, y.shape):
+        y = y.reshape(x.shape)  # (.., heads, head_dim) in, (.., heads * head_dim) out
     if not isinstance(y, torch.Tensor) or y.shape != x.shape:
         return None
     # the formula matches to the precision the output carries (an fp32 norm whose
     # output is rounded through bf16 is still that norm)
     carried = float(carried_eps(y.detach()))
     x, y = x.to(dtype).double(), y.detach().double().cpu()  # what the module saw
-    w = weight.detach().double().cpu() if weight is not None else torch.ones(())
+    w = weight.detach().double().cpu().reshape(dims) if weight is not None else torch.ones(())
     bias = getattr(module, "bias", None)
-    b = bias.detach().double().cpu() if isinstance(bias, torch.Tensor) else torch.zeros(())
+    b = bias.detach().double().cpu().reshape(dims) if isinstance(bias, torch.Tensor) \
+        else torch.zeros(())
     forms: tuple[WeightForm, ...] = ("w", "1+w") if weight is not None else ("w",)
     best: tuple[float, Kind, tuple[int, ...], WeightForm] | None = None
     for kind in ("layernorm", "rmsnorm"):

@@ -49,7 +49,12 @@ from normwatch.measure.reductions import (
     rows_from_fused,
     token_view,
 )
-from normwatch.measure.reference import expected_from, expected_output, reference_params
+from normwatch.measure.reference import (
+    expected_from,
+    expected_output,
+    flattens_heads,
+    reference_params,
+)
 from normwatch.measure.triton_kernel import available as triton_available
 from normwatch.measure.triton_kernel import row_stats_triton
 from normwatch.records import NormLayer
@@ -482,6 +487,8 @@ class LayerHook:
         ref = expected_output(self.layer, module, x)
         if ref is None:
             return
+        if flattens_heads(ref.shape, y.shape):  # heads flattened on the way out
+            ref = ref.reshape(y.shape)
         if ref.shape != y.shape:
             err = torch.ones((), device=y.device)  # wrong-shaped output: fully wrong
         else:

@@ -10,6 +10,8 @@ over the wrong dimension or misplaces eps disagrees with them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,6 +56,7 @@ def reference_params(layer: NormLayer, module: nn.Module, x: torch.Tensor
     heads = per_head_norms(module)
     if heads is not None:  # head h of x[:, h] scaled by its own norm's parameters
         weight, bias = (_per_head_param(heads, p, x) for p in ("weight", "bias"))
+    weight, bias = _fit_heads(weight, x), _fit_heads(bias, x)
     if weight is not None and layer.weight_form == "1+w":
         weight = 1.0 + weight
     return weight, bias, _param(module, "running_mean"), _param(module, "running_var")
@@ -128,6 +131,22 @@ def _per_head_param(heads: list[nn.Module], name: str, x: torch.Tensor) -> torch
         return None
     stacked = torch.stack(params)  # type: ignore[arg-type]
     return stacked.reshape(len(heads), *(1,) * (x.dim() - 3), -1)
+
+
+def flattens_heads(x: Sequence[int], y: Sequence[int]) -> bool:
+    """Whether output shape ``y`` is input shape ``x`` with its last two dims (heads and
+    head width) flattened into one (xLSTM's multi-head LayerNorm)."""
+    return len(y) >= 1 and len(x) == len(y) + 1 and tuple(x[:-2]) == tuple(y[:-1]) and \
+        x[-2] * x[-1] == y[-1]
+
+
+def _fit_heads(param: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    """A flat parameter over all heads of a ``(.., heads, head_dim)`` input, as
+    ``(heads, head_dim)``; any other parameter as it is."""
+    if param is not None and param.dim() == 1 and x.dim() >= 3 and \
+            param.shape[0] != x.shape[-1] and param.shape[0] == x.shape[-2] * x.shape[-1]:
+        return param.reshape(x.shape[-2:])
+    return param
 
 
 def _param(module: nn.Module, name: str) -> torch.Tensor | None:

@@ -254,6 +254,47 @@ def test_stablelm_per_head_norms_are_one_layer_with_per_head_weights() -> None:
     assert [a for a in w.alarms if a.severity != "info"] == []
 
 
+class SplitHeadsNorm(nn.Module):
+    """xLSTM's multi-head LayerNorm: (B, S, heads, width) in, each head normalized, heads
+    flattened out, one flat weight over all heads; ``over_heads`` normalizes the whole
+    row instead (a wrong reduction dimension)."""
+
+    def __init__(self, num_heads: int = 4, head_dim: int = 8, over_heads: bool = False
+                 ) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.eps = num_heads, head_dim, 1e-6
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, num_heads * head_dim))
+        self.over_heads = over_heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h, d = x.shape
+        t = x.reshape(b, s, 1, h * d) if self.over_heads else x
+        t = (t - t.mean(-1, keepdim=True)) * torch.rsqrt(
+            t.var(-1, keepdim=True, unbiased=False) + self.eps)
+        return t.reshape(b, s, h * d) * self.weight
+
+
+def test_a_norm_over_split_heads_has_one_token_per_head() -> None:
+    layer = describe(SplitHeadsNorm(), "norm")
+    assert layer is not None and (layer.kind, layer.normalized_shape) == ("layernorm", (8,))
+    model = SplitHeadsNorm()
+    w = normwatch.watch(model, flush_every=1, report_dir=None)
+    x = torch.randn(2, 5, 4, 8, dtype=torch.float64).float() * torch.tensor([1.0, 3, 10, 30]
+                                                                           ).reshape(4, 1)
+    model(x)
+    w.step()
+    stats = w.last_snapshot.layers[""]  # type: ignore[union-attr]
+    rms = x.double().pow(2).mean(-1).sqrt()  # float64 reference, per head
+    assert stats.tokens == 2 * 5 * 4
+    assert stats.rms_max == pytest.approx(float(rms.max()), rel=1e-5)
+    assert stats.rms_min == pytest.approx(float(rms.min()), rel=1e-5)
+    assert stats.output_mismatch is not None and stats.output_mismatch < 1e-5
+    # a norm that reduces over all heads is told apart by its output
+    wrong = SplitHeadsNorm(over_heads=True)
+    assert describe(wrong, "norm") is not None
+    assert describe(wrong, "norm").normalized_shape == (4, 8)  # type: ignore[union-attr]
+
+
 def test_a_subclass_of_torch_norm_with_its_own_forward_is_classified_by_behaviour() -> None:
     """Nemotron's LayerNorm1P subclasses nn.LayerNorm and scales by 1 + w."""
     import torch.nn.functional as F
