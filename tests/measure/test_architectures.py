@@ -61,8 +61,9 @@ SKIP = {
     "git": "GitForCausalLM's loss skips the image tokens: it needs pixel_values, not text",
     "musicgen": "MusicgenForCausalLM takes codebook-shaped labels (batch, seq, codebooks)",
     "musicgen_melody": "MusicgenMelodyForCausalLM takes codebook-shaped labels",
-    "blt": "96M parameters after shrinking the usual size fields (its byte encoder, global "
-           "and decoder transformers size themselves by other fields)",
+    "blt": "shrunk, its four sub-configs (patcher, byte encoder, global, decoder) disagree on "
+           "widths (a 64-wide state meets a 32-wide RMSNorm); its 500k-row hash embedding "
+           "alone is 96M parameters",
 }
 # True findings of a tiny random init (per-token RMS measured ~1e-4 against eps 1e-6..1e-5):
 # eps dominates these norms' inputs at step 1.
