@@ -187,6 +187,9 @@ class LayerStats:
     output_dtype: str | None = None
     autocast: str | None = None
     """``"<device>:<dtype>"`` when the last call ran under autocast, else ``None``."""
+    autocast_made: bool | None = None
+    """Under autocast, an fp32 output from a lower-precision input: whether the op that
+    made it is one autocast runs in fp32 (``None``: not such an output, or unknown)."""
     # gradients through the norm (full-tier steps; None: no backward measured)
     grad_out_absmax: float | None = None
     grad_out_rms: float | None = None

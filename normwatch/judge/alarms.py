@@ -196,9 +196,11 @@ def common_mode_alarms(stats: LayerStats, step: int, config: WatchConfig) -> lis
 def dtype_alarms(stats: LayerStats, layer: NormLayer, step: int) -> list[Alarm]:
     """Weight or output dtype different from the input, beyond autocast's own rules.
 
-    Under autocast, the dtypes of torch's own norm modules are autocast's to decide (an
-    fp32 output of an op on its fp32 list is by design); a custom norm whose fp32 weight
-    promotes the stream is plain type promotion in its own code, with or without autocast.
+    Under autocast, an fp32 output made by an op autocast runs in fp32 (CUDA's
+    ``layer_norm``, asked of autocast by op: ``stats.autocast_made``) is by design; any
+    other fp32 output of a lower-precision stream (a norm's fp32 weight multiplying it) is
+    plain type promotion in the norm's own code, with or without autocast. Without an
+    autograd node to tell (no-grad calls), torch's own norm modules are taken as autocast's.
     """
     inp, w, out = stats.input_dtype, stats.weight_dtype, stats.output_dtype
     if inp is None or out is None:
@@ -206,7 +208,8 @@ def dtype_alarms(stats: LayerStats, layer: NormLayer, step: int) -> list[Alarm]:
     tag = f"{inp}/{w}/{out}/{stats.autocast}"
     if stats.autocast is not None:
         amp = stats.autocast.split(":")[-1]
-        if out == "float32" != inp and not layer.builtin:
+        by_autocast = layer.builtin if stats.autocast_made is None else stats.autocast_made
+        if out == "float32" != inp and not by_autocast:
             return [Alarm(
                 "dtype_mismatch", "warning", stats.name, step, 0.0, 0.0,
                 f"{stats.name}: under autocast ({amp}) the {inp} stream leaves this norm as "

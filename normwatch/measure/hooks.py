@@ -39,6 +39,7 @@ from normwatch.measure.accumulator import (
     dtype_code,
     fold_into,
 )
+from normwatch.measure.autocasting import autocast_made, output_op
 from normwatch.measure.gradients import GradHooks
 from normwatch.measure.reductions import (
     CallRows,
@@ -161,6 +162,9 @@ class HostCounts:
     weight_dtype: str | None = None
     output_dtype: str | None = None
     autocast: str | None = None
+    autocast_made: bool | None = None
+    """An fp32 output under autocast made by an op autocast runs in fp32 (``None``: no
+    such output, or no autograd node to tell)."""
     input_shape: torch.Size | None = None
     device: torch.device | None = None
 
@@ -375,7 +379,7 @@ class LayerHook:
             self.grads.watch_weight(getattr(module, "weight", None))  # FSDP2 swaps it
         if c.calls == 1:
             rt.forward_order.setdefault(self.layer.name, len(rt.forward_order))
-        self._record_dtypes(module, x, y)
+        self._record_dtypes(module, x, y0)
 
     def _traced(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any],
                 output: Any) -> None:
@@ -496,15 +500,19 @@ class LayerHook:
         self.rt.accumulator.update_check(self.row, err.to(torch.float64), carried_eps(y))
 
     def _record_dtypes(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None) -> None:
-        signature = _dtypes(module, x, y)
+        signature = (*_dtypes(module, x, y), output_op(y))
         if signature != self._signature:  # names are built only when something changed
             self._signature = signature
             c = self.counts
             c.input_dtype, c.weight_dtype, c.output_dtype = (
                 None if d is None else _dtype_name(d) for d in signature[:3])
-            amp, device_type = signature[3:]
+            amp, device_type, op = signature[3:]
             c.autocast = None if amp is None else f"{device_type}:{_dtype_name(amp)}"
             c.device = x.device
+            promoted = amp is not None and y is not None and \
+                y.dtype == torch.float32 != x.dtype
+            c.autocast_made = None if not promoted or op is None else \
+                autocast_made(op, x.device, amp, x.dtype)
 
     def _skip(self, x: torch.Tensor | None) -> None:
         if x is None:

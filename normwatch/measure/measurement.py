@@ -217,7 +217,7 @@ def build_snapshot(layers: Sequence[NormLayer], rows: Sequence[Mapping[str, floa
         stats[layer.name] = LayerStats(
             name=layer.name, kind=layer.kind, **public,  # type: ignore[arg-type]
             input_dtype=c.input_dtype, weight_dtype=c.weight_dtype,
-            output_dtype=c.output_dtype, autocast=c.autocast)
+            output_dtype=c.output_dtype, autocast=c.autocast, autocast_made=c.autocast_made)
         for origin, column in (("input", "first_arrived_score"), ("norm", "first_born_score")):
             score = row[column]
             if score > 0 and (first is None or score > first[0]):

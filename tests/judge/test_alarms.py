@@ -13,7 +13,11 @@ from torch import nn
 import normwatch
 from normwatch.demos.demo import DemoResult, run_demo
 from normwatch.demos.toymodel import NaiveRMSNorm, TinyLM, lm_loss, synthetic_batch
-from normwatch.records import SEVERITY_RANK, Alarm
+from normwatch.judge.alarms import dtype_alarms
+from normwatch.measure import autocasting
+from normwatch.measure.autocasting import autocast_made
+from normwatch.records import SEVERITY_RANK, Alarm, NormLayer
+from tests import factory
 from tests.conftest import tiny_hf
 
 
@@ -243,6 +247,70 @@ def test_autocast_promotion_by_a_custom_norm_is_a_dtype_finding_not_a_mismatch()
     # LlamaRMSNorm: weight (fp32) * hidden.to(bf16) -> fp32, by plain type promotion
     assert found["llama"] == {("dtype_mismatch", "warning")}
     assert found["torch-ln"] == found["torch-rms"] == found["torch-gn"] == set()
+
+
+class LayerNormByHand(torch.nn.Module):
+    """A custom (not torch's) module that calls ``F.layer_norm``: under CUDA autocast its
+    fp32 output is autocast's rule for that op, not this module's promotion."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(d))
+        self.eps = 1e-5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.layer_norm(x, x.shape[-1:], self.weight, eps=self.eps)
+
+
+def test_autocast_is_asked_by_op_not_by_module_class(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    # CPU autocast keeps layer_norm in bf16 (CUDA's runs it in fp32): autocast decides
+    assert not autocast_made("NativeLayerNormBackward0", cpu, torch.bfloat16, torch.bfloat16)
+    assert not autocast_made("MulBackward0", cpu, torch.bfloat16, torch.bfloat16)
+    # an op CPU autocast does list in fp32 (cdist), standing in for a norm op: asked, True
+    monkeypatch.setitem(autocasting._OPS, "Cdist", lambda x: torch.cdist(x, x))
+    assert autocast_made("CdistBackward0", cpu, torch.bfloat16, torch.bfloat16)
+    # the rule reads the recorded answer first, the module's class only without one
+    layer = NormLayer("n", "layernorm", 1e-5, (64,), "w", "LayerNorm", builtin=True)
+    custom = NormLayer("n", "layernorm", 1e-5, (64,), "w", "LayerNormByHand")
+    promoted = dict(input_dtype="float16", weight_dtype="float32", output_dtype="float32",
+                    autocast="cuda:float16")
+    for made, on, warned in ((True, custom, False), (False, layer, True),
+                             (None, layer, False), (None, custom, True)):
+        stats = factory.stats("n", kind="layernorm", autocast_made=made, **promoted)
+        got = [a.severity for a in dtype_alarms(stats, on, 1)]
+        assert (got == ["warning"]) == warned, (made, on.class_name)
+
+
+def test_the_op_behind_a_promoted_output_is_recorded_in_training() -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    model = nn.Sequential(nn.Linear(64, 64), LlamaRMSNorm(64))
+    w = normwatch.watch(model, flush_every=1, report_dir=None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(torch.randn(8, 64))
+    out.float().sum().backward()
+    snap = w.step()
+    assert snap is not None and snap.layers["1"].autocast_made is False  # the weight's mul
+    w.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_autocast_layer_norm_in_a_custom_module_is_not_a_mismatch(
+        ) -> None:  # pragma: no cover - runs on GPU machines only
+    for norm, expect in ((LayerNormByHand(64), set()),
+                         (nn.LayerNorm(64), set()),
+                         (__import__("transformers").models.llama.modeling_llama.LlamaRMSNorm(
+                             64), {("dtype_mismatch", "warning")})):
+        model = nn.Sequential(nn.Linear(64, 64), norm).cuda()
+        w = normwatch.watch(model, flush_every=1, report_dir=None)
+        with torch.autocast("cuda", dtype=torch.float16):
+            out = model(torch.randn(8, 64, device="cuda"))
+        out.float().sum().backward()
+        snap = w.step()
+        assert snap is not None
+        assert kinds(w.alarms) == expect, type(norm).__name__
+        w.close()
 
 
 class RMSNormRoundedInBF16(torch.nn.Module):
