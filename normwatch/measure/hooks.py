@@ -256,8 +256,8 @@ class LayerHook:
         there is nothing to measure: eager hooks skip the gated-off tensor work)."""
         if self.grad_state is None or self.grad_gate is None:
             return None
-        if not self.rt.grads_now and not torch.compiler.is_compiling():
-            return None  # the gate reads 0: the weight's hook fires on every backward
+        if not torch.compiler.is_compiling() and not self.rt.grads_now:
+            return None  # the gate reads 0 (compiled code reads the gate, never this flag)
         return self.grad_state, self.grad_gate
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]

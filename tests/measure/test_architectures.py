@@ -58,9 +58,6 @@ SKIP = {
                         "(hidden_size_per_layer_input must be 0, got 256)",
     "gemma4_unified_assistant": "a KV-sharing draft model: shrunk to 2 layers, the layers "
                                 "that produce a cache differ from those that use one",
-    "git": "GitForCausalLM's loss skips the image tokens: it needs pixel_values, not text",
-    "musicgen": "MusicgenForCausalLM takes codebook-shaped labels (batch, seq, codebooks)",
-    "musicgen_melody": "MusicgenMelodyForCausalLM takes codebook-shaped labels",
     "blt": "shrunk, its four sub-configs (patcher, byte encoder, global, decoder) disagree on "
            "widths (a 64-wide state meets a 32-wide RMSNorm); its 500k-row hash embedding "
            "alone is 96M parameters",
@@ -118,6 +115,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         for t in ("full_attention", "sliding_attention")}),
     "gemma3n_text": _GEMMA3N,
     "xlstm": dict(embedding_dim=32, num_blocks=2, chunk_size=16, ffn_round_up_to_multiple_of=16),
+    "musicgen": dict(config="decoder"),  # the causal LM is the audio-token decoder
+    "musicgen_melody": dict(config="decoder"),
+    "git": {"vision_config.image_size": 32},
     "reformer": dict(attention_head_size=8, attn_layers=["local", "lsh"],
                      axial_pos_shape=(4, 4), axial_pos_embds_dim=(16, 16),
                      feed_forward_size=64, local_attn_chunk_length=8,
@@ -209,11 +209,30 @@ def tiny(model_type: str, class_name: str) -> torch.nn.Module:
                     f"{str(exc)[:120]}")
 
 
+def _codebooks(config: Any, ids: torch.Tensor) -> dict[str, Any]:
+    """MusicGen decoders: one row of ids per codebook, labels (batch, seq, codebooks)."""
+    n = config.num_codebooks
+    rows = ids.repeat_interleave(n, 0)
+    return dict(input_ids=rows, labels=rows.reshape(len(ids), n, -1).transpose(1, 2))
+
+
+def _with_image(config: Any, ids: torch.Tensor) -> dict[str, Any]:
+    """GIT: a captioning model, its loss taken after the image tokens."""
+    size = config.vision_config.image_size
+    pixels = torch.randn(len(ids), 3, size, size, generator=torch.Generator().manual_seed(1))
+    return dict(input_ids=ids, labels=ids, pixel_values=pixels)
+
+
+# Families whose causal LM takes more than token ids (the default: ids as labels too).
+INPUTS = {"musicgen": _codebooks, "musicgen_melody": _codebooks, "git": _with_image}
+
+
 def step(model_type: str, model: torch.nn.Module, w: normwatch.Watch) -> None:
     ids = torch.randint(3, SIZES["vocab_size"], (2, 16),
                         generator=torch.Generator().manual_seed(0))
+    inputs = INPUTS.get(model_type, lambda config, ids: dict(input_ids=ids, labels=ids))
     try:
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss = model(**inputs(model.config, ids), use_cache=False).loss
         loss.backward()
     except Exception as exc:
         w.close()
