@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -78,6 +79,23 @@ def fold_weight_grad(state: torch.Tensor, gate: torch.Tensor, g: torch.Tensor) -
     cells.add_(torch.where(gate.to(local.device), both, 0.0).to(state.dtype))
 
 
+class _Tap(torch.autograd.Function):
+    """Identity whose backward folds the gradient into a layer's row; the row travels
+    on ``ctx`` (not ``save_for_backward``: no version check when another backward of the
+    same compiled region folded into it first)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, state: torch.Tensor, gate: torch.Tensor,
+                site: str, hooks: GradHooks) -> torch.Tensor:
+        ctx.state, ctx.gate, ctx.site, ctx.tokens = state, gate, site, hooks.tokens
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        fold_grad(ctx.state, ctx.gate > 0, ctx.site, g, ctx.tokens)
+        return g, None, None, None, None
+
+
 class GradHooks:
     """The gradient side of one layer's hook (see the module docstring).
 
@@ -99,13 +117,24 @@ class GradHooks:
         must read instead (the gradient through the norm only)."""
         if not isinstance(x, nn.Parameter):  # a leaf that lives on keeps its hooks
             x.register_hook(self._hidden)  # type: ignore[no-untyped-call]
-        view = x.view_as(x)
-        view.register_hook(self._in)  # type: ignore[no-untyped-call]
-        return view
+        return self._tap(x, "grad_in", self._in, view=True)
 
-    def watch_output(self, y: torch.Tensor) -> None:
-        """Hook the norm's output (the gradient arriving at it)."""
-        y.register_hook(self._out)  # type: ignore[no-untyped-call]
+    def watch_output(self, y: torch.Tensor) -> torch.Tensor:
+        """Hook the norm's output (the gradient arriving at it); returns the tensor the
+        model must go on with (compiled code: a tap in its place)."""
+        return self._tap(y, "grad_out", self._out, view=False)
+
+    def _tap(self, t: torch.Tensor, site: str, hook: Callable[[torch.Tensor], None],
+             view: bool) -> torch.Tensor:
+        """An identity view of ``t`` whose gradient is measured at ``site``. Compiled:
+        :class:`_Tap` carries the row on ``ctx`` (hooks traced into a compiled backward
+        save it with a version check, so two forwards before one backward failed)."""
+        target = self._target() if torch.compiler.is_compiling() else None
+        if target is None:
+            hooked = t.view_as(t) if view else t
+            hooked.register_hook(hook)  # type: ignore[no-untyped-call]
+            return hooked
+        return _Tap.apply(t, target[0], target[1], site, self)  # type: ignore[no-any-return, no-untyped-call]
 
     def watch_weight(self, weight: object) -> None:
         """Hook the layer's weight once (again when the module's weight is replaced, as

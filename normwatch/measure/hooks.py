@@ -295,14 +295,15 @@ class LayerHook:
 
     def __call__(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], output: Any
-    ) -> None:
+    ) -> torch.Tensor | None:
         try:
             if torch.compiler.is_compiling():
-                self._traced(module, args, kwargs, output)
-            elif not self.rt.paused:
+                return self._traced(module, args, kwargs, output)
+            if not self.rt.paused:
                 self._observe(module, args, kwargs, output)
         except Exception as exc:  # never take the training run down
             self._fail(exc)
+        return None
 
     def _fail(self, exc: Exception) -> None:
         """Disable this hook with one warning (while tracing: Dynamo breaks the graph
@@ -382,13 +383,14 @@ class LayerHook:
         self._record_dtypes(module, x, y0)
 
     def _traced(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any],
-                output: Any) -> None:
-        """The hook body ``torch.compile`` traces (see the module docstring)."""
+                output: Any) -> torch.Tensor | None:
+        """The hook body ``torch.compile`` traces (see the module docstring); returns the
+        output the model goes on with when it taps it (``None``: the output as it was)."""
         x = _input(args, kwargs)
         if x is None or not x.is_floating_point() or x.is_meta or self.state is None:
-            return
+            return None
         if not (self.rt.count_eval or (module.training and torch.is_grad_enabled())):
-            return
+            return None
         y = _output(output)
         # Python state is neither read nor written here (a checkpointed region is a
         # higher-order op that refuses side effects): dtypes go to a device row
@@ -398,8 +400,10 @@ class LayerHook:
         if x.numel():
             self._fold_in_place(module, x.detach(), None if y is None else y.detach(),
                                 alone=not _other_tensor(args, kwargs, x))
-        if self.grads is not None and y is not None and y.requires_grad:
-            self.grads.watch_output(y)
+        if self.grads is not None and y is not None and y.requires_grad \
+                and isinstance(output, torch.Tensor):
+            return self.grads.watch_output(y)  # the model goes on with the tapped output
+        return None
 
     def _fold_in_place(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None,
                        alone: bool) -> int | torch.SymInt:

@@ -292,3 +292,27 @@ def test_a_model_built_on_the_meta_device_is_measured_once_materialised() -> Non
     # the first step ran traced without state; from the second on every call is measured
     assert {s.calls for s in snap.layers.values()} == {2}
     w.close()
+
+
+@pytest.mark.parametrize("compile_model", [whole, per_block], ids=["whole", "per-block"])
+def test_two_micro_batch_forwards_before_one_backward_measure_both(compile_model: Run
+                                                                    ) -> None:
+    """Gradient accumulation written as one backward of summed losses: both forwards of
+    the compiled region get their gradients measured, as eagerly."""
+    def run(compiled: bool) -> Snapshot:
+        torch.manual_seed(0)
+        model = TinyLM(dim=32, depth=2, norm="layernorm")
+        w = normwatch.watch(model, flush_every=100, stats_every=1, report_dir=None)
+        net = compile_model(model) if compiled else model
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            a, b = (synthetic_batch(gen, batch=2, seq=16) for _ in range(2))
+            (lm_loss(net(a), a) + 3.0 * lm_loss(net(b), b)).backward()
+            w.step()
+        return w.flush()
+
+    eager, compiled = run(False), run(True)
+    assert_same_stats([eager], [compiled])  # the gradient statistics included
+    norm = compiled.layers["blocks.1.norm2"]
+    assert norm.tokens == 3 * 2 * (2 * 16)  # steps x forwards x tokens
+    assert norm.grad_out_rms is not None and norm.grad_hidden_rms is not None
