@@ -96,9 +96,13 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
 LR = 0.5
 
 
-def one_step(rank: int, variant: str) -> list[float]:
+GRAD_FIELDS = ("grad_out_rms", "grad_out_absmax", "grad_in_rms", "grad_hidden_rms",
+               "grad_gain", "weight_grad_norm")
+
+
+def one_step(rank: int, variant: str) -> dict[str, Any]:
     """One SGD step on the rank's batch, FSDP2-sharded or DDP-wrapped: the watch's
-    ``[grad_norm, update_norm, param_norm]``."""
+    ``[grad_norm, update_norm, param_norm]`` and the norms' gradient statistics."""
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
@@ -110,14 +114,17 @@ def one_step(rank: int, variant: str) -> list[float]:
     else:
         model = DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    w = normwatch.watch(model, opt, flush_every=100, report_dir=None)
+    w = normwatch.watch(model, opt, flush_every=100, stats_every=1, report_dir=None)
     tokens = batch(rank, 0)
     model(input_ids=tokens, labels=tokens).loss.backward()
     opt.step()
     w.step()
-    (u,) = w.flush().updates
+    snap = w.flush()
+    (u,) = snap.updates
     w.close()
-    return [u.grad_norm, u.update_norm, u.param_norm]
+    return {"update": [u.grad_norm, u.update_norm, u.param_norm],
+            "grads": {n: {f: getattr(s, f) for f in GRAD_FIELDS}
+                      for n, s in snap.layers.items()}}
 
 
 @pytest.fixture(scope="module")
@@ -199,8 +206,31 @@ def test_optimizer_steps_per_rank_under_fsdp2_and_ddp(ranks: list[dict[str, Any]
     param = sum(float(p.detach().double().square().sum()) for p in model.parameters())
     want = [grad**0.5, update**0.5, param**0.5]
     for result in ranks:  # DDP: every rank holds the reduced gradient and the whole model
-        assert result["ddp_step"] == pytest.approx(want, rel=1e-5)
-    shards = [result["fsdp_step"] for result in ranks]  # FSDP2: each rank its shard
+        assert result["ddp_step"]["update"] == pytest.approx(want, rel=1e-5)
+    shards = [result["fsdp_step"]["update"] for result in ranks]  # FSDP2: each rank its shard
     assert [sum(s[i] ** 2 for s in shards) ** 0.5 for i in range(3)] == pytest.approx(
         want, rel=1e-5)
     assert all(0 < s[0] < want[0] for s in shards)
+
+
+def test_norm_gradients_are_each_ranks_own_before_the_reduction(ranks: list[dict[str, Any]]
+                                                                ) -> None:
+    """Under DDP and FSDP2 a rank's gradient statistics (the weight's included) are those
+    of its own batch, before the all-reduce / reduce-scatter averages them."""
+    for rank, result in enumerate(ranks):
+        model = llama()
+        w = normwatch.watch(model, flush_every=100, stats_every=1, report_dir=None)
+        tokens = batch(rank, 0)
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        want = {n: {f: getattr(s, f) for f in GRAD_FIELDS} for n, s in w.flush().layers.items()}
+        w.close()
+        other = ranks[1 - rank]["ddp_step"]["grads"]["model.norm"]["grad_out_rms"]
+        assert other != pytest.approx(want["model.norm"]["grad_out_rms"], rel=1e-3)
+        for variant in ("ddp_step", "fsdp_step"):
+            got = result[variant]["grads"]
+            assert got.keys() == want.keys()
+            for name, fields in want.items():
+                for field, value in fields.items():
+                    assert value is not None, (name, field)
+                    assert got[name][field] == pytest.approx(value, rel=1e-4), \
+                        (variant, name, field)
