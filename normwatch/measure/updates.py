@@ -57,6 +57,8 @@ def sumsq(tensors: Iterable[torch.Tensor]) -> dict[torch.device, torch.Tensor]:
     """The float64 sum of squares of ``tensors`` per device (0-d tensors, no sync)."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
+        if t.is_sparse:  # an embedding's sparse gradient: its stored values
+            t = t.coalesce().values()
         groups.setdefault((t.device, t.dtype), []).append(t)
     out: dict[torch.device, torch.Tensor] = {}
     for (device, dtype), group in groups.items():

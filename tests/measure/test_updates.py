@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 
 import normwatch
 import normwatch.measure.updates
@@ -125,3 +126,16 @@ def test_a_failing_hook_warns_once_and_training_goes_on(monkeypatch: pytest.Monk
     failures = [c for c in caught if "measuring the optimizer step failed" in str(c.message)]
     assert len(failures) == 1 and "no norms today" in str(failures[0].message)
     assert w.flush().updates == () and not opt._optimizer_step_pre_hooks
+
+
+def test_sparse_embedding_gradients_are_counted_by_their_values() -> None:
+    model = nn.Sequential(nn.Embedding(50, 8, sparse=True), nn.LayerNorm(8))
+    opt = torch.optim.SparseAdam(list(model[0].parameters()), lr=0.1)
+    w = normwatch.watch(model, opt, report_dir=None)
+    ids = torch.tensor([[1, 2, 2, 7]])
+    model(ids).pow(2).sum().backward()
+    grad = model[0].weight.grad.coalesce().values().double().norm()  # type: ignore[union-attr]
+    opt.step()
+    w.step()
+    (u,) = w.flush().updates
+    assert u.grad_norm == pytest.approx(float(grad), rel=1e-6) and u.update_norm > 0
