@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from rich.console import Console, Group
+from rich.markup import escape
 
 from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
 from normwatch.records import SEVERITY_RANK, Alarm, Verdict
@@ -190,8 +191,11 @@ def summary(result: DemoResult) -> str:
             lines.append(f"  normwatch warned {result.nan_step - warn} steps before the NaN loss")
     for verdict in result.verdicts[-1:]:
         where = f" ({verdict.layer})" if verdict.layer else ""
+        cause = f", cause {verdict.cause}" if verdict.cause else ""
         lines.append(f"  verdict on {verdict.trigger} at step {verdict.step}: "
-                     f"[bold]{verdict.blame}[/]{where}")
+                     f"[bold]{verdict.blame}[/]{where}{cause}")
+        if verdict.evidence:
+            lines.append(f"    {escape(verdict.evidence[0])}")
     for i, report in enumerate(result.reports):
         head = "post-mortems:" if i == 0 else "             "
         if len(result.reports) == 1:

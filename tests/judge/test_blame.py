@@ -11,7 +11,7 @@ import torch
 from rich.console import Console
 
 import normwatch
-from normwatch.demos.demo import DemoResult, run_demo
+from normwatch.demos.demo import DemoResult, run_demo, summary
 from normwatch.judge.blame import judge
 from normwatch.judge.history import Record
 from normwatch.judge.updates import UPDATE_JUMP
@@ -77,6 +77,7 @@ def test_one_step_learning_rate_spike_is_blamed_on_the_optimizer() -> None:
     evidence = result.verdicts[0].evidence
     assert evidence[0].startswith("The optimizer step at step 80 moved the parameters")
     assert "the learning rate was 5, 100x its median 0.05" in evidence[1]
+    assert "not_normalization[/], cause optimizer" in summary(result)  # the demo says why
 
 
 def lr_blowup(optimizer_watched: bool) -> normwatch.Watch:
