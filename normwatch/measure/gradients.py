@@ -88,7 +88,7 @@ class _Tap(torch.autograd.Function):
     def forward(ctx: Any, t: torch.Tensor, state: torch.Tensor, gate: torch.Tensor,
                 site: str, hooks: GradHooks) -> torch.Tensor:
         ctx.state, ctx.gate, ctx.site, ctx.tokens = state, gate, site, hooks.tokens
-        return t.view_as(t)
+        return t.clone()  # not a view: the model may modify it in place (fused away)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:

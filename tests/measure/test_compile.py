@@ -316,3 +316,34 @@ def test_two_micro_batch_forwards_before_one_backward_measure_both(compile_model
     norm = compiled.layers["blocks.1.norm2"]
     assert norm.tokens == 3 * 2 * (2 * 16)  # steps x forwards x tokens
     assert norm.grad_out_rms is not None and norm.grad_hidden_rms is not None
+
+
+class InPlaceAfterNorm(nn.Module):
+    """A model that modifies the norm's output in place (``y.mul_``, ``y +=``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.norm, self.out = nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        y = self.norm(h)
+        y.mul_(2.0)
+        y += h
+        return self.out(y).sum()
+
+
+def test_the_norms_output_may_be_modified_in_place_when_compiled() -> None:
+    got = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = InPlaceAfterNorm()
+        w = normwatch.watch(model, stats_every=1, report_dir=None)
+        run = torch.compile(model, fullgraph=True) if compiled else model
+        for _ in range(3):
+            run(torch.randn(4, 8)).backward()  # type: ignore[operator]
+            w.step()
+        got[compiled] = w.flush()
+        w.close()
+    assert_same_stats([got[False]], [got[True]])
+    assert got[True].layers["norm"].grad_out_rms is not None
