@@ -88,7 +88,9 @@ class _Tap(torch.autograd.Function):
     def forward(ctx: Any, t: torch.Tensor, state: torch.Tensor, gate: torch.Tensor,
                 site: str, hooks: GradHooks) -> torch.Tensor:
         ctx.state, ctx.gate, ctx.site, ctx.tokens = state, gate, site, hooks.tokens
-        return t.clone()  # not a view: the model may modify it in place (fused away)
+        # The norm's output goes on into the model, which may modify it in place: a copy
+        # (a view of a custom Function's output may not be). Its input is only read.
+        return t.clone() if site == "grad_out" else t.view_as(t)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
