@@ -107,13 +107,12 @@ def judge(trigger: Trigger, step: int, records: Sequence[Record], order: Sequenc
 def _optimizer(trigger: Trigger, step: int, jump: UpdateJump, records: Sequence[Record],
                order: Sequence[str]) -> Verdict:
     evidence = jump.sentences()
-    moved = [r for _, side, r, _, _ in _ratios(records, order)
-             if side == "input" and not 1 / MOVED < r < MOVED]
-    inputs = sum(side == "input" for _, side, _, _, _ in _ratios(records, order))
+    inputs = [r for _, side, r, _, _ in _ratios(records, order) if side == "input"]
+    moved = [r for r in inputs if not 1 / MOVED < r < MOVED]
     if inputs:
-        together = (f"{len(moved)} of {inputs} norms' inputs moved with it (median change "
-                    f"{statistics.median(moved):.1f}x)" if moved else
-                    f"None of the {inputs} norms' inputs moved much")
+        together = (f"{len(moved)} of {len(inputs)} norms' inputs moved with it (median "
+                    f"change {statistics.median(moved):.1f}x)" if moved else
+                    f"None of the {len(inputs)} norms' inputs moved much")
         evidence.append(f"{together}, and no norm failed: no fp16 overflow, no eps dominance, "
                         "no output mismatch, no non-finite value born inside a norm.")
     evidence.append("Look at the optimizer: the learning rate and its schedule, warm-up, "

@@ -9,9 +9,11 @@ Tensor hooks registered in the forward (on full-tier steps) fire in the backward
 ``dL/dy`` (``grad_out``, on the output), ``dL/dx`` through the norm only (``grad_in``, on
 a view of the input that only the norm reads) and ``dL/dx`` in total (``grad_hidden``, on
 the input itself: the residual stream of a pre-norm block). Each folds a few numbers into
-the layer's accumulator row in place (:func:`fold_grad`): tensor ops only, no host sync,
-traceable by ``torch.compile`` (Dynamo puts the hook into the backward graph). The hooks
-live on the step's autograd graph and go with it: no tensor is kept past the step.
+the layer's accumulator row in place (:func:`fold_grad`): tensor ops only, no host sync.
+Compiled code taps the input and output with :class:`_Tap` instead (an autograd function
+carrying the row on ``ctx``, traced into the backward graph); the hidden state keeps its
+tensor hook. Hooks and taps live on the step's autograd graph and go with it: no tensor
+is kept past the step.
 
 The weight's gradient is measured by a hook on the parameter, registered once: it fires
 with each backward's local gradient, before DDP reduces it.
@@ -69,14 +71,19 @@ def fold_grad(state: torch.Tensor, gate: torch.Tensor, site: str, g: torch.Tenso
     cell.copy_(torch.fmax(cell, torch.where(gate, peak, -math.inf).to(state.dtype).reshape(1)))
 
 
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor`` (a DTensor's local shard; a plain tensor itself)."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
 def fold_weight_grad(state: torch.Tensor, gate: torch.Tensor, g: torch.Tensor) -> None:
     """Fold one backward's weight gradient (its local shard, for a DTensor) into
     ``state``: one backward pass and its squared norm."""
-    local = g.to_local() if hasattr(g, "to_local") else g
-    local = local.detach().float()
-    both = torch.stack([torch.ones((), device=local.device), (local * local).sum()])
+    shard = local(g).detach().float()
+    both = torch.stack([torch.ones((), device=shard.device), (shard * shard).sum()])
     cells = state[WEIGHT_AT:WEIGHT_AT + 2]
-    cells.add_(torch.where(gate.to(local.device), both, 0.0).to(state.dtype))
+    cells.add_(torch.where(gate.to(shard.device), both, 0.0).to(state.dtype))
 
 
 class _Tap(torch.autograd.Function):

@@ -26,6 +26,8 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from normwatch.errors import ConfigError
+from normwatch.measure.gradients import local
+from normwatch.measure.losses import ride_along
 from normwatch.records import UpdateStats
 
 KEEP_ON = frozenset({"cpu"})
@@ -45,12 +47,6 @@ def unwrap(optimizer: object) -> torch.optim.Optimizer:
         raise ConfigError("'optimizer' must be a torch.optim.Optimizer (or a wrapper with an "
                           f"'optimizer' attribute holding one): got {type(optimizer).__name__}")
     return inner
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``tensor`` (a DTensor's local shard; a plain tensor itself)."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
 
 
 def sumsq(tensors: Iterable[torch.Tensor]) -> dict[torch.device, torch.Tensor]:
@@ -81,10 +77,6 @@ class UpdateMonitor:
         self._rows: list[tuple[int, torch.device, torch.Tensor]] = []
         self._lrs: dict[int, float | None] = {}
         self.failed: str | None = None
-
-    @property
-    def attached(self) -> bool:
-        return bool(self._handles)
 
     def attach(self, optimizer: object) -> None:
         """Hook ``optimizer`` (once; wrappers are unwrapped)."""
@@ -117,12 +109,10 @@ class UpdateMonitor:
         if kept is None or len(kept[0]) != len(params) or \
                 any(a is not b for a, b in zip(kept[0], params, strict=True)):
             kept = (params, [v.clone() if k else v for v, k in zip(values, keep, strict=True)])
-            self._kept[id(optimizer)] = kept
-            return [c if k else v.clone() for c, v, k in zip(kept[1], values, keep, strict=True)]
+            self._kept[id(optimizer)] = kept  # (the first step copies once more below)
         out = [c if k else v.clone() for c, v, k in zip(kept[1], values, keep, strict=True)]
         pairs = [(c, v) for c, v, k in zip(out, values, keep, strict=True) if k]
-        if pairs:
-            torch._foreach_copy_([c for c, _ in pairs], [v for _, v in pairs])
+        torch._foreach_copy_([c for c, _ in pairs], [v for _, v in pairs])
         return out
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -153,10 +143,7 @@ class UpdateMonitor:
 
     def tensors(self) -> dict[torch.device, torch.Tensor]:
         """This interval's rows, flat per device, to ride along the flush copy."""
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for _, device, row in self._rows:
-            by_device.setdefault(device, []).append(row)
-        return {d: torch.cat(v) for d, v in by_device.items()}
+        return ride_along(*({device: row} for _, device, row in self._rows))
 
     def resolve(self, copied: Mapping[torch.device, Iterable[float]]) -> tuple[UpdateStats, ...]:
         """One :class:`UpdateStats` per step from ``copied`` (the host values of
