@@ -9,15 +9,17 @@ over those declarations. Updates are in-place tensor ops with no host synchronis
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from normwatch.catalog import COLUMNS, MAX_COLUMNS, SUM_COLUMNS, combine
+from normwatch.measure.gradients import GradPlan, GradRows, fold_grads, grad_plan
 from normwatch.measure.reductions import CallRows, FoldPlan, fold_calls, fold_plan
 from normwatch.records import Limits
 
 _N_SUM, _N_MAX = len(SUM_COLUMNS), len(MAX_COLUMNS)
+_Plan = TypeVar("_Plan", FoldPlan, GradPlan)
 _MAX_END = _N_SUM + _N_MAX
 MISMATCH_COLUMN = COLUMNS.index("output_mismatch")
 OUTPUT_EPS_COLUMN = COLUMNS.index("output_eps")
@@ -27,8 +29,9 @@ assert OUTPUT_EPS_COLUMN == MISMATCH_COLUMN + 1  # an output check writes both a
 class Accumulator:
     """Sum/max/min state for ``n_layers`` layers: one ``(n_layers, columns)`` block per device.
 
-    Hooks :meth:`stage` each call's per-token rows; :meth:`commit` folds them with
-    :func:`~normwatch.measure.reductions.fold_calls`, at the flush (or every step where
+    Hooks :meth:`stage` each call's per-token rows (and :meth:`stage_grad` each gradient's);
+    :meth:`commit` folds them with :func:`~normwatch.measure.reductions.fold_calls` (and
+    :func:`~normwatch.measure.gradients.fold_grads`), at the flush (or every step where
     early warnings peek at the state): a few dozen ops per fold, however many calls.
     Staging more than ``max_staged_tokens`` tokens commits at once, so the staged rows
     stay small.
@@ -41,9 +44,10 @@ class Accumulator:
         self.max_staged_tokens = max_staged_tokens
         self._blocks: dict[torch.device, torch.Tensor] = {}
         self._staged: list[CallRows] = []
+        self._staged_grads: list[GradRows] = []
         self._staged_tokens = 0
         self._commits = 0
-        self._plans: dict[tuple[Any, ...], FoldPlan] = {}
+        self._plans: dict[tuple[Any, ...], FoldPlan | GradPlan] = {}
         self._meta: dict[torch.device, torch.Tensor] = {}
         self._grads: dict[tuple[torch.device, int], torch.Tensor] = {}
 
@@ -51,6 +55,13 @@ class Accumulator:
         """Queue one call's rows; no tensor op (the fold is a few dozen ops per step)."""
         self._staged.append(call)
         self._staged_tokens += call.hi.shape[0]
+        if self._staged_tokens >= self.max_staged_tokens:
+            self.commit()
+
+    def stage_grad(self, grad: GradRows) -> None:
+        """Queue one gradient's rows (backward hooks); no tensor op."""
+        self._staged_grads.append(grad)
+        self._staged_tokens += grad.rows.shape[1]
         if self._staged_tokens >= self.max_staged_tokens:
             self.commit()
 
@@ -63,13 +74,15 @@ class Accumulator:
         if mark[0] != self._commits:
             return False
         del self._staged[mark[1]:]
-        self._staged_tokens = sum(c.hi.shape[0] for c in self._staged)
+        self._staged_tokens = sum(c.hi.shape[0] for c in self._staged) + \
+            sum(g.rows.shape[1] for g in self._staged_grads)
         return True
 
     def on_cuda(self) -> bool:
         """Whether any state or staged call lives on a CUDA device."""
         return any(d.type == "cuda" for d in self._blocks) or \
-            (bool(self._staged) and self._staged[0].hi.device.type == "cuda")
+            any(c.hi.device.type == "cuda" for c in self._staged[:1]) or \
+            any(g.rows.device.type == "cuda" for g in self._staged_grads[:1])
 
     def commit(self) -> None:
         """Fold every staged call into the state (in place, no host sync). Staged rows
@@ -77,9 +90,14 @@ class Accumulator:
         groups: dict[tuple[torch.device, bool], list[CallRows]] = {}
         for call in self._staged:  # one fold per device and tier
             groups.setdefault((call.hi.device, call.full), []).append(call)
-        self._staged = []
+        grads: dict[torch.device, list[GradRows]] = {}
+        for grad in self._staged_grads:
+            grads.setdefault(grad.rows.device, []).append(grad)
+        self._staged, self._staged_grads = [], []
         self._staged_tokens = 0
         self._commits += 1
+        for device, staged in grads.items():
+            fold_grads(self._block(device), staged, self._grad_plan(device, staged))
         for (device, _), calls in groups.items():
             plan = self._plan(device, calls)
             index = plan.rows
@@ -100,10 +118,23 @@ class Accumulator:
         key0 = calls[0].key
         signature = (device, calls[0].full, tuple(c.signature(key0) for c in calls))
         plan = self._plans.get(signature)
-        if plan is None:
-            if len(self._plans) >= 64:
-                self._plans.clear()
-            plan = self._plans[signature] = fold_plan(calls, self.limits)
+        if not isinstance(plan, FoldPlan):
+            plan = self._cache(signature, fold_plan(calls, self.limits))
+        return plan
+
+    def _grad_plan(self, device: torch.device, staged: list[GradRows]) -> GradPlan:
+        """:func:`~normwatch.measure.gradients.grad_plan`, cached like :meth:`_plan`."""
+        signature = (device, "grad", tuple((g.layer, g.site, g.rows.shape[1], g.width)
+                                           for g in staged))
+        plan = self._plans.get(signature)
+        if not isinstance(plan, GradPlan):
+            plan = self._cache(signature, grad_plan(staged, device))
+        return plan
+
+    def _cache(self, signature: tuple[Any, ...], plan: _Plan) -> _Plan:
+        if len(self._plans) >= 64:
+            self._plans.clear()
+        self._plans[signature] = plan
         return plan
 
     def _block(self, device: torch.device) -> torch.Tensor:
@@ -199,7 +230,7 @@ class Accumulator:
 
     def reset(self) -> None:
         """Return every device block to the reduction identities."""
-        self._staged = []
+        self._staged, self._staged_grads = [], []
         self._staged_tokens = 0
         for block in self._blocks.values():
             _reset(block)

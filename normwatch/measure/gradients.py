@@ -1,19 +1,21 @@
 """Gradients through one norm: what arrives at its output, what it passes back, and the
 hidden state's gradient where it reads it; and its weight's gradient.
 
-    >>> hooks = GradHooks(tokens, target, fail)       # one per norm layer
+    >>> hooks = GradHooks(tokens, target, stage, fail)  # one per norm layer
     >>> view = hooks.watch_input(x)  # forward pre-hook: the norm reads the view
     >>> hooks.watch_output(y)        # forward hook
 
 Tensor hooks registered in the forward (on full-tier steps) fire in the backward with
 ``dL/dy`` (``grad_out``, on the output), ``dL/dx`` through the norm only (``grad_in``, on
 a view of the input that only the norm reads) and ``dL/dx`` in total (``grad_hidden``, on
-the input itself: the residual stream of a pre-norm block). Each folds a few numbers into
-the layer's accumulator row in place (:func:`fold_grad`): tensor ops only, no host sync.
+the input itself: the residual stream of a pre-norm block). Eager hooks reduce each to
+three floats per token (:func:`token_rows`) and stage them; the accumulator folds every
+staged gradient at once at the flush (:func:`fold_grads`), as it does the forward's calls.
 Compiled code taps the input and output with :class:`_Tap` instead (an autograd function
-carrying the row on ``ctx``, traced into the backward graph); the hidden state keeps its
-tensor hook. Hooks and taps live on the step's autograd graph and go with it: no tensor
-is kept past the step.
+carrying the row on ``ctx``, traced into the backward graph), folding in place
+(:func:`fold_grad`); the hidden state keeps its tensor hook. Tensor ops only, no host
+sync. Hooks and taps live on the step's autograd graph and go with it: no tensor is
+kept past the step.
 
 The weight's gradient is measured by a hook on the parameter, registered once: it fires
 with each backward's local gradient, before DDP reduces it.
@@ -22,8 +24,9 @@ with each backward's local gradient, before DDP reduces it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -38,30 +41,53 @@ WEIGHT_AT = COLUMNS.index("weight_grads")
 assert all(COLUMNS[SUM_AT[s]:SUM_AT[s] + len(GRAD_SUMS)] == tuple(f"{s}_{c}" for c in GRAD_SUMS)
            for s in GRAD_SITES)
 assert COLUMNS[WEIGHT_AT + 1] == "weight_grad_sumsq"
+SITES = tuple(GRAD_SITES)
+OUT, IN, HIDDEN = (SITES.index(s) for s in ("grad_out", "grad_in", "grad_hidden"))
+WEIGHT = len(SITES)
+"""The weight gradient's site index in :class:`GradRows` (after :data:`SITES`)."""
 
 Tokens = Callable[[torch.Tensor], torch.Tensor]
 """A layer's token view (``(tokens, elements)``, as its forward hook reads x and y)."""
 Target = Callable[[], "tuple[torch.Tensor, torch.Tensor] | None"]
+Stage = Callable[[int, torch.Tensor, int], None]
+"""Stages a layer's gradient: ``(site index, rows, width)`` (see :class:`GradRows`)."""
+
+
+def token_rows(t: torch.Tensor) -> torch.Tensor:
+    """A gradient's tokens (``(tokens, elements)``) as ``(3, tokens)`` float32 rows: each
+    token's max, min and L2 norm (NaN/inf exactly on the tokens holding them). Three
+    plain reductions, no temporary the size of the gradient (for float32)."""
+    if t.dtype != torch.float32:
+        t = t.float()
+    return torch.stack([t.amax(1), t.amin(1), torch.linalg.vector_norm(t, dim=1)])
+
+
+def token_sums(rows: torch.Tensor, width: torch.Tensor | int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token of :func:`token_rows`: its summed columns (``(tokens, 4)``,
+    :data:`GRAD_SUMS` order: 1, finite, sum of squares and elements of a finite token)
+    and its max |g| (-inf on a token holding NaN/inf)."""
+    hi, lo, norm = rows
+    a = torch.maximum(hi, -lo)  # NaN/inf exactly on the tokens holding them
+    ok = a.isfinite()
+    okf = ok.float()
+    sums = torch.stack([torch.ones_like(okf), okf, torch.where(ok, norm * norm, 0.0),
+                        okf * width], 1)
+    return sums, torch.where(ok, a, -math.inf)
 
 
 def reduce_grad(g: torch.Tensor, tokens: Tokens) -> tuple[torch.Tensor, torch.Tensor]:
     """One gradient as ``([tokens, finite tokens, sum of squares, elements], max |g|)``
-    over its finite tokens (``tokens`` gives the layer's token view): float32 on its
-    device, six row reductions."""
-    t = tokens(g).float()
-    a = t.abs().amax(1)  # NaN/inf exactly on the tokens holding them
-    ok = a.isfinite()
-    okf = ok.float()
-    sumsq = torch.where(ok, (t * t).sum(1), 0.0).sum()
-    finite = okf.sum()
-    sums = torch.stack([torch.ones_like(okf).sum(), finite, sumsq, finite * t.shape[1]])
-    return sums, torch.where(ok, a, -math.inf).amax()
+    over its finite tokens (``tokens`` gives the layer's token view)."""
+    t = tokens(g)
+    sums, peaks = token_sums(token_rows(t), t.shape[1])
+    return sums.sum(0), peaks.amax()
 
 
 def fold_grad(state: torch.Tensor, gate: torch.Tensor, site: str, g: torch.Tensor,
               tokens: Tokens) -> None:
     """Fold gradient ``g`` measured at ``site`` into a layer's accumulator row ``state``
-    in place, where the 0-d bool ``gate`` is true."""
+    in place, where the 0-d bool ``gate`` is true (compiled code: tensor ops only)."""
     sums, peak = reduce_grad(g.detach(), tokens)
     start, n = SUM_AT[site], len(GRAD_SUMS)
     cells = state[start:start + n]
@@ -71,19 +97,72 @@ def fold_grad(state: torch.Tensor, gate: torch.Tensor, site: str, g: torch.Tenso
     cell.copy_(torch.fmax(cell, torch.where(gate, peak, -math.inf).to(state.dtype).reshape(1)))
 
 
+class GradRows(NamedTuple):
+    """One gradient staged by an eager hook (a named tuple: built on the hot path)."""
+
+    rows: torch.Tensor
+    """:func:`token_rows` (the weight: ``(1, 1)``, its gradient's norm)."""
+    layer: int
+    """The layer's accumulator row."""
+    site: int
+    """Index into :data:`SITES`, or :data:`WEIGHT`."""
+    width: int
+    """Elements per token."""
+
+
+@dataclass(frozen=True)
+class GradPlan:
+    """The constant vectors of :func:`fold_grads`, built once per distinct backward pass
+    (by fill kernels: no host-to-device copy): per token, where it folds (``layer *
+    len(SITES) + site``) and its width; per weight gradient, its layer."""
+
+    index: torch.Tensor
+    width: torch.Tensor
+    weights: torch.Tensor
+
+
+def grad_plan(staged: Sequence[GradRows], device: torch.device) -> GradPlan:
+    """The :class:`GradPlan` of ``staged`` (all on ``device``)."""
+    def runs(values: Sequence[float], counts: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([torch.full((n,), v, dtype=dtype, device=device)
+                          for v, n in zip(values, counts, strict=True)] or
+                         [torch.empty(0, dtype=dtype, device=device)])
+
+    acts = [s for s in staged if s.site != WEIGHT]
+    counts = [s.rows.shape[1] for s in acts]
+    weights = [s.layer for s in staged if s.site == WEIGHT]
+    return GradPlan(
+        index=runs([s.layer * len(SITES) + s.site for s in acts], counts, torch.int64),
+        width=runs([s.width for s in acts], counts, torch.float32),
+        weights=runs(weights, [1] * len(weights), torch.int64))
+
+
+def fold_grads(block: torch.Tensor, staged: Sequence[GradRows], plan: GradPlan) -> None:
+    """Fold staged gradients (one device: ``block``'s) into ``block``'s gradient columns
+    in place: a couple of dozen ops, however many gradients."""
+    acts = [s.rows for s in staged if s.site != WEIGHT]
+    if acts:
+        sums, peaks = token_sums(torch.cat(acts, 1), plan.width)
+        n_rows, n = block.shape[0], len(GRAD_SUMS)
+        total = sums.new_zeros(n_rows * len(SITES), n).index_add_(0, plan.index, sums)
+        peak = peaks.new_full((n_rows * len(SITES),), -math.inf).scatter_reduce_(
+            0, plan.index, peaks, "amax")
+        total, peak = total.view(n_rows, len(SITES), n), peak.view(n_rows, len(SITES))
+        for i, site in enumerate(SITES):
+            block[:, SUM_AT[site]:SUM_AT[site] + n] += total[:, i].to(block.dtype)
+            cells = block[:, PEAK_AT[site]]
+            cells.copy_(torch.fmax(cells, peak[:, i].to(block.dtype)))
+    weights = [s.rows for s in staged if s.site == WEIGHT]
+    if weights:
+        norms = torch.cat(weights, 1)[0].to(block.dtype)
+        both = torch.stack([torch.ones_like(norms), norms * norms], 1)
+        block[:, WEIGHT_AT:WEIGHT_AT + 2].index_add_(0, plan.weights, both)
+
+
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor`` (a DTensor's local shard; a plain tensor itself)."""
     to_local = getattr(tensor, "to_local", None)
     return to_local() if callable(to_local) else tensor
-
-
-def fold_weight_grad(state: torch.Tensor, gate: torch.Tensor, g: torch.Tensor) -> None:
-    """Fold one backward's weight gradient (its local shard, for a DTensor) into
-    ``state``: one backward pass and its squared norm."""
-    shard = local(g).detach().float()
-    both = torch.stack([torch.ones((), device=shard.device), (shard * shard).sum()])
-    cells = state[WEIGHT_AT:WEIGHT_AT + 2]
-    cells.add_(torch.where(gate.to(shard.device), both, 0.0).to(state.dtype))
 
 
 class _Tap(torch.autograd.Function):
@@ -109,14 +188,16 @@ class GradHooks:
     """The gradient side of one layer's hook (see the module docstring).
 
     ``target()`` gives the layer's gradient row and gate (0-d), or ``None`` while
-    it has no home; ``fail`` disables the layer on an exception (eager only: a traced
-    hook must not touch Python state).
+    nothing is measured (eager: this step is not measured); ``stage`` takes an eager
+    hook's rows; ``fail`` disables the layer on an exception (eager only: a traced hook
+    must not touch Python state).
     """
 
-    def __init__(self, tokens: Tokens, target: Target,
+    def __init__(self, tokens: Tokens, target: Target, stage: Stage,
                  fail: Callable[[Exception], None]) -> None:
         self.tokens = tokens
         self._target = target
+        self._stage = stage
         self._fail = fail
         self._weight: torch.Tensor | None = None
         self._weight_handle: RemovableHandle | None = None
@@ -164,34 +245,30 @@ class GradHooks:
         self._weight = None
 
     def _out(self, g: torch.Tensor) -> None:
-        self._fold("grad_out", g)
+        self._measure(OUT, g)
 
     def _in(self, g: torch.Tensor) -> None:
-        self._fold("grad_in", g)
+        self._measure(IN, g)
 
     def _hidden(self, g: torch.Tensor) -> None:
-        self._fold("grad_hidden", g)
+        self._measure(HIDDEN, g)
 
-    def _fold(self, site: str, g: torch.Tensor) -> None:
+    def _measure(self, site: int, g: torch.Tensor) -> None:
         try:
-            target = self._target()
-            if target is None or not g.numel():
-                return
-            state, flag = target
-            if g.device == state.device:
-                fold_grad(state, flag > 0, site, g, self.tokens)
-                return
-            moved = state.to(g.device)  # the model moved after watch(): a copy per call
-            fold_grad(moved, (flag > 0).to(g.device), site, g, self.tokens)
-            state.copy_(moved.to(state.device))
+            if torch.compiler.is_compiling():  # traced (the hidden state's hook): in place
+                target = self._target()
+                if target is not None:
+                    fold_grad(target[0], target[1] > 0, SITES[site], g, self.tokens)
+            elif g.numel() and self._target() is not None:
+                t = self.tokens(g.detach())
+                self._stage(site, token_rows(t), t.shape[1])
         except Exception as exc:  # never take the training run down
             self._fail(exc)
 
     def _weight_grad(self, g: torch.Tensor) -> None:
         try:
-            target = self._target()
-            if target is not None and g is not None:
-                state, flag = target
-                fold_weight_grad(state, flag > 0, g)
+            if g is not None and self._target() is not None:
+                norm = torch.linalg.vector_norm(local(g).detach(), dtype=torch.float32)
+                self._stage(WEIGHT, norm.reshape(1, 1), 1)
         except Exception as exc:  # never take the training run down
             self._fail(exc)

@@ -40,7 +40,7 @@ from normwatch.measure.accumulator import (
     fold_into,
 )
 from normwatch.measure.autocasting import autocast_made, output_op
-from normwatch.measure.gradients import GradHooks
+from normwatch.measure.gradients import GradHooks, GradRows
 from normwatch.measure.reductions import (
     CallRows,
     carried_eps,
@@ -227,7 +227,8 @@ class LayerHook:
         self.grads: GradHooks | None = None
         self._pre_handle: RemovableHandle | None = None
         if runtime.gradients:
-            self.grads = GradHooks(self._tokens, self._grad_target, self._fail)
+            self.grads = GradHooks(self._tokens, self._grad_target, self._stage_grad,
+                                   self._fail)
             self.grads.watch_weight(getattr(module, "weight", None))
             self._pre_handle = module.register_forward_pre_hook(self._pre, with_kwargs=True)
 
@@ -259,6 +260,9 @@ class LayerHook:
         if not torch.compiler.is_compiling() and not self.rt.grads_now:
             return None  # the gate reads 0 (compiled code reads the gate, never this flag)
         return self.grad_state, self.grad_gate
+
+    def _stage_grad(self, site: int, rows: torch.Tensor, width: int) -> None:
+        self.rt.accumulator.stage_grad(GradRows(rows, self.row, site, width))
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
              ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:

@@ -231,7 +231,7 @@ def test_a_failing_gradient_hook_warns_once_and_training_goes_on(
     def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(normwatch.measure.gradients, "fold_grad", broken)
+    monkeypatch.setattr(normwatch.measure.gradients, "token_rows", broken)
     net = model()
     w = normwatch.watch(net, flush_every=1, stats_every=1, report_dir=None)
     with pytest.warns(RuntimeWarning, match="boom") as caught:
