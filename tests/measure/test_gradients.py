@@ -242,3 +242,55 @@ def test_a_failing_gradient_hook_warns_once_and_training_goes_on(
     assert len([c for c in caught if "boom" in str(c.message)]) == len(w.layers)
     assert set(w.disabled) == set(w.forward_order)
     w.close()
+
+
+def test_the_staged_fold_equals_the_in_place_fold_and_a_float64_reference() -> None:
+    """Eager hooks stage rows that the accumulator folds at once (fold_grads); compiled
+    code folds each gradient in place (fold_grad): the same numbers, NaN/inf tokens
+    dropped, whatever the order, the widths and an early commit."""
+    from normwatch.catalog import COLUMNS
+    from normwatch.measure.accumulator import Accumulator
+    from normwatch.measure.gradients import SITES, WEIGHT, GradRows, fold_grad, token_rows
+
+    gen = torch.Generator().manual_seed(3)
+    grads = []  # (layer, site, gradient (tokens, width))
+    for layer, site, shape in [(0, 0, (7, 16)), (2, 1, (7, 16)), (0, 2, (5, 8)),
+                               (1, 0, (9, 32)), (0, 0, (7, 16)), (2, 2, (3, 16))]:
+        g = torch.randn(*shape, generator=gen) * 10.0 ** float(torch.randint(-3, 3, (1,)))
+        grads.append((layer, site, g))
+    grads[1][2][2, 5] = math.nan
+    grads[3][2][0, 0] = -math.inf
+    grads[4][2][6, :] = math.inf
+    weights = [(1, torch.randn(16, generator=gen)), (1, torch.randn(16, generator=gen)),
+               (2, torch.randn(8, generator=gen))]
+
+    staged = Accumulator(3, max_staged_tokens=20)  # commits part-way through
+    for layer, site, g in grads:
+        staged.stage_grad(GradRows(token_rows(g), layer, site, g.shape[1]))
+    for layer, w in weights:
+        staged.stage_grad(GradRows(torch.linalg.vector_norm(w).reshape(1, 1), layer,
+                                   WEIGHT, 1))
+    got, _ = staged.read()
+
+    rows = torch.zeros(3, len(COLUMNS), dtype=torch.float64)
+    rows[:, [COLUMNS.index(f"{s}_absmax") for s in SITES]] = -math.inf
+    yes = torch.tensor(True)
+    for layer, site, g in grads:
+        fold_grad(rows[layer], yes, SITES[site], g, lambda t: t)
+    for layer, site in {(la, s) for la, s, _ in grads}:
+        mine = [g.double() for la, s, g in grads if (la, s) == (layer, site)]
+        ok = [g[torch.isfinite(g).all(1)] for g in mine]
+        name = SITES[site]
+        want = {f"{name}_tokens": sum(g.shape[0] for g in mine),
+                f"{name}_finite": sum(g.shape[0] for g in ok),
+                f"{name}_sumsq": sum(float((g * g).sum()) for g in ok),
+                f"{name}_elements": sum(g.numel() for g in ok),
+                f"{name}_absmax": max(float(g.abs().max()) for g in ok)}
+        for column, value in want.items():
+            assert got[layer][column] == pytest.approx(value, rel=1e-5), column
+            assert float(rows[layer, COLUMNS.index(column)]) == \
+                pytest.approx(value, rel=1e-5), column
+    assert got[1]["weight_grads"] == 2 and got[2]["weight_grads"] == 1
+    assert got[1]["weight_grad_sumsq"] == pytest.approx(
+        sum(float(w.double().square().sum()) for la, w in weights if la == 1), rel=1e-6)
+    assert got[0]["weight_grads"] == 0
