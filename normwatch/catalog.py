@@ -124,7 +124,9 @@ TABLE: tuple[Stat, ...] = (
          metric=_gauge("layer_common_mode_ratio", "Max over tokens of |mean| / RMS.")),
     Stat("out_absmax", "Max |y| of the output.", reduce="max", logged=True, history=True,
          metric=_gauge("layer_output_absmax", "Max |y| of the layer's output.")),
-    Stat("output_mismatch", "Max relative error of the output against the fp32 formula.",
+    Stat("output_mismatch", "Max relative error of the output against the fp32 formula, "
+         "over the checked tokens (layer/RMS norms: per call, those of largest |x| and of "
+         "smallest range and a few spread evenly; other kinds: every token).",
          reduce="max", history=True),
     Stat("output_eps", "Precision the output carries: the eps of the coarsest format "
          "holding every checked output value exactly (bf16, fp16, else its own dtype).",

@@ -44,6 +44,7 @@ from normwatch.measure.gradients import GradHooks, GradRows
 from normwatch.measure.reductions import (
     CallRows,
     carried_eps,
+    checked_rows,
     fold_one,
     mismatch,
     reduce_call,
@@ -52,7 +53,6 @@ from normwatch.measure.reductions import (
 )
 from normwatch.measure.reference import (
     expected_from,
-    expected_output,
     flattens_heads,
     reference_params,
 )
@@ -368,9 +368,12 @@ class LayerHook:
             n_tokens = tokens.shape[0]
             out = y if y is not None and y.is_floating_point() else None
             key = float(rt.step * KEY_STRIDE + rt.calls_this_step)
-            rt.accumulator.stage(self._reduce(tokens, x, out, key))
+            call = self._reduce(tokens, x, out, key)
+            rt.accumulator.stage(call)
             if rt.check_outputs and out is not None and alone:
-                self._check_output(module, x, out)
+                check = self._output_check(module, x, out, call, tokens.shape[1])
+                if check is not None:
+                    rt.accumulator.update_check(self.row, check[0], check[1])
         # Host bookkeeping last, so a failed measurement leaves no half-counted call.
         rt.calls_this_step += 1
         c = self.counts
@@ -427,42 +430,51 @@ class LayerHook:
         # no per-layer int reaches the graph (a block compiled once serves every layer)
         call = reduce_call(tokens, out_tokens, self.layer.kind, self._eps, True, 0, key)
         values = fold_one(call, flags[1] > 0, self.rt.accumulator.limits)
-        if out is not None and alone and self.rt.output_checks:
-            check = self._traced_check(module, x, out, flags[4] > 0)  # [mismatch, eps]
-            values = torch.cat([values[:MISMATCH_COLUMN], check.to(values.dtype),
-                                values[MISMATCH_COLUMN + 2:]])
+        # compiled, the check runs every call and the flag selects (``torch.cond`` cannot
+        # run inside an activation checkpoint); output_check_every=0 leaves it out
+        check = self._output_check(module, x, out, call, tokens.shape[1]) \
+            if out is not None and alone and self.rt.output_checks and \
+            (torch.compiler.is_compiling() or self.rt.check_outputs) else None
+        if check is not None:  # [mismatch, eps]
+            check = torch.where(flags[4] > 0, check, -math.inf).to(values.dtype)
+            values = torch.cat([values[:MISMATCH_COLUMN], check, values[MISMATCH_COLUMN + 2:]])
         fold_into(state, values.to(state.device) if moved else values, ctl[3] > 0)
         ctl[2:3].add_(1.0)
         return tokens.shape[0]
 
-    def _traced_check(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                      check: torch.Tensor) -> torch.Tensor:
-        """The output check as ``[mismatch, carried eps]`` (-inf when not checked).
-        Compiled, the reference runs every call and the flag selects (``torch.cond``
-        cannot run inside an activation checkpoint); ``output_check_every=0`` leaves it out
-        of the graph."""
+    def _output_check(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                      call: CallRows, width: int) -> torch.Tensor | None:
+        """``[mismatch, carried eps]`` (float64) of output ``y`` against the kind's formula,
+        over the rows :meth:`_checked` picks; ``None``: no formula applies. Tensor ops
+        only (compiled or eager alike)."""
         layer = self.layer
         params = reference_params(layer, module, x)
-        present = tuple(p for p in params if p is not None)
-        where = tuple(p is not None for p in params)
-        training = module.training
-        tokens = self._tokens
+        x, y = self._checked(x, y, params, call, width)
+        ref = expected_from(layer, x, params, module.training)
+        if ref is None:
+            return None
+        if flattens_heads(ref.shape, y.shape):  # heads flattened on the way out
+            ref = ref.reshape(y.shape)
+        err = torch.ones((), dtype=torch.float64, device=y.device) if ref.shape != y.shape \
+            else mismatch(self._tokens(y), self._tokens(ref)).double()  # wrong shape: 1
+        return torch.stack([err, carried_eps(y)])
 
-        def checked(x: torch.Tensor, y: torch.Tensor, *given: torch.Tensor) -> torch.Tensor:
-            it = iter(given)
-            full = tuple(next(it) if w else None for w in where)
-            ref = expected_from(layer, x, full, training)
-            if ref is None:
-                return torch.full((2,), -math.inf, dtype=torch.float64, device=x.device)
-            err = torch.ones((), dtype=torch.float64, device=x.device) \
-                if ref.shape != y.shape else mismatch(tokens(y), tokens(ref)).double()
-            return torch.stack([err, carried_eps(y)])
-
-        if torch.compiler.is_compiling():
-            return torch.where(check, checked(x, y, *present), -math.inf)
-        if self.rt.check_outputs:
-            return checked(x, y, *present)
-        return torch.full((2,), -math.inf, dtype=torch.float64, device=x.device)
+    def _checked(self, x: torch.Tensor, y: torch.Tensor, params: tuple[torch.Tensor | None, ...],
+                 call: CallRows, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The part of ``x`` and ``y`` an output check reads: for layer and RMS norms whose
+        parameters cover whole rows of trailing dims, the rows
+        :func:`~normwatch.measure.reductions.checked_rows` picks (a few dozen, whatever
+        the call's size); else all of them."""
+        if self.layer.kind not in ("layernorm", "rmsnorm") or y.shape != x.shape:
+            return x, y
+        lowest = max([1] + [p.dim() for p in params if p is not None])
+        for d in range(lowest, x.dim()):  # the fewest trailing dims holding tokens
+            trailing = x.shape[x.dim() - d:]
+            span = math.prod(trailing)
+            if span % width == 0:
+                rows = checked_rows(call.hi, call.lo, span // width)
+                return x.reshape(-1, *trailing)[rows], y.reshape(-1, *trailing)[rows]
+        return x, y
 
     def _warn_device(self, got: torch.device, home: torch.device) -> None:
         if not self._warned_device:
@@ -494,18 +506,6 @@ class LayerHook:
         if out_tokens is not None and not same:
             call = call._replace(out_hi=out_tokens.amax(1), out_lo=out_tokens.amin(1))
         return call
-
-    def _check_output(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
-        ref = expected_output(self.layer, module, x)
-        if ref is None:
-            return
-        if flattens_heads(ref.shape, y.shape):  # heads flattened on the way out
-            ref = ref.reshape(y.shape)
-        if ref.shape != y.shape:
-            err = torch.ones((), device=y.device)  # wrong-shaped output: fully wrong
-        else:
-            err = mismatch(self._tokens(y), self._tokens(ref))
-        self.rt.accumulator.update_check(self.row, err.to(torch.float64), carried_eps(y))
 
     def _record_dtypes(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None) -> None:
         signature = (*_dtypes(module, x, y), output_op(y))

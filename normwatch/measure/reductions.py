@@ -415,6 +415,28 @@ def carried_eps(y: torch.Tensor) -> torch.Tensor:
     return carried.to(torch.float64)
 
 
+CHECKED = 16
+"""An output check reads ``3 * CHECKED`` rows of a call (:func:`checked_rows`)."""
+
+
+def checked_rows(hi: torch.Tensor, lo: torch.Tensor, per_row: int) -> torch.Tensor:
+    """The rows an output check reads (int64, ``3 * CHECKED``, maybe repeated), from each
+    token's max and min (``per_row`` tokens per row): the :data:`CHECKED` tokens reaching
+    the largest |x| (where a norm's own arithmetic overflows first), the ones of smallest
+    range (where eps matters: a misplaced eps shows there) and ones spread evenly (a wrong
+    dimension or dtype shows everywhere). Any token count, no branch on it (compiled
+    shapes may be symbolic): short calls pad and repeat."""
+    n = hi.shape[0]
+    hi, lo = hi.float(), lo.float()
+    pad = hi.new_full((CHECKED,), -math.inf)
+    big = torch.maximum(hi, -lo).nan_to_num(-1.0, -1.0, -1.0)  # non-finite: last
+    narrow = (lo - hi).nan_to_num(-math.inf, -math.inf, -math.inf)
+    spread = torch.arange(CHECKED, device=hi.device) * n // CHECKED
+    picked = torch.cat([torch.cat([big, pad]).topk(CHECKED).indices,
+                        torch.cat([narrow, pad]).topk(CHECKED).indices, spread])
+    return picked.clamp_max(n - 1) // per_row
+
+
 def mismatch(out_tokens: torch.Tensor, ref_tokens: torch.Tensor) -> torch.Tensor:
     """Largest per-token relative L2 error of ``out`` against ``ref``; tokens where either
     is non-finite are skipped (non-finite outputs are counted elsewhere)."""
