@@ -88,6 +88,8 @@ def modes() -> list[Mode]:
         Mode("compiled + normwatch + optimizer", with_optimizer, compiled=True),
         Mode("compiled + normwatch gradients=False", watching(gradients=False), compiled=True),
         Mode("compiled + normwatch stats_every=1", watching(stats_every=1), compiled=True),
+        Mode("compiled + normwatch output_check_every=0", watching(output_check_every=0),
+             compiled=True),
     ]
 
 
