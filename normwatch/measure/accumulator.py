@@ -65,6 +65,11 @@ class Accumulator:
         if self._staged_tokens >= self.max_staged_tokens:
             self.commit()
 
+    @property
+    def has_staged_grads(self) -> bool:
+        """Whether gradients wait for :meth:`commit_grads`."""
+        return bool(self._staged_grads)
+
     def mark(self) -> tuple[int, int]:
         """Where staging stands now, for :meth:`drop_since`."""
         return self._commits, len(self._staged)
@@ -90,14 +95,10 @@ class Accumulator:
         groups: dict[tuple[torch.device, bool], list[CallRows]] = {}
         for call in self._staged:  # one fold per device and tier
             groups.setdefault((call.hi.device, call.full), []).append(call)
-        grads: dict[torch.device, list[GradRows]] = {}
-        for grad in self._staged_grads:
-            grads.setdefault(grad.rows.device, []).append(grad)
-        self._staged, self._staged_grads = [], []
-        self._staged_tokens = 0
+        self._staged = []
         self._commits += 1
-        for device, staged in grads.items():
-            fold_grads(self._block(device), staged, self._grad_plan(device, staged))
+        self.commit_grads()
+        self._staged_tokens = 0
         for (device, _), calls in groups.items():
             plan = self._plan(device, calls)
             index = plan.rows
@@ -111,6 +112,18 @@ class Accumulator:
                 0, index[:, None].expand_as(peaks), peaks, "amax")
             lows = values[:, _MAX_END:].nan_to_num(inf, inf, -inf).to(block.dtype)
             block[:, _MAX_END:].scatter_reduce_(0, index[:, None].expand_as(lows), lows, "amin")
+
+    def commit_grads(self) -> None:
+        """Fold the staged gradients only: at the end of each measured step (small tensors
+        kept from one step to the next slow the model's own allocations: 1.040x against
+        1.023x for folding each step, measured), and at every :meth:`commit`."""
+        grads: dict[torch.device, list[GradRows]] = {}
+        for grad in self._staged_grads:
+            grads.setdefault(grad.rows.device, []).append(grad)
+        staged, self._staged_grads = self._staged_grads, []
+        self._staged_tokens -= sum(g.rows.shape[1] for g in staged)
+        for device, group in grads.items():
+            fold_grads(self._block(device), group, self._grad_plan(device, group))
 
     def _plan(self, device: torch.device, calls: list[CallRows]) -> FoldPlan:
         """The fold's constant vectors, cached: the same forward pass stages the same

@@ -14,7 +14,7 @@ combined before :meth:`snapshot` derives the user-facing statistics.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -70,6 +70,8 @@ class Measurement:
         sentinel tier only."""
         rt = self._rt
         self.discard_interrupted()
+        if rt.accumulator.has_staged_grads:
+            self.commit(rt.accumulator.commit_grads)  # the step's backward is done
         rt.update(step=step, calls_this_step=0, full_stats=full)
         for hook in self._hooks:
             hook.pending_recompute = 0
@@ -98,10 +100,11 @@ class Measurement:
             for hook, (calls, tokens) in zip(self._hooks, open_.counts, strict=True):
                 hook.counts.calls, hook.counts.tokens = calls, tokens
 
-    def commit(self) -> None:
-        """Fold the staged calls; a failure drops them with one warning, training goes on."""
+    def commit(self, fold: Callable[[], None] | None = None) -> None:
+        """Fold the staged calls (or run ``fold``: one of the accumulator's commits); a
+        failure drops them with one warning, training goes on."""
         try:
-            self._rt.accumulator.commit()
+            (fold or self._rt.accumulator.commit)()
         except Exception as exc:  # never take the training run down
             if not self._commit_failed:
                 self._commit_failed = True

@@ -81,6 +81,7 @@ def modes() -> list[Mode]:
         Mode("normwatch stats_every=1", watching(stats_every=1)),
         Mode("normwatch stats_every=8", watching(stats_every=8)),
         Mode("normwatch gradients=False", watching(gradients=False)),
+        Mode("normwatch stats_every=1 gradients=False", watching(stats_every=1, gradients=False)),
         Mode("DebugUnderflowOverflow", lambda m, o: debug_underflow_overflow(m)),
         Mode("detect_anomaly", lambda m, o: None, anomaly),
         Mode("compiled", lambda m, o: None, compiled=True),

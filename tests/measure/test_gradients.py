@@ -294,3 +294,21 @@ def test_the_staged_fold_equals_the_in_place_fold_and_a_float64_reference() -> N
     assert got[1]["weight_grad_sumsq"] == pytest.approx(
         sum(float(w.double().square().sum()) for la, w in weights if la == 1), rel=1e-6)
     assert got[0]["weight_grads"] == 0
+
+
+def test_a_measured_steps_gradients_are_folded_when_the_step_ends() -> None:
+    """Staged gradient rows do not outlive their step (kept until the flush they slowed
+    the model's own allocations): folded at ``watch.step()``, read at the flush."""
+    from normwatch.measure.gradients import SUM_AT
+
+    net = model()
+    w = normwatch.watch(net, flush_every=10, stats_every=1, report_dir=None)
+    acc = w._measure.accumulator
+    x, target = batch()
+    (net(x) * target).sum().backward()
+    assert acc.has_staged_grads
+    w.step()
+    assert not acc.has_staged_grads
+    block = acc.blocks[torch.device("cpu")]
+    assert (block[:, SUM_AT["grad_out"]] == 15).all()  # 3 x 5 tokens per norm, one step
+    w.close()
