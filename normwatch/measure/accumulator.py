@@ -32,7 +32,8 @@ class Accumulator:
     Hooks :meth:`stage` each call's per-token rows (and :meth:`stage_grad` each gradient's);
     :meth:`commit` folds them with :func:`~normwatch.measure.reductions.fold_calls` (and
     :func:`~normwatch.measure.gradients.fold_grads`), at the flush (or every step where
-    early warnings peek at the state): a few dozen ops per fold, however many calls.
+    early warnings peek at the state; the gradients, :meth:`commit_grads`, at the end of
+    each measured step): a few dozen ops per fold, however many calls.
     Staging more than ``max_staged_tokens`` tokens commits at once, so the staged rows
     stay small.
     """

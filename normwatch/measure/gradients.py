@@ -10,7 +10,7 @@ Tensor hooks registered in the forward (on full-tier steps) fire in the backward
 a view of the input that only the norm reads) and ``dL/dx`` in total (``grad_hidden``, on
 the input itself: the residual stream of a pre-norm block). Eager hooks reduce each to
 three floats per token (:func:`token_rows`) and stage them; the accumulator folds every
-staged gradient at once at the flush (:func:`fold_grads`), as it does the forward's calls.
+staged gradient at once when the step ends (:func:`fold_grads`).
 Compiled code taps the input and output with :class:`_Tap` instead (an autograd function
 carrying the row on ``ctx``, traced into the backward graph), folding in place
 (:func:`fold_grad`); the hidden state keeps its tensor hook. Tensor ops only, no host
