@@ -118,11 +118,11 @@ class Accumulator:
         """Fold the staged gradients only: at the end of each measured step (small tensors
         kept from one step to the next slow the model's own allocations: 1.040x against
         1.023x for folding each step, measured), and at every :meth:`commit`."""
-        grads: dict[torch.device, list[GradRows]] = {}
-        for grad in self._staged_grads:
-            grads.setdefault(grad.rows.device, []).append(grad)
         staged, self._staged_grads = self._staged_grads, []
-        self._staged_tokens -= sum(g.rows.shape[1] for g in staged)
+        grads: dict[torch.device, list[GradRows]] = {}
+        for grad in staged:
+            grads.setdefault(grad.rows.device, []).append(grad)
+            self._staged_tokens -= grad.rows.shape[1]
         for device, group in grads.items():
             fold_grads(self._block(device), group, self._grad_plan(device, group))
 

@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from normwatch.catalog import COLUMNS, GRAD_SITES, GRAD_SUMS
+from normwatch.measure.reductions import runs
 
 SUM_AT = {site: COLUMNS.index(f"{site}_tokens") for site in GRAD_SITES}
 """Where each site's summed columns start (adjacent, :data:`GRAD_SUMS` order)."""
@@ -123,18 +124,13 @@ class GradPlan:
 
 def grad_plan(staged: Sequence[GradRows], device: torch.device) -> GradPlan:
     """The :class:`GradPlan` of ``staged`` (all on ``device``)."""
-    def runs(values: Sequence[float], counts: list[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.cat([torch.full((n,), v, dtype=dtype, device=device)
-                          for v, n in zip(values, counts, strict=True)] or
-                         [torch.empty(0, dtype=dtype, device=device)])
-
     acts = [s for s in staged if s.site != WEIGHT]
     counts = [s.rows.shape[1] for s in acts]
     weights = [s.layer for s in staged if s.site == WEIGHT]
     return GradPlan(
-        index=runs([s.layer * len(SITES) + s.site for s in acts], counts, torch.int64),
-        width=runs([s.width for s in acts], counts, torch.float32),
-        weights=runs(weights, [1] * len(weights), torch.int64))
+        index=runs([s.layer * len(SITES) + s.site for s in acts], counts, torch.int64, device),
+        width=runs([s.width for s in acts], counts, torch.float32, device),
+        weights=runs(weights, [1] * len(weights), torch.int64, device))
 
 
 def fold_grads(block: torch.Tensor, staged: Sequence[GradRows], plan: GradPlan) -> None:

@@ -221,16 +221,22 @@ class FoldPlan:
         return x.new_full((x.shape[0], self.n_calls), fill).scatter_reduce_(1, index, x, how)
 
 
+def runs(values: Sequence[float], counts: Sequence[int], dtype: torch.dtype,
+         device: torch.device) -> torch.Tensor:
+    """``values[i]`` repeated ``counts[i]`` times, made on ``device`` by fill kernels (a
+    plan's constant vectors: no host-to-device copy)."""
+    return torch.cat([torch.full((n,), v, dtype=dtype, device=device)
+                      for v, n in zip(values, counts, strict=True)] or
+                     [torch.empty(0, dtype=dtype, device=device)])
+
+
 def fold_plan(calls: Sequence[CallRows], limits: Limits) -> FoldPlan:
     """The constant vectors :func:`fold_calls` needs for ``calls`` (see :class:`FoldPlan`)."""
     device = calls[0].hi.device
 
-    def runs(values: Sequence[float], counts: Sequence[int] | None = None,
-             dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        counts = counts or [1] * len(values)
-        parts = [torch.full((n,), v, dtype=dtype, device=device)
-                 for v, n in zip(values, counts, strict=True)]
-        return torch.cat(parts)
+    def per(values: Sequence[float], counts: Sequence[int] | None = None,
+            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return runs(values, counts or [1] * len(values), dtype, device)
 
     sig = [c.signature(calls[0].key) for c in calls]
     n_in, n_out = [s[1] for s in sig], [s[2] for s in sig]
@@ -245,16 +251,16 @@ def fold_plan(calls: Sequence[CallRows], limits: Limits) -> FoldPlan:
         uniform=n_in[0] if len(set(n_in)) == 1 else 0,
         aligned=n_out == n_in,
         out_uniform=n_out[0] if len(set(n_out)) == 1 and n_out[0] else 0,
-        rows=runs([s[0] for s in sig], dtype=torch.int64),
-        n_in=runs(n_in), n_out=runs(n_out), width=runs(width), eps=runs([s[4] for s in sig]),
-        key_offset=runs([s[5] for s in sig], dtype=torch.float64),
-        segment=runs(index, n_in, torch.int64),
-        out_segment=runs(index, n_out, torch.int64) if sum(n_out) else
+        rows=per([s[0] for s in sig], dtype=torch.int64),
+        n_in=per(n_in), n_out=per(n_out), width=per(width), eps=per([s[4] for s in sig]),
+        key_offset=per([s[5] for s in sig], dtype=torch.float64),
+        segment=per(index, n_in, torch.int64),
+        out_segment=per(index, n_out, torch.int64) if sum(n_out) else
         torch.empty(0, dtype=torch.int64, device=device),
-        inv_width=runs([1 / w for w in width], n_in),
-        inv_sqrt_width=runs([1 / math.sqrt(w) for w in width], n_in),
-        dominated_below=runs(below, n_in),
-        identity=runs([v for v in identity_row(COLUMNS) for _ in calls], dtype=torch.float64)
+        inv_width=per([1 / w for w in width], n_in),
+        inv_sqrt_width=per([1 / math.sqrt(w) for w in width], n_in),
+        dominated_below=per(below, n_in),
+        identity=per([v for v in identity_row(COLUMNS) for _ in calls], dtype=torch.float64)
         .view(len(COLUMNS), len(calls)),
         limits=limits,
     )
