@@ -34,6 +34,7 @@ from torch.utils.hooks import RemovableHandle
 
 from normwatch.catalog import COLUMNS, GRAD_SITES, GRAD_SUMS
 from normwatch.measure.reductions import runs
+from normwatch.measure.sharding import local
 
 SUM_AT = {site: COLUMNS.index(f"{site}_tokens") for site in GRAD_SITES}
 """Where each site's summed columns start (adjacent, :data:`GRAD_SUMS` order)."""
@@ -153,12 +154,6 @@ def fold_grads(block: torch.Tensor, staged: Sequence[GradRows], plan: GradPlan) 
         norms = torch.cat(weights, 1)[0].to(block.dtype)
         both = torch.stack([torch.ones_like(norms), norms * norms], 1)
         block[:, WEIGHT_AT:WEIGHT_AT + 2].index_add_(0, plan.weights, both)
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``tensor`` (a DTensor's local shard; a plain tensor itself)."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
 
 
 class _Tap(torch.autograd.Function):

@@ -25,6 +25,7 @@ from normwatch.catalog import PUBLIC, decode_score, values
 from normwatch.measure.accumulator import META, Accumulator
 from normwatch.measure.hooks import HostCounts, LayerHook, Runtime, module_device
 from normwatch.measure.probe import ProbeCache, ProbeTarget
+from normwatch.measure.sharding import unsharded_params
 from normwatch.records import (
     FirstNonfinite,
     LayerStats,
@@ -57,6 +58,11 @@ class Measurement:
         # A forward of ``root`` that raised leaves its calls behind: marked where it began,
         # dropped at the next step unless it completed.
         self._open: _OpenForward | None = None
+        # FSDP2's unsharded weights, for the weight hooks compiled blocks cannot move
+        # (:meth:`_follow_unsharded`): looked up until found, again at each reset
+        self._root = root
+        self._can_find_unsharded = gradients and root is not None
+        self._find_unsharded = self._can_find_unsharded
         self._root_handles = [] if root is None else [
             root.register_forward_pre_hook(self._forward_begins),
             root.register_forward_hook(self._forward_ends)]
@@ -73,12 +79,34 @@ class Measurement:
         if rt.accumulator.has_staged_grads:
             self.commit(rt.accumulator.commit_grads)  # the step's backward is done
         rt.update(step=step, calls_this_step=0, full_stats=full)
+        if self._find_unsharded:
+            self._follow_unsharded()
         for hook in self._hooks:
             hook.pending_recompute = 0
             if hook.state is None:  # built on the meta device, materialised since?
                 device = module_device(hook.module)
                 if device is not None and device.type != "meta":
                     hook.home(device)  # compiled code traced without it recompiles once
+
+    def _follow_unsharded(self) -> None:
+        """Hook the weights FSDP2 unshards into the norms (eager hooks follow them inside
+        each forward; compiled ones cannot). Looks until the first forward made them;
+        stops at once where nothing is sharded or the lookup fails (one warning)."""
+        assert self._root is not None
+        try:
+            found = unsharded_params(self._root)
+            if found is None or found:
+                self._find_unsharded = False
+            for hook in self._hooks:
+                weight = (found or {}).get((id(hook.module), "weight"))
+                if weight is not None and hook.grads is not None:
+                    hook.grads.watch_weight(weight)
+        except Exception as exc:  # never take the training run down
+            self._find_unsharded = self._can_find_unsharded = False
+            warnings.warn(f"normwatch: finding FSDP2's unsharded weights failed "
+                          f"({type(exc).__name__}: {exc}); weight gradients of compiled "
+                          "sharded blocks are not measured, training continues",
+                          RuntimeWarning, stacklevel=4)
 
     def _forward_begins(self, module: nn.Module, args: object) -> None:
         if torch.compiler.is_compiling():  # compiled calls fold in place: nothing to drop
@@ -90,6 +118,8 @@ class Measurement:
     def _forward_ends(self, module: nn.Module, args: object, output: object) -> None:
         if not torch.compiler.is_compiling():
             self._open = None
+            if self._find_unsharded:  # before the first backward
+                self._follow_unsharded()
 
     def discard_interrupted(self) -> None:
         """Forget the calls of a forward of the root that raised and never completed (the
@@ -148,6 +178,7 @@ class Measurement:
     def reset(self, check_outputs: bool) -> None:
         """Start a new interval; ``check_outputs``: compare outputs with the formula in it."""
         self._rt.accumulator.reset()
+        self._find_unsharded = self._can_find_unsharded
         for hook in self._hooks:
             hook.counts.reset()
         self._rt.update(check_outputs=check_outputs)

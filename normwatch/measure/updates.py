@@ -26,8 +26,8 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from normwatch.errors import ConfigError
-from normwatch.measure.gradients import local
 from normwatch.measure.losses import ride_along
+from normwatch.measure.sharding import local
 from normwatch.records import UpdateStats
 
 KEEP_ON = frozenset({"cpu"})
