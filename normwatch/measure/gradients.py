@@ -259,7 +259,9 @@ class GradHooks:
     def _weight_grad(self, g: torch.Tensor) -> None:
         try:
             if g is not None and self._target() is not None:
-                norm = torch.linalg.vector_norm(local(g).detach(), dtype=torch.float32)
-                self._stage(WEIGHT, norm.reshape(1, 1), 1)
+                g = local(g).detach()
+                wide = g.dtype in (torch.float32, torch.float64)  # fp16/bf16: summed in fp32
+                norm = torch.linalg.vector_norm(g, dtype=None if wide else torch.float32)
+                self._stage(WEIGHT, norm.float().reshape(1, 1), 1)
         except Exception as exc:  # never take the training run down
             self._fail(exc)
