@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from normwatch.catalog import COLUMNS, GRAD_SITES, GRAD_SUMS
-from normwatch.measure.reductions import runs
+from normwatch.measure.reductions import runs, summed_dtype
 from normwatch.measure.sharding import local
 
 SUM_AT = {site: COLUMNS.index(f"{site}_tokens") for site in GRAD_SITES}
@@ -260,8 +260,7 @@ class GradHooks:
         try:
             if g is not None and self._target() is not None:
                 g = local(g).detach()
-                wide = g.dtype in (torch.float32, torch.float64)  # fp16/bf16: summed in fp32
-                norm = torch.linalg.vector_norm(g, dtype=None if wide else torch.float32)
+                norm = torch.linalg.vector_norm(g, dtype=summed_dtype(g.dtype))
                 self._stage(WEIGHT, norm.float().reshape(1, 1), 1)
         except Exception as exc:  # never take the training run down
             self._fail(exc)

@@ -26,6 +26,14 @@ import torch
 from normwatch.catalog import COLUMNS, SCORE_BASE, identity_row
 from normwatch.records import Kind, Limits
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def summed_dtype(dtype: torch.dtype) -> torch.dtype | None:
+    """The ``dtype=`` for a norm or sum over a ``dtype`` tensor: fp32 for the half formats
+    (their own range overflows), ``None`` (their own) for the rest."""
+    return torch.float32 if dtype in _HALF else None
+
 
 def token_view(x: torch.Tensor, kind: Kind, token_ndim: int = 1, groups: int = 1,
                width: int | None = None) -> torch.Tensor:

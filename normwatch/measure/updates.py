@@ -27,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 from normwatch.errors import ConfigError
 from normwatch.measure.losses import ride_along
+from normwatch.measure.reductions import summed_dtype
 from normwatch.measure.sharding import local
 from normwatch.records import UpdateStats
 
@@ -34,7 +35,6 @@ KEEP_ON = frozenset({"cpu"})
 """Device types whose parameter copies are kept between steps (:meth:`UpdateMonitor._copy`)."""
 WIDTH = 3
 """Values per device row: gradient, update and parameter sums of squares."""
-_LOW = (torch.float16, torch.bfloat16)
 
 
 def unwrap(optimizer: object) -> torch.optim.Optimizer:
@@ -58,7 +58,7 @@ def sumsq(tensors: Iterable[torch.Tensor]) -> dict[torch.device, torch.Tensor]:
         groups.setdefault((t.device, t.dtype), []).append(t)
     out: dict[torch.device, torch.Tensor] = {}
     for (device, dtype), group in groups.items():
-        norms = torch._foreach_norm(group, 2, dtype=torch.float32 if dtype in _LOW else None)
+        norms = torch._foreach_norm(group, 2, dtype=summed_dtype(dtype))
         total = torch.stack(norms).to(torch.float64).square().sum()
         out[device] = out[device] + total if device in out else total
     return out
