@@ -59,7 +59,8 @@ class Measurement:
         # dropped at the next step unless it completed.
         self._open: _OpenForward | None = None
         # FSDP2's unsharded weights, for the weight hooks compiled blocks cannot move
-        # (:meth:`_follow_unsharded`): looked up until found, again at each reset
+        # (:meth:`_follow_unsharded`): looked up until found, again at each reset (never
+        # again where nothing is sharded)
         self._root = root
         self._can_find_unsharded = gradients and root is not None
         self._find_unsharded = self._can_find_unsharded
@@ -95,6 +96,8 @@ class Measurement:
         assert self._root is not None
         try:
             found = unsharded_params(self._root)
+            if found is None:  # nothing sharded: no need to look again
+                self._can_find_unsharded = False
             if found is None or found:
                 self._find_unsharded = False
             for hook in self._hooks:

@@ -35,6 +35,25 @@ def test_nothing_sharded_is_none_and_local_is_the_tensor() -> None:
     assert local(t) is t
 
 
+def test_an_unsharded_model_is_looked_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import normwatch.measure.measurement as measurement
+
+    looks: list[nn.Module] = []
+
+    def counted(root: nn.Module) -> object:
+        looks.append(root)
+        return unsharded_params(root)
+
+    monkeypatch.setattr(measurement, "unsharded_params", counted)
+    model = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4))
+    w = normwatch.watch(model, flush_every=2, report_dir=None)
+    for _ in range(6):  # three flush intervals
+        model(torch.randn(3, 4)).sum().backward()
+        w.step()
+    w.close()
+    assert looks == [model]
+
+
 def test_a_failing_lookup_warns_once_and_training_goes_on() -> None:
     torch.manual_seed(0)
     model = Broken()
