@@ -17,7 +17,6 @@ searched.
 
 from __future__ import annotations
 
-import copy
 import fnmatch
 import math
 import re
@@ -28,6 +27,7 @@ import torch
 from torch import nn
 
 from normwatch.errors import ConfigError
+from normwatch.measure.isolation import hookless_copy, isolated
 from normwatch.measure.reductions import carried_eps
 from normwatch.measure.reference import flattens_heads, layer_norm, per_head_norms, rms_norm
 from normwatch.records import KINDS, Kind, NormLayer, WeightForm
@@ -339,10 +339,11 @@ def behaviour(module: nn.Module, eps: float
 
 
 def _run(module: nn.Module, *inputs: torch.Tensor) -> object | None:
-    """A copy of ``module`` on ``inputs`` without grad; ``None`` if it raises."""
+    """A hookless copy of ``module`` on ``inputs``, isolated (no hook runs, no grad, the
+    RNG untouched); ``None`` if it raises."""
     try:
-        with torch.no_grad():
-            out: object = copy.deepcopy(module)(*inputs)
+        with isolated(inputs[0].device):
+            out: object = hookless_copy(module)(*inputs)
             return out
     except Exception:  # needs other inputs, or is not a norm at all
         return None

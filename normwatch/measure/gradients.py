@@ -2,13 +2,17 @@
 hidden state's gradient where it reads it; and its weight's gradient.
 
     >>> hooks = GradHooks(tokens, target, stage, fail)  # one per norm layer
-    >>> view = hooks.watch_input(x)  # forward pre-hook: the norm reads the view
-    >>> hooks.watch_output(y)        # forward hook
+    >>> hooks.watch_call(x, y)       # forward hook, eager
+    >>> view = hooks.watch_input(x)  # forward pre-hook, compiled: the norm reads the view
+    >>> y = hooks.watch_output(y)    # forward hook, compiled
 
-Tensor hooks registered in the forward (on full-tier steps) fire in the backward with
-``dL/dy`` (``grad_out``, on the output), ``dL/dx`` through the norm only (``grad_in``, on
-a view of the input that only the norm reads) and ``dL/dx`` in total (``grad_hidden``, on
-the input itself: the residual stream of a pre-norm block). Eager hooks reduce each to
+Hooks registered in the forward (on full-tier steps) fire in the backward with
+``dL/dy`` (``grad_out``, a tensor hook on the output), ``dL/dx`` through the norm only
+(``grad_in``: hooks on the autograd nodes of the norm's own graph that feed ``x``, their
+parts summed; :func:`through_nodes`) and ``dL/dx`` in total (``grad_hidden``, a tensor
+hook on the input itself: the residual stream of a pre-norm block). None of them puts a
+node into the model's graph, so the order in which autograd sums the hidden state's
+gradient, and every trained bit, stays as unwatched. Eager hooks reduce each to
 three floats per token (:func:`token_rows`) and stage them; the accumulator folds every
 staged gradient at once when the step ends (:func:`fold_grads`).
 Compiled code taps the input and output with :class:`_Tap` instead (an autograd function
@@ -26,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -97,6 +102,67 @@ def fold_grad(state: torch.Tensor, gate: torch.Tensor, site: str, g: torch.Tenso
     at = PEAK_AT[site]
     cell = state[at:at + 1]
     cell.copy_(torch.fmax(cell, torch.where(gate, peak, -math.inf).to(state.dtype).reshape(1)))
+
+
+MAX_NODES = 64
+"""How many autograd nodes :func:`through_nodes` walks before it gives up (a norm with
+another input whose graph leads back into the model)."""
+
+
+def through_nodes(y: torch.Tensor, x: torch.Tensor) -> list[tuple[Any, int]]:
+    """The autograd nodes between a norm's output ``y`` and its input ``x`` that feed ``x``
+    directly, each with the index of its edge into ``x`` (one node for a fused norm,
+    several for a hand-written one). Empty when ``y`` has no graph or the walk leaves the
+    norm (nodes made before ``x`` are outside it)."""
+    start, target = y.grad_fn, x.grad_fn
+    if start is None:
+        return []
+    floor = target._sequence_nr() if target is not None else -1
+    found: list[tuple[Any, int]] = []
+    stack, seen = [start], {id(start)}
+    while stack:
+        node = stack.pop()
+        for k, (nxt, nr) in enumerate(node.next_functions):
+            if nxt is None:
+                continue
+            if target is not None and nxt is target:
+                if nr == x.output_nr:
+                    found.append((node, k))
+                continue
+            if hasattr(nxt, "variable"):  # a leaf: x itself, or a parameter
+                if nxt.variable is x:
+                    found.append((node, k))
+                continue
+            if id(nxt) in seen or nxt._sequence_nr() < floor:
+                continue
+            seen.add(id(nxt))
+            if len(seen) > MAX_NODES:
+                return []
+            stack.append(nxt)
+    return found
+
+
+class _Through:
+    """Sums the parts of ``dL/dx`` the norm's nodes send to ``x`` (post-hooks on those
+    nodes, which read gradients and change none), then hands the sum on once."""
+
+    __slots__ = ("_hook", "_left", "_sum")
+
+    def __init__(self, nodes: Sequence[tuple[Any, int]],
+                 hook: Callable[[torch.Tensor], None]) -> None:
+        self._hook, self._left = hook, len(nodes)
+        self._sum: torch.Tensor | None = None
+        for node, k in nodes:
+            node.register_hook(partial(self._part, k))
+
+    def _part(self, k: int, grad_inputs: Sequence[torch.Tensor | None], _: object) -> None:
+        g = grad_inputs[k]
+        self._left -= 1
+        if g is not None:
+            self._sum = g.detach() if self._sum is None else self._sum + g
+        if self._left == 0 and self._sum is not None:
+            total, self._sum = self._sum, None
+            self._hook(total)
 
 
 class GradRows(NamedTuple):
@@ -193,9 +259,22 @@ class GradHooks:
         self._weight: torch.Tensor | None = None
         self._weight_handle: RemovableHandle | None = None
 
+    def watch_call(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Eager: hook one call's gradients (input ``x``, output ``y``) without touching
+        the model's graph: tensor hooks on ``y`` and ``x``, node hooks for the part
+        through the norm."""
+        y.register_hook(self._out)  # type: ignore[no-untyped-call]
+        if not x.requires_grad:
+            return
+        if not isinstance(x, nn.Parameter):  # a leaf that lives on keeps its hooks
+            x.register_hook(self._hidden)  # type: ignore[no-untyped-call]
+        nodes = through_nodes(y, x)
+        if nodes:
+            _Through(nodes, self._in)
+
     def watch_input(self, x: torch.Tensor) -> torch.Tensor:
-        """Hook ``x`` (the hidden state's gradient) and return the view of it the norm
-        must read instead (the gradient through the norm only)."""
+        """Compiled: hook ``x`` (the hidden state's gradient) and return the view of it
+        the norm must read instead (the gradient through the norm only)."""
         if not isinstance(x, nn.Parameter):  # a leaf that lives on keeps its hooks
             x.register_hook(self._hidden)  # type: ignore[no-untyped-call]
         return self._tap(x, "grad_in", self._in, view=True)

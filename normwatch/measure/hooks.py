@@ -266,13 +266,13 @@ class LayerHook:
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
              ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        """Forward pre-hook: on measured steps, the norm reads a hooked view of its input
-        (:meth:`GradHooks.watch_input`)."""
+        """Forward pre-hook, compiled code only: the norm reads a tapped view of its input
+        (:meth:`GradHooks.watch_input`). Eager calls hook their gradients from the
+        forward hook, without a view (:meth:`GradHooks.watch_call`)."""
+        if not torch.compiler.is_compiling():
+            return None
         try:
-            if torch.compiler.is_compiling():
-                if not (module.training and torch.is_grad_enabled()):
-                    return None
-            elif not self._grads_now(module):
+            if not (module.training and torch.is_grad_enabled()):
                 return None
             x = _input(args, kwargs)
             if x is None or not x.requires_grad or not x.is_floating_point() \
@@ -287,15 +287,6 @@ class LayerHook:
         except Exception as exc:  # never take the training run down
             self._fail(exc)
             return None
-
-    def _grads_now(self, module: nn.Module) -> bool:
-        """Eager: whether this call's backward is measured (a counted training call of a
-        measured step; not an activation-checkpoint recompute of a counted one)."""
-        if not self.rt.grads_now or self.state is None:
-            return False
-        if torch._C._current_graph_task_id() != -1:
-            return self.pending_recompute > 0
-        return module.training and torch.is_grad_enabled()
 
     def __call__(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], output: Any
@@ -348,6 +339,7 @@ class LayerHook:
         x = _input(args, kwargs)
         if x is None or not x.is_floating_point() or x.is_meta:
             return self._skip(x)
+        x0 = x
         if not self._counted(module):
             return
         y = y0 = _output(output)
@@ -383,7 +375,7 @@ class LayerHook:
         c.input_shape = x.shape
         if self.grads is not None and rt.grads_now:
             if y0 is not None and y0.requires_grad:
-                self.grads.watch_output(y0)
+                self.grads.watch_call(x0, y0)
             self.grads.watch_weight(getattr(module, "weight", None))  # FSDP2 swaps it
         if c.calls == 1:
             rt.forward_order.setdefault(self.layer.name, len(rt.forward_order))

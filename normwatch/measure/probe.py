@@ -5,14 +5,15 @@
 * a *sum* probe: a token of ±v with every v² < 65504 but Σv² > 65504; it catches a
   kernel that sums squares in fp16 even when every element is below 256.
 
-The probe runs the layer's forward on a deep copy (so batch-norm running statistics
-and the real module are untouched), without grad, on the layer's device, in the dtype
-it was asked about. It is a host-side side effect, called from ``flush()`` only.
+The probe runs the layer's forward on a hookless copy, isolated
+(:mod:`~normwatch.measure.isolation`: no user or global hook sees it, batch-norm running
+statistics, the real module and the RNG are untouched, no grad), on the layer's device,
+in the dtype it was asked about. It is a host-side side effect, called from ``flush()``
+only.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -20,6 +21,7 @@ from contextlib import AbstractContextManager
 import torch
 from torch import nn
 
+from normwatch.measure.isolation import hookless_copy, isolated
 from normwatch.measure.reductions import token_view
 from normwatch.measure.reference import expected_output
 from normwatch.records import FP16_MAX, LayerStats, NormLayer, ProbeResult, Snapshot
@@ -53,9 +55,7 @@ def probe_fp16_safety(
     """Run both probes on a copy of ``module``; never raises."""
     name = str(dtype).removeprefix("torch.")
     try:
-        clone = copy.deepcopy(module)
-        clone._forward_hooks.clear()
-        clone._forward_pre_hooks.clear()
+        clone = hookless_copy(module)
         shape = probe_shape(layer, input_shape)
         element = torch.zeros(shape, dtype=torch.float32)
         element.view(-1)[0] = PROBE_VALUE
@@ -81,7 +81,7 @@ def _passes(
     device: torch.device,
 ) -> bool | None:
     x = x32.to(device=device, dtype=dtype)
-    with torch.no_grad():
+    with isolated(device):
         out = module(x)
         if isinstance(out, tuple | list):
             out = out[0]

@@ -1,0 +1,71 @@
+"""Watching changes nothing: 50 steps watched and unwatched give bit-identical losses,
+parameters and RNG state, in every dtype and tier, gradients on, optimizer watched."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+import normwatch
+from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
+
+STEPS = 50
+MODES = {
+    "fp32": (None, None),
+    "bf16-autocast": (None, torch.bfloat16),
+    "fp16-autocast": (None, torch.float16),
+    "fp16-half": (torch.float16, None),
+    "bf16-weights": (torch.bfloat16, None),
+}
+TIERS = {"defaults": {}, "every-step": {"stats_every": 1, "output_check_every": 1}}
+
+
+def train(norm: str, mode: str, options: dict[str, Any] | None,
+          ) -> tuple[list[float], list[torch.Tensor], torch.Tensor]:
+    """``STEPS`` AdamW steps of a 2-block TinyLM with dropout; watched when ``options``."""
+    cast, amp = MODES[mode]
+    torch.manual_seed(0)
+    model = TinyLM(dim=32, depth=2, norm=norm)
+    model.blocks[0].attn.out = torch.nn.Sequential(model.blocks[0].attn.out,
+                                                   torch.nn.Dropout(0.1))  # draws RNG
+    if cast is not None:
+        model = model.to(cast)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-4)
+    watch = None
+    if options is not None:
+        watch = normwatch.watch(model, opt, report_dir=None, flush_every=5, **options)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(STEPS):
+        tokens = synthetic_batch(gen, batch=4, seq=16)
+        ctx = torch.autocast("cpu", dtype=amp) if amp else contextlib.nullcontext()
+        with ctx:
+            loss = lm_loss(model(tokens), tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if watch is not None:
+            watch.step(loss)
+    if watch is not None:
+        assert watch.flushes == STEPS // 5 and not watch.disabled
+        watch.close()
+    return losses, [p.detach().clone() for p in model.parameters()], torch.get_rng_state()
+
+
+@pytest.mark.parametrize("tier", sorted(TIERS))
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("norm", ["rmsnorm", "layernorm", "naive_rmsnorm"])
+def test_a_watched_run_is_bit_identical_to_an_unwatched_one(norm: str, mode: str,
+                                                            tier: str) -> None:
+    plain = train(norm, mode, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # alarms of fp16 are not the point
+        watched = train(norm, mode, {"gradients": True, **TIERS[tier]})
+    assert watched[0] == plain[0]  # every loss, to the last bit
+    assert all(torch.equal(a, b) for a, b in zip(watched[1], plain[1], strict=True))
+    assert torch.equal(watched[2], plain[2])  # normwatch drew no random number
