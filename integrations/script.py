@@ -5,13 +5,17 @@
     ... # the script runs
     >>> session.finish()      # last flush, hooks removed
 
-Models are found as they are called: a global forward pre-hook sees every outermost
-module call, and the first one in training mode whose tree holds normalization layers
-(the same discovery rules as :func:`normwatch.watch`) gets a watch. Steps are the
-optimizer steps (the global optimizer step hook; several optimizers stepping after one
-forward count once), each optimizer's gradient and update norms are measured from its
-first step; the loss is the scalar a ``backward()`` starts from (kept on its device). If
-the script dies of an exception, a post-mortem is written. Options come from
+Models are found as they are trained: a global forward pre-hook sees every outermost
+module call, and the first training-mode call with grad (whatever eval passes or other
+models came before) of a model whose tree holds normalization layers (the same discovery
+rules as :func:`normwatch.watch`) gets a watch; wrappers (``torch.compile``, DDP) are
+looked through. The hook reads no Python state inside compiled code, so it never makes
+Dynamo recompile. Steps are the optimizer steps (the global optimizer step hook; several
+optimizers stepping after one forward count once; an iteration whose step a
+``GradScaler`` skipped counts too, as skipped), each optimizer's gradient and update
+norms are measured from its first step; the loss is the scalar a ``backward()`` starts
+from, unscaled when a ``GradScaler`` scaled it (kept on its device). If the script dies
+of an exception, a post-mortem is written. Options come from
 ``NORMWATCH_*`` environment variables (:func:`~normwatch.config.options_from_env`).
 """
 
@@ -21,6 +25,7 @@ import os
 import sys
 import types
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -29,8 +34,10 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from normwatch.config import WatchConfig, options_from_env
+from normwatch.measure.compiling import eager_frame
 from normwatch.measure.discovery import iter_norm_modules
-from normwatch.watch import Watch
+from normwatch.measure.isolation import internal
+from normwatch.watch import Watch, watched_by
 
 from .common import watch_optimizers
 
@@ -41,12 +48,16 @@ class AutoWatch:
     def __init__(self, config: WatchConfig) -> None:
         self.config = config
         self.watches: dict[int, Watch] = {}
+        self.skipped_steps = 0
+        """Iterations whose optimizer step a ``GradScaler`` skipped (inf/NaN gradients)."""
         self._handles: list[RemovableHandle] = []
         self._depth = 0
         self._forward_since_step = False
+        self._optimizer_steps = 0
         self._loss: torch.Tensor | None = None
-        self._skipped: set[int] = set()
-        self._real_backward: Callable[..., Any] | None = None
+        self._scaled: tuple[weakref.ref[torch.Tensor], torch.Tensor] | None = None
+        self._ignored: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._patched: list[tuple[object, str, Any]] = []
         self._real_excepthook: Callable[..., Any] | None = None
 
     def install(self) -> None:
@@ -66,50 +77,107 @@ class AutoWatch:
                          register_module_forward_hook(self._post, always_call=True),
                          register_optimizer_step_pre_hook(self._stepping),
                          register_optimizer_step_post_hook(self._stepped)]
-        self._real_backward = real = torch.Tensor.backward
+        real_backward = torch.Tensor.backward
 
         def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if tensor.numel() == 1 and not torch.compiler.is_compiling():
-                self._loss = tensor.detach()
-            return real(tensor, *args, **kwargs)  # type: ignore[no-untyped-call]
+                self._loss = self._unscaled(tensor)
+            return real_backward(tensor, *args, **kwargs)  # type: ignore[no-untyped-call]
 
-        torch.Tensor.backward = backward  # type: ignore[method-assign, assignment]
+        self._patch(torch.Tensor, "backward", backward)
+        scaler = getattr(getattr(torch, "amp", None), "GradScaler", None)
+        if scaler is not None:
+            real_scale, real_step = scaler.scale, scaler.step
+
+            def scale(grad_scaler: Any, outputs: Any) -> Any:
+                scaled = real_scale(grad_scaler, outputs)
+                if isinstance(outputs, torch.Tensor) and outputs.numel() == 1 and \
+                        isinstance(scaled, torch.Tensor):
+                    self._scaled = (weakref.ref(scaled), outputs.detach())
+                    for watch in list(self.watches.values()):
+                        if not watch.closed:
+                            watch.watch_scaler(grad_scaler)
+                return scaled
+
+            def step(grad_scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+                before = self._optimizer_steps
+                out = real_step(grad_scaler, optimizer, *args, **kwargs)
+                if self._optimizer_steps == before:  # inf/NaN gradients: step skipped
+                    self._skipped(grad_scaler)
+                return out
+
+            self._patch(scaler, "scale", scale)
+            self._patch(scaler, "step", step)
         self._real_excepthook = sys.excepthook
         sys.excepthook = self._excepthook
 
-    def _pre(self, module: nn.Module, args: Any) -> None:
-        self._depth += 1
-        if self._depth != 1:
-            return
-        self._forward_since_step = True
-        key = id(module)
-        if key in self.watches or key in self._skipped:
-            return
-        if not module.training or not any(True for _ in iter_norm_modules(module)):
-            self._skipped.add(key)
-            return
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # "compiled before watch()"
-            self.watches[key] = Watch(module, self.config)
+    def _patch(self, owner: object, name: str, value: Any) -> None:
+        self._patched.append((owner, name, owner.__dict__[name]))
+        setattr(owner, name, value)
 
+    def _unscaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss a ``backward()`` starts from, before a ``GradScaler`` scaled it."""
+        scaled = self._scaled
+        if scaled is not None and scaled[0]() is loss:
+            return scaled[1]
+        return loss.detach()
+
+    @eager_frame
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        # Compiled code never reads this hook's Python state (no guard, no recompile);
+        # normwatch's own calls of a module (probes) are not the script's.
+        if torch.compiler.is_compiling() or internal():
+            return
+        self._depth += 1
+        if self._depth != 1 or not (module.training and torch.is_grad_enabled()):
+            return  # eval and no-grad passes neither attach nor count: nothing is skipped
+        self._forward_since_step = True
+        model = unwrap(module)
+        if id(model) in self.watches or model in self._ignored:
+            return
+        self._ignored.add(model)  # decided once, whatever follows
+        if not any(True for _ in iter_norm_modules(model, self.config.include,
+                                                   self.config.exclude)):
+            return
+        owner = watched_by(model)
+        if owner is not None:
+            print(f"normwatch run: {type(model).__name__} is already watched by the script's "
+                  f"own {owner!r}; not watching it twice", file=sys.stderr)
+            return
+        self.watches[id(model)] = Watch(model, self.config, drop_compiled=False)
+
+    @eager_frame
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling() or internal():
+            return
         self._depth = max(0, self._depth - 1)
 
     def _stepping(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Before an optimizer's first step: every watch measures its steps (the
-        optimizer's own hooks run after this global one, from this step on)."""
-        for watch in self.watches.values():
+        """Before an optimizer's step: every watch measures its steps (the optimizer's
+        own hooks run after this global one, from this step on)."""
+        for watch in list(self.watches.values()):
             if not watch.closed:
                 watch_optimizers(watch, [optimizer])
 
     def _stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._optimizer_steps += 1
+        self._step(skipped=False)
+
+    def _skipped(self, scaler: Any) -> None:
+        self.skipped_steps += 1
+        self._step(skipped=True)
+
+    def _step(self, skipped: bool) -> None:
+        """One training iteration ended (several optimizers stepping after one forward
+        count once)."""
         if not self._forward_since_step:
-            return  # another optimizer of the same iteration
+            return
         self._forward_since_step = False
-        for watch in self.watches.values():
+        for watch in list(self.watches.values()):
             if not watch.closed:
-                watch.step(self._loss)
+                watch.step(self._loss, skipped=skipped)
         self._loss = None
+        self._scaled = None
 
     def _excepthook(self, kind: type[BaseException], exc: BaseException,
                     tb: types.TracebackType | None) -> None:
@@ -119,7 +187,7 @@ class AutoWatch:
 
     def fail(self, exc: BaseException) -> None:
         """The script died of ``exc``: a post-mortem per watch, hooks removed."""
-        for watch in self.watches.values():
+        for watch in list(self.watches.values()):
             if not watch.closed:
                 try:
                     watch.report_exception(exc)
@@ -128,7 +196,7 @@ class AutoWatch:
 
     def finish(self) -> None:
         """The script ended: flush what is left, close every watch, remove the hooks."""
-        for watch in self.watches.values():
+        for watch in list(self.watches.values()):
             if not watch.closed:
                 if watch.unflushed:
                     watch.flush()
@@ -136,22 +204,43 @@ class AutoWatch:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        if self._real_backward is not None:
-            torch.Tensor.backward = self._real_backward  # type: ignore[method-assign]
-            self._real_backward = None
+        for owner, name, value in reversed(self._patched):
+            setattr(owner, name, value)
+        self._patched = []
         if self._real_excepthook is not None and sys.excepthook == self._excepthook:
             sys.excepthook = self._real_excepthook
 
 
+def unwrap(module: nn.Module) -> nn.Module:
+    """The model inside the wrappers a script calls it through (``torch.compile``'s
+    ``OptimizedModule``, DDP, ``DataParallel``): one watch, whichever is called."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    while True:
+        inner = getattr(module, "_orig_mod", None)
+        if isinstance(inner, nn.Module):
+            module = inner
+        elif isinstance(module, DistributedDataParallel | DataParallel):
+            module = module.module
+        else:
+            return module
+
+
 def start_from_env() -> AutoWatch:
     """What ``normwatch run`` runs in the script's process: options from the environment,
-    console lines by default, finished at exit."""
+    console lines by default (rank 0 only under torchrun), finished at exit."""
     import atexit
 
     options = {"console": "lines", **options_from_env()}
+    rank = int(os.environ.get("RANK", "0") or 0)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
-        options.setdefault("rank", int(os.environ["RANK"]))  # torchrun, Lightning DDP
+        options.setdefault("rank", rank)  # torchrun, Lightning DDP
+        if rank != 0:  # one voice: the other ranks still measure and write their reports
+            options.update(console=None, report_console=False)
     session = AutoWatch(WatchConfig.from_options(**options))
+    # the global hooks fire once more for torch.compile's wrapper: seen and set aside
+    warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there "
+                            "are global hooks", category=UserWarning)
     session.install()
     atexit.register(session.finish)
     return session

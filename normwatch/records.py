@@ -120,6 +120,9 @@ class NormLayer:
     num_groups: int | None = None
     builtin: bool = False
     """One of torch's own norm modules (its dtypes under autocast are autocast's rules)."""
+    eps_measured: bool = False
+    """``eps`` was measured from the module's output (it has no eps attribute: a literal
+    in its forward), not read."""
 
     @property
     def token_size(self) -> int | None:
@@ -266,3 +269,6 @@ class Snapshot:
     """``(step, loss)`` for each ``watch.step(loss)`` of the interval."""
     updates: tuple[UpdateStats, ...] = field(default=())
     """One per optimizer step of the interval (optimizers given to ``watch_optimizer``)."""
+    loss_scale: float | None = None
+    """The loss scaler's scale at the flush (``watch_scaler``); gradient statistics are
+    divided by it."""

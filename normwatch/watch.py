@@ -10,10 +10,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,6 +33,7 @@ from normwatch.judge.alarms import RuleContext, evaluate
 from normwatch.judge.depth import worst_fp16_gradient
 from normwatch.measure.compiling import compiled_code, guard_hooks
 from normwatch.measure.discovery import iter_norm_modules
+from normwatch.measure.gradients import unscale
 from normwatch.measure.losses import LossBuffer, ride_along
 from normwatch.measure.measurement import Measurement
 from normwatch.measure.triton_kernel import available as triton_available
@@ -39,6 +42,7 @@ from normwatch.measure.updates import UpdateMonitor
 from normwatch.records import Alarm, NormLayer, Snapshot, Verdict
 from normwatch.report.dispatch import Dispatcher
 from normwatch.report.document import prepare_report_dir
+from normwatch.report.lines import attach_line, exit_line, verdict_line
 from normwatch.report.postmortem import PostMortem
 
 if TYPE_CHECKING:
@@ -48,11 +52,27 @@ if TYPE_CHECKING:
 
 HISTORY_POINTS = 16
 
+_LIVE: weakref.WeakSet[Watch] = weakref.WeakSet()
+"""Watches not yet closed (:func:`watched_by`)."""
+
+
+def watched_by(model: nn.Module) -> Watch | None:
+    """The open watch that already measures a norm of ``model``, if any."""
+    mods = {id(m) for m in model.modules()}
+    for w in list(_LIVE):
+        if not w.closed and any(id(m) in mods for m in w._measure.modules):
+            return w
+    return None
+
 
 class Watch:
     """Monitor of a model's normalization layers. Build it with :func:`normwatch.watch`."""
 
-    def __init__(self, model: nn.Module, config: WatchConfig | None = None) -> None:
+    def __init__(self, model: nn.Module, config: WatchConfig | None = None, *,
+                 drop_compiled: bool = True) -> None:
+        """``drop_compiled``: when ``model`` has compiled code, reset torch.compile's caches
+        so that it recompiles with the hooks (``normwatch run`` attaches before the first
+        training forward: what was compiled before it counts nothing)."""
         if not isinstance(model, nn.Module):
             raise ConfigError(f"'model' must be a torch.nn.Module: got {type(model).__name__}")
         self.config = c = config or WatchConfig()
@@ -64,9 +84,14 @@ class Watch:
         if c.report_dir is not None:
             prepare_report_dir(c.report_dir)
         pairs = list(iter_norm_modules(model, c.include, c.exclude))
+        owner = watched_by(model) if pairs else None
+        if owner is not None:
+            raise ConfigError(f"'model' ({type(model).__name__}) is already watched by {owner!r}: "
+                              "close() that watch first (two watches would measure every norm "
+                              "twice)")
         if pairs:
             guard_hooks()
-        stale = compiled_code(model) if pairs else []
+        stale = compiled_code(model) if pairs and drop_compiled else []
         if stale:
             warnings.warn(
                 f"normwatch: {type(model).__name__} was compiled before watch() (compiled "
@@ -121,22 +146,40 @@ class Watch:
         self._warned_closed = False
         self.view: ConsoleView | None = None
         """Where the console output goes (``console`` option; assign your own)."""
+        self._scaler: object = None
+        self.skipped_steps = 0
+        """Steps whose optimizer step a loss scaler skipped (``step(skipped=True)``)."""
+        self._model_name = type(model).__name__
+        self._idle_checked = False
+        _LIVE.add(self)
         if c.console is not None:
             from normwatch.report.live import ConsoleView
 
             self.view = ConsoleView(live=None if c.console == "live" else False)
+            self.view.note(attach_line(self._model_name, self.layers, c.flush_every,
+                                       c.report_dir))
 
     # -- the training-loop API ------------------------------------------------------------
 
-    def step(self, loss: Any = None) -> Snapshot | None:
+    def step(self, loss: Any = None, skipped: bool = False) -> Snapshot | None:
         """Mark the end of an optimizer step; flush every ``flush_every`` steps.
 
-        ``loss`` (a scalar tensor or number) is kept on its device until the flush.
-        Returns the snapshot when this step flushed, else ``None``.
+        ``loss`` (a scalar tensor or number, unscaled) is kept on its device until the
+        flush. ``skipped``: a loss scaler (``GradScaler``) skipped this step's optimizer
+        step for inf/NaN gradients, as it is meant to; the step counts, its gradients are
+        not measured (they were scaled past fp16). Returns the snapshot when this step
+        flushed, else ``None``.
         """
         if self._closed_use("step"):
             return None
         self._measure.discard_interrupted()
+        if skipped:
+            self.skipped_steps += 1
+            self._measure.drop_step_gradients()
+            logging.getLogger(self.config.logger).info(
+                "[loss scaler] step %d skipped by the loss scaler (inf/NaN gradients, the "
+                "scale is lowered): expected with fp16 loss scaling, not a fault",
+                self.step_count + 1)
         self.step_count += 1
         self._losses.record(loss, self.step_count)
         if self.config.early_warning and (self._early is not None or self._measure.on_cuda()):
@@ -182,12 +225,19 @@ class Watch:
         if self._early is not None:
             self._early.reset()
         checked = self._measure.checking_outputs
+        scale = getattr(self._scaler, "_scale", None)
+        scales = {scale.device: scale} if isinstance(scale, torch.Tensor) else {}
         rows, copied = self._measure.read(ride_along(self._losses.tensors(),
-                                                     self._updates.tensors()))
-        values = {d: iter(v) for d, v in copied.items()}  # losses first, then updates
+                                                     self._updates.tensors(), scales))
+        values = {d: iter(v) for d, v in copied.items()}  # losses, updates, then the scale
         losses, updates = self._losses.resolve(values), self._updates.resolve(values)
+        loss_scale = next(values[d]) if (d := next(iter(scales), None)) is not None else None
+        if loss_scale is not None:
+            unscale(rows, loss_scale)
         snapshot = self._measure.snapshot(rows, self.step_count, self._interval_start,
                                           losses, updates)
+        if loss_scale is not None:
+            snapshot = dataclasses.replace(snapshot, loss_scale=loss_scale)
         self.flushes += 1
         every = self.config.output_check_every
         self._measure.reset(check_outputs=every > 0 and self.flushes % every == 0)
@@ -214,6 +264,10 @@ class Watch:
                              {k: tuple(a for _, a in v) for k, v in self._absmax_history.items()})
         verdicts = self.postmortem.on_flush(snapshot, self.last_findings, passed,
                                             self.forward_order, conclude=conclude)
+        self._show(verdicts)
+        if not self._idle_checked:
+            self._idle_checked = True
+            self._warn_if_idle(snapshot)
         if self._collector is not None:
             shared = snapshot
             # only at the regular flushes every rank reaches (an early flush is one rank's)
@@ -228,6 +282,26 @@ class Watch:
         if fatal:
             self._dispatcher.raise_if_fatal(passed)
         return snapshot, verdicts
+
+    def _show(self, verdicts: list[Verdict]) -> None:
+        if self.view is not None:
+            for verdict in verdicts:
+                self.view.note(verdict_line(verdict), style="bold red")
+
+    def _warn_if_idle(self, snapshot: Snapshot) -> None:
+        """After the first flush: one warning if no norm call was measured, saying why."""
+        if not self.layers or any(s.calls for s in snapshot.layers.values()):
+            return
+        eval_calls, no_grad = self._measure.uncounted()
+        if eval_calls or no_grad:
+            why = (f"{eval_calls} norm calls in eval mode and {no_grad} without grad were "
+                   "seen (count_eval=True measures those)")
+        else:
+            why = "no norm layer was called at all (is this the model that trains?" + \
+                  (" check include/exclude" if self.config.include or self.config.exclude
+                   else "") + ")"
+        warnings.warn(f"normwatch: nothing was measured in the first {snapshot.step} steps "
+                      f"of {self._model_name}: {why}", RuntimeWarning, stacklevel=4)
 
     @property
     def health_findings(self) -> list[Alarm]:
@@ -302,7 +376,9 @@ class Watch:
                               f"({type(failure).__name__}: {failure}); judging on the flushes "
                               "before it", RuntimeWarning, stacklevel=2)
         if not interrupt:
-            return self.postmortem.on_exception(exc, self.step_count, self.forward_order)
+            verdict = self.postmortem.on_exception(exc, self.step_count, self.forward_order)
+            self._show([verdict])
+            return verdict
         if not verdicts:
             logging.getLogger(self.config.logger).warning(
                 "[interrupted] %s at step %d: nothing abnormal in the norms since the last "
@@ -346,6 +422,14 @@ class Watch:
             return
         self._updates.attach(optimizer)
 
+    def watch_scaler(self, scaler: object) -> None:
+        """Read the scale of ``scaler`` (a ``torch.amp.GradScaler``) with each flush's copy
+        and report gradient statistics divided by it; pass the unscaled loss to
+        :meth:`step`, and ``skipped=True`` for the steps the scaler skips."""
+        if self._closed_use("watch_scaler"):
+            return
+        self._scaler = scaler
+
     def add_loss(self, loss: Any, step: int | None = None) -> None:
         """Record a loss for ``step`` (default: the last completed step) without stepping;
         for loops that learn the loss later than the step (e.g. from a logger)."""
@@ -372,6 +456,9 @@ class Watch:
         """Remove every hook; the model is left exactly as it was (code compiled while
         watched runs the hooks' switched-off tensor ops until it recompiles). Harmless
         twice."""
+        if not self.closed and self.view is not None:
+            self.view.note(exit_line(self._model_name, self.step_count, self.alarms,
+                                     self.verdicts, self.reports, self.skipped_steps))
         self._measure.close()
         self._updates.detach()
         if self.view is not None:

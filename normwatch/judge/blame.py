@@ -87,6 +87,11 @@ def judge(trigger: Trigger, step: int, records: Sequence[Record], order: Sequenc
         return Verdict(trigger, step, "inconclusive", jumps[0][0], "stat_jump", tuple(evidence))
     seen = [n for n in order if any(n in r.snapshot.layers and r.snapshot.layers[n].seen
                                     for r in records)]
+    if not seen:
+        return Verdict(trigger, step, "inconclusive", None, None, (
+            f"No norm call was measured before the {trigger.replace('_', ' ')} at step "
+            f"{step} (none of the {len(order)} norm layers ran a counted training forward): "
+            "normalization can be neither blamed nor cleared.",))
     healthy = (f"All {len(seen)} norm layers stayed healthy: finite inputs and outputs, no "
                "fp16 overflow, no eps dominance, no output mismatch, no jump against their "
                "history.")

@@ -186,9 +186,10 @@ def _nonfinite(snapshot: Snapshot, order: Sequence[str]) -> list[Alarm]:
 def _headroom(snapshot: Snapshot, history: Sequence[tuple[int, float]],
               horizon: int) -> list[Alarm]:
     """fp16 runs: the largest gradient is past, or heading for, 65504 (loss scaling
-    multiplies it; the scaler then skips steps)."""
+    multiplies it; the scaler then skips steps). With a watched loss scaler the gradients
+    are reported unscaled and their fp16 range is the scaler's job: no alarm."""
     worst = worst_fp16_gradient(snapshot)
-    if worst is None:
+    if worst is None or snapshot.loss_scale is not None:
         return []
     peak = worst.grad_out_absmax or 0.0
     if peak > FP16_MAX:

@@ -71,6 +71,11 @@ class Accumulator:
         """Whether gradients wait for :meth:`commit_grads`."""
         return bool(self._staged_grads)
 
+    def drop_grads(self) -> None:
+        """Drop the staged gradients (not yet folded)."""
+        self._staged_grads = []
+        self._staged_tokens = sum(c.hi.shape[0] for c in self._staged)
+
     def mark(self) -> tuple[int, int]:
         """Where staging stands now, for :meth:`drop_since`."""
         return self._commits, len(self._staged)

@@ -11,7 +11,29 @@ entries on the forward of a module class in the model), which the watch then dro
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 from torch import nn
+
+F = TypeVar("F", bound=Callable[..., object])
+
+
+def eager_frame(fn: F) -> F:
+    """Never compile ``fn`` as a frame of its own, nor what it calls: hooks that
+    ``torch.compile``'s wrapper runs under Dynamo (the root's hooks, global hooks) would
+    otherwise be compiled as tiny graphs guarded on grad mode, recompiling at every eval
+    pass. Traced inline (inside a compiled model) they are traced as before."""
+    try:
+        from torch._dynamo import types as dynamo_types
+        from torch._dynamo.eval_frame import set_code_exec_strategy  # type: ignore[attr-defined]
+
+        skip = dynamo_types.FrameAction.SKIP  # type: ignore[attr-defined]
+        strategy = dynamo_types.FrameExecStrategy(skip, skip)  # type: ignore[attr-defined]
+        set_code_exec_strategy(fn.__code__, strategy)
+    except (ImportError, AttributeError):  # another torch: compiled as before
+        pass
+    return fn
 
 
 def guard_hooks() -> None:

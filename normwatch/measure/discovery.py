@@ -236,8 +236,12 @@ def _duck_typed(module: nn.Module, name: str) -> NormLayer | None:
     has_weight = isinstance(getattr(module, "weight", None), torch.Tensor)
     if math.isnan(eps):  # eps hard-coded in forward (OLMo): only if it behaves like a norm
         seen = behaviour(module, 0.0)
-        return None if seen is None else NormLayer(name, seen[0], eps, seen[1], seen[2],
-                                                   cls_name)
+        if seen is None:
+            return None
+        measured = measured_eps(module, seen[1] or (_heads(module) or _weight_shape(module)
+                                                   or _FREE_DIMS)[-1:])
+        return NormLayer(name, seen[0], measured, seen[1], seen[2], cls_name,
+                         eps_measured=not math.isnan(measured))
     has_bias = getattr(module, "bias", None) is not None
     # T5-style "LayerNorm"s (T5, MT5, LongT5, Pix2Struct, ...) are RMSNorms: no bias and
     # Llama's `variance_epsilon` spelling.
@@ -336,6 +340,49 @@ def behaviour(module: nn.Module, eps: float
         return None
     shape = None if free and best[2] == dims[-1:] else best[2]
     return best[1], shape, best[3]
+
+
+SMALL_SCALE = 0.01
+"""The element size of :func:`measured_eps`'s small token (mean square 1e-4, where an eps
+of 1e-8..1e-2 moves the output measurably)."""
+
+
+def measured_eps(module: nn.Module, token: tuple[int, ...]) -> float:
+    """The eps a layer/RMS norm applies, from its output (NaN when it cannot be told).
+
+    Tokens of ±a (mean 0, so mean square = variance = c·a²) are normalised to
+    ``w · a/√(c·a² + ε)``; the output for ``+x`` minus that for ``-x`` removes any bias,
+    and its ratio at ``a = 0.01`` and ``a = 1`` removes the weight, leaving
+    ``r = a·√(c + ε)/√(c·a² + ε)``, so ``ε = c·a²(1 − r²)/(r² − a²)``. Run in float64
+    on an isolated, hookless copy."""
+    weight = getattr(module, "weight", None)
+    device = weight.device if isinstance(weight, torch.Tensor) else torch.device("cpu")
+    n = math.prod(token)
+    if n < 2 or n > 1 << 16 or device.type == "meta":
+        return math.nan
+    signs = torch.ones(n, dtype=torch.float64)
+    signs[1::2] = -1.0
+    if n % 2:
+        signs[-1] = 0.0  # an odd width: the mean stays 0
+    c = float(signs.square().mean())
+    x = signs.reshape(1, *token)
+    try:
+        with isolated(device):
+            clone = hookless_copy(module).double()
+            diffs = [clone(a * x.to(device)) - clone(-a * x.to(device)) for a in (SMALL_SCALE, 1.0)]
+    except Exception:  # needs other inputs: no measurement
+        return math.nan
+    small, big = (d[0] if isinstance(d, tuple | list) else d for d in diffs)
+    if not isinstance(small, torch.Tensor) or small.shape != big.shape:
+        return math.nan
+    keep = big.abs() > 1e-6
+    if not bool(keep.any()):
+        return math.nan
+    r = float((small[keep] / big[keep]).median())
+    a2 = SMALL_SCALE ** 2
+    if not a2 < r * r <= 1.0:
+        return math.nan
+    return max(0.0, c * a2 * (1.0 - r * r) / (r * r - a2))
 
 
 def _run(module: nn.Module, *inputs: torch.Tensor) -> object | None:

@@ -60,6 +60,18 @@ Stage = Callable[[int, torch.Tensor, int], None]
 """Stages a layer's gradient: ``(site index, rows, width)`` (see :class:`GradRows`)."""
 
 
+def unscale(rows: Sequence[dict[str, float]], scale: float) -> None:
+    """Divide the gradient columns of raw ``rows`` (in place, host side) by a loss
+    scaler's ``scale``: the statistics of the gradients the optimizer sees."""
+    if not scale or scale == 1.0 or not math.isfinite(scale):
+        return
+    for row in rows:
+        for site in GRAD_SITES:
+            row[f"{site}_sumsq"] /= scale * scale
+            row[f"{site}_absmax"] /= scale
+        row["weight_grad_sumsq"] /= scale * scale
+
+
 def token_rows(t: torch.Tensor) -> torch.Tensor:
     """A gradient's tokens (``(tokens, elements)``) as ``(3, tokens)`` float32 rows: each
     token's max, min and L2 norm (NaN/inf exactly on the tokens holding them). Three

@@ -170,6 +170,10 @@ class HostCounts:
 
     empty_calls: int = 0
     """Counted calls with an empty input (nothing folded on the device)."""
+    eval_calls: int = 0
+    """Calls not counted for eval mode, since the watch began (never reset)."""
+    no_grad_calls: int = 0
+    """Calls not counted for running without grad, since the watch began (never reset)."""
 
     def reset(self) -> None:
         self.calls = 0
@@ -329,6 +333,9 @@ class LayerHook:
             return True
         if module.training:
             self.pending_recompute += 1
+            self.counts.no_grad_calls += 1
+        else:
+            self.counts.eval_calls += 1
         return False
 
     def _observe(

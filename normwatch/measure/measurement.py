@@ -23,6 +23,7 @@ from torch import nn
 
 from normwatch.catalog import PUBLIC, decode_score, values
 from normwatch.measure.accumulator import META, Accumulator
+from normwatch.measure.compiling import eager_frame
 from normwatch.measure.hooks import HostCounts, LayerHook, Runtime, module_device
 from normwatch.measure.probe import ProbeCache, ProbeTarget
 from normwatch.measure.sharding import unsharded_params
@@ -111,6 +112,7 @@ class Measurement:
                           "sharded blocks are not measured, training continues",
                           RuntimeWarning, stacklevel=4)
 
+    @eager_frame
     def _forward_begins(self, module: nn.Module, args: object) -> None:
         if torch.compiler.is_compiling():  # compiled calls fold in place: nothing to drop
             return
@@ -118,6 +120,7 @@ class Measurement:
             self._open = _OpenForward(self._rt.accumulator.mark(), self._rt.calls_this_step,
                                       [(h.counts.calls, h.counts.tokens) for h in self._hooks])
 
+    @eager_frame
     def _forward_ends(self, module: nn.Module, args: object, output: object) -> None:
         if not torch.compiler.is_compiling():
             self._open = None
@@ -144,6 +147,21 @@ class Measurement:
                 warnings.warn(f"normwatch: folding the step's statistics failed "
                               f"({type(exc).__name__}: {exc}); those measurements are dropped, "
                               "training continues", RuntimeWarning, stacklevel=4)
+
+    def drop_step_gradients(self) -> None:
+        """Forget the gradients this step's backward staged (a loss scaler skipped the
+        step: they are scaled past fp16, and not the model's)."""
+        self._rt.accumulator.drop_grads()
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        """The hooked norm modules."""
+        return [h.module for h in self._hooks]
+
+    def uncounted(self) -> tuple[int, int]:
+        """Norm calls not measured since the watch began: in eval mode, without grad."""
+        return (sum(h.counts.eval_calls for h in self._hooks),
+                sum(h.counts.no_grad_calls for h in self._hooks))
 
     @property
     def pending(self) -> bool:

@@ -9,6 +9,7 @@ Worst layers first, coloured by severity; the text still reads in a plain CI log
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,6 +30,16 @@ LEGEND = ("columns are the logged statistics' names · absmax: max |x| · fp16_h
           "eps_dominance: max eps/(s+eps) · common_mode_max: max |mean|/RMS · nonfinite: "
           "tokens holding NaN/inf, input/output · grad_hidden_rms: RMS of dL/dx, the hidden "
           "state's gradient at the norm's input · dtype: input>weight>output")
+
+
+def stderr_console() -> Console:
+    """stderr as a console: a terminal as it is; anything else (a log file, a pipe, CI)
+    gets lines that are never wrapped and ``COLUMNS`` (default 160) columns for tables."""
+    console = Console(stderr=True)
+    if console.is_terminal:
+        return console
+    return Console(stderr=True, soft_wrap=True,
+                   width=int(os.environ.get("COLUMNS", "0") or 0) or 160)
 
 
 def header(name: str) -> str:
@@ -80,7 +91,8 @@ class HealthTable:
         title = self.title or f"normwatch · steps {snap.first_step}-{snap.step}"
         table = Table(title=title, box=box.ASCII2, title_justify="left", pad_edge=False,
                       caption=LEGEND, caption_justify="left", collapse_padding=True)
-        table.add_column("layer", min_width=10, overflow="fold")
+        names = [len(s.name) for s in snap.layers.values() if s.seen]
+        table.add_column("layer", min_width=min(max(names, default=10), 32), overflow="fold")
         headers = ["health", "absmax", "fp16_headroom", "rms_mean", "rms_max", "eps_dominance",
                    "common_mode_max", "nonfinite", "grad_hidden_rms", "dtype"]
         if self.sparklines is not None:

@@ -232,6 +232,7 @@ def _layer(layer: NormLayer, position: int | None, records: Iterable[Record]) ->
                  if layer.name in r.snapshot.layers and r.snapshot.layers[layer.name].seen), None)
     return {
         "name": layer.name, "kind": layer.kind, "eps": _num(layer.eps),
+        "eps_measured": layer.eps_measured,
         "normalized_shape": list(layer.normalized_shape or ()), "weight_form": layer.weight_form,
         "class_name": layer.class_name, "position": position,
         "dtypes": None if last is None else {"input": last.input_dtype,

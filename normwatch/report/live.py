@@ -25,7 +25,7 @@ from rich.live import Live
 from rich.text import Text
 
 from normwatch.records import Alarm, Snapshot
-from normwatch.report.console import HealthTable, alarm_text
+from normwatch.report.console import HealthTable, alarm_text, stderr_console
 
 BARS = "▁▂▃▄▅▆▇█"
 
@@ -93,13 +93,17 @@ class ConsoleView:
 
     def __init__(self, console: Console | None = None, live: bool | None = None,
                  status_every_s: float = 5.0) -> None:
-        self.console = console or Console(stderr=True)
+        self.console = console or stderr_console()
         self.live = self.console.is_terminal if live is None else live
         self.status_every_s = status_every_s
         self._live: Live | None = None
         self._lines: list[Alarm] = []
         self._last = time.monotonic()
         self._last_status = -math.inf
+
+    def note(self, text: str, style: str = "") -> None:
+        """A line of its own (attach, verdict, end of the watch), never wrapped."""
+        self.console.print(Text(text, style=style), soft_wrap=True)
 
     def alarm(self, alarm: Alarm) -> None:
         """A grouped alarm line (a watch sink): printed now, or shown in the panel."""

@@ -110,11 +110,9 @@ class PostMortem:
             self.reports.append(folder)
             self._logger.warning("[report] post-mortem written to %s", folder)
             if self.config.report_console:
-                from rich.console import Console
+                from normwatch.report.console import ReportSummary, stderr_console
 
-                from normwatch.report.console import ReportSummary
-
-                Console(stderr=True).print(ReportSummary(report, folder))
+                stderr_console().print(ReportSummary(report, folder))
         except Exception as exc_:  # a report must never take training down
             warnings.warn(f"normwatch: writing the post-mortem failed ({type(exc_).__name__}: "
                           f"{exc_}); training continues", RuntimeWarning, stacklevel=4)

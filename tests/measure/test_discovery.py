@@ -310,3 +310,38 @@ def test_a_subclass_of_torch_norm_with_its_own_forward_is_classified_by_behaviou
     assert layer is not None and (layer.kind, layer.weight_form) == ("layernorm", "1+w")
     plain = describe(nn.LayerNorm(16), "p")
     assert plain is not None and plain.weight_form == "w" and plain.builtin
+
+
+class LiteralEpsLayerNorm(nn.Module):
+    """LayerNorm with eps written into forward (no eps attribute), as GPT scripts do."""
+
+    def __init__(self, d: int, eps: float, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(d) + 0.5)
+        self.bias = nn.Parameter(torch.randn(d)) if bias else None
+        self.literal = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.layer_norm(x, self.weight.shape, self.weight, self.bias,
+                                              self.literal)
+
+
+class LiteralEpsRMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(d) + 0.5)
+        self.literal = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.literal)
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-8, 1e-6, 1e-5, 1e-3])
+@pytest.mark.parametrize("width", [32, 33])
+def test_an_eps_given_as_a_literal_is_measured_from_the_output(eps: float, width: int) -> None:
+    for module in (LiteralEpsLayerNorm(width, eps, True), LiteralEpsLayerNorm(width, eps, False),
+                   LiteralEpsRMSNorm(width, eps)):
+        (layer,) = normwatch.find_norm_layers(nn.Sequential(module))
+        assert layer.eps_measured and layer.eps == pytest.approx(eps, rel=1e-3, abs=1e-12)
+    (read,) = normwatch.find_norm_layers(nn.Sequential(nn.LayerNorm(width, eps=eps)))
+    assert not read.eps_measured and read.eps == eps
