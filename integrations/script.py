@@ -144,7 +144,11 @@ class AutoWatch:
             print(f"normwatch run: {type(model).__name__} is already watched by the script's "
                   f"own {owner!r}; not watching it twice", file=sys.stderr)
             return
-        self.watches[id(model)] = Watch(model, self.config, drop_compiled=False)
+        try:
+            self.watches[id(model)] = Watch(model, self.config, drop_compiled=False)
+        except Exception as exc:  # the script trains on, unwatched, rather than dies
+            print(f"normwatch run: not watching {type(model).__name__}: "
+                  f"{type(exc).__name__}: {exc}", file=sys.stderr)
 
     @eager_frame
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:

@@ -128,6 +128,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from normwatch.config import WatchConfig, options_from_env
     from normwatch.errors import ConfigError
+    from normwatch.report.document import prepare_report_dir
 
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
@@ -141,8 +142,10 @@ def _run(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None:
             env[f"NORMWATCH_{flag.upper()}"] = str(value)
-    try:  # bad options fail here, before the script starts
-        WatchConfig.from_options(**{"console": "lines", **options_from_env(env)})
+    try:  # bad options and an unusable report folder fail here, before the script starts
+        config = WatchConfig.from_options(**{"console": "lines", **options_from_env(env)})
+        if config.report_dir is not None:
+            prepare_report_dir(config.report_dir)
     except ConfigError as exc:
         print(f"normwatch run: error: {exc}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ Worst layers first, coloured by severity; the text still reads in a plain CI log
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -89,53 +90,93 @@ class HealthTable:
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         snap = self.snapshot
         title = self.title or f"normwatch · steps {snap.first_step}-{snap.step}"
-        table = Table(title=title, box=box.ASCII2, title_justify="left", pad_edge=False,
-                      caption=LEGEND, caption_justify="left", collapse_padding=True)
-        names = [len(s.name) for s in snap.layers.values() if s.seen]
-        table.add_column("layer", min_width=min(max(names, default=10), 32), overflow="fold")
-        headers = ["health", "absmax", "fp16_headroom", "rms_mean", "rms_max", "eps_dominance",
-                   "common_mode_max", "nonfinite", "grad_hidden_rms", "dtype"]
-        if self.sparklines is not None:
-            headers.insert(3, "trend")
-        grads = any(s.grad_hidden_rms is not None for s in snap.layers.values())
-        if not grads:
-            headers.remove("grad_hidden_rms")
-        for name in headers:
-            table.add_column(header(name), no_wrap=True,
-                             justify="left" if name in ("health", "dtype", "trend") else "right")
         rows = self.rows()
         shown = rows if self.max_rows is None or len(rows) <= self.max_rows else \
             rows[:max(1, self.max_rows - 1)]
-        for health, s in shown:
-            style = STYLES[health]
-            headroom = self.fp16_limit / s.absmax if s.absmax else None
-            cells: list[Any] = [
-                Text(s.name, style=style if health != "ok" else ""),
-                Text(LABELS[health], style=style),
-                _num(s.absmax),
-                Text(_num(headroom), style="bold red" if headroom is not None and headroom < 1
-                     else ""),
-            ]
-            if self.sparklines is not None:
-                cells.append(self.sparklines.get(s.name, Text("")))
-            table.add_row(
-                *cells,
-                _num(s.rms_mean),
-                _num(s.rms_max),
-                _num(s.eps_dominance),
-                _num(s.common_mode_max) if s.kind == "rmsnorm" else "-",
-                Text(f"{s.nonfinite}/{s.out_nonfinite}",
-                     style="bold red" if s.nonfinite or s.out_nonfinite else ""),
-                *([Text(_num(s.grad_hidden_rms), style="bold red" if s.grad_hidden_nonfinite
-                        else "")] if grads else []),
-                f"{_short(s.input_dtype)}>{_short(s.weight_dtype)}>{_short(s.output_dtype)}",
-            )
+        columns = self._columns(shown)
+        # fit the width: drop the least telling columns first, then shorten names
+        names = [s.name for _, s in shown]
+        longest = max((len(n) for n in names), default=10)
+        def width(cols: list[tuple[str, list[Any]]], name_width: int) -> int:
+            # each column: its widest cell, one space of padding, one border
+            return name_width + 2 + sum(2 + max(max(len(p) for p in header(h).split("\n")),
+                                                *(len(str(c)) for c in cells))
+                                        for h, cells in cols)
+        for optional in DROP_ORDER:
+            if width(columns, min(longest, NAME_WANTED)) <= options.max_width:
+                break
+            columns = [c for c in columns if c[0] != optional]
+        name_width = max(NAME_MIN, min(longest, options.max_width - width(columns, 0)))
+        table = Table(title=title, box=box.ASCII2, title_justify="left", pad_edge=False,
+                      caption=LEGEND, caption_justify="left", collapse_padding=True)
+        table.add_column("layer", no_wrap=True, min_width=min(longest, name_width))
+        for name, _ in columns:
+            table.add_column(header(name), no_wrap=True,
+                             justify="left" if name in ("health", "dtype", "trend") else "right")
+        for i, (health, s) in enumerate(shown):
+            label = Text(abbreviate(s.name, name_width), style=STYLES[health]
+                         if health != "ok" else "")
+            table.add_row(label, *(cells[i] for _, cells in columns))
         folded = rows[len(shown):]
         if folded:  # the healthiest, folded: their count and the worst health among them
             worst = folded[0][0]
             table.add_row(Text(f"+{len(folded)} layers", style="dim"),
-                          Text(LABELS[worst], style=STYLES[worst]))
+                          *([Text(LABELS[worst], style=STYLES[worst])] if columns else []))
         yield table
+
+    def _columns(self, shown: list[tuple[str, LayerStats]]) -> list[tuple[str, list[Any]]]:
+        """Every column but the layer name: its statistic and its cells, row by row."""
+        grads = any(s.grad_hidden_rms is not None for s in self.snapshot.layers.values())
+        cols: dict[str, list[Any]] = {name: [] for name in (
+            "health", "absmax", "fp16_headroom", *(["trend"] if self.sparklines is not None
+                                                   else []),
+            "rms_mean", "rms_max", "eps_dominance", "common_mode_max", "nonfinite",
+            *(["grad_hidden_rms"] if grads else []), "dtype")}
+        for health, s in shown:
+            headroom = self.fp16_limit / s.absmax if s.absmax else None
+            cells: dict[str, Any] = {
+                "health": Text(LABELS[health], style=STYLES[health]),
+                "absmax": _num(s.absmax),
+                "fp16_headroom": Text(_num(headroom), style="bold red"
+                                      if headroom is not None and headroom < 1 else ""),
+                "trend": (self.sparklines or {}).get(s.name, Text("")),
+                "rms_mean": _num(s.rms_mean), "rms_max": _num(s.rms_max),
+                "eps_dominance": _num(s.eps_dominance),
+                "common_mode_max": _num(s.common_mode_max) if s.kind == "rmsnorm" else "-",
+                "nonfinite": Text(f"{s.nonfinite}/{s.out_nonfinite}", style="bold red"
+                                  if s.nonfinite or s.out_nonfinite else ""),
+                "grad_hidden_rms": Text(_num(s.grad_hidden_rms), style="bold red"
+                                        if s.grad_hidden_nonfinite else ""),
+                "dtype": f"{_short(s.input_dtype)}>{_short(s.weight_dtype)}>"
+                         f"{_short(s.output_dtype)}",
+            }
+            for name, column in cols.items():
+                column.append(cells[name])
+        return list(cols.items())
+
+
+NAME_MIN = 16
+"""Layer names are shortened (in the middle) to no fewer than this many characters."""
+NAME_WANTED = 32
+"""Columns are dropped until names get this many characters (or all of theirs)."""
+DROP_ORDER = ("rms_max", "common_mode_max", "grad_hidden_rms", "trend", "rms_mean", "dtype")
+"""The columns a narrow console drops, first to last."""
+
+
+def abbreviate(name: str, width: int) -> str:
+    """``name`` in at most ``width`` characters, cut in the middle: its first part and as
+    much of its end (the layer number and the norm) as fits.
+
+        >>> abbreviate("model.language_model.layers.7.post_attention_layernorm", 32)
+        'model…7.post_attention_layernorm'
+    """
+    if len(name) <= width:
+        return name
+    head = min(len(name.split(".", 1)[0]) + 1, (width - 1) // 4)
+    number = re.search(r"\d+(?!.*\d)", name)  # the last number: which block it is
+    if number is not None and len(name) - number.start() < width - 1:
+        head = min(head, width - 1 - (len(name) - number.start()))
+    return f"{name[:head]}…{name[len(name) - (width - 1 - head):]}"
 
 
 def alarm_text(alarm: Alarm) -> Text:

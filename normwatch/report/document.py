@@ -19,6 +19,7 @@ import math
 import os
 import platform
 import re
+import tempfile
 import traceback
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -167,8 +168,12 @@ def prepare_report_dir(path: str | os.PathLike[str]) -> Path:
     except OSError as exc:
         raise ConfigError(f"'report_dir' must be a folder normwatch can create: got "
                           f"{str(path)!r} ({exc.strerror or exc})") from None
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise ConfigError(f"'report_dir' must be writable: got {str(path)!r}")
+    try:  # a real write: permissions alone do not tell a read-only mount
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"'report_dir' must be writable: got {str(path)!r} "
+                          f"({exc.strerror or exc})") from None
     return folder
 
 

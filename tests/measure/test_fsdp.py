@@ -169,30 +169,14 @@ def same(got: dict[str, dict[str, Any]], want: dict[str, dict[str, Any]], rel: f
                 assert got[name][field] == value, (name, field)
 
 
-def last_weight_grads(rank: int) -> dict[str, float]:
-    """Each norm's weight gradient norm in the last of the rank's ``STEPS`` backward
-    passes, one float64 copy at a time, on an unsharded model."""
-    model = llama()
-    for step in range(STEPS):
-        model.zero_grad()
-        tokens = batch(rank, step)
-        model(input_ids=tokens, labels=tokens).loss.backward()
-    return {name: m.weight.grad.double().norm().item() for name, m in model.named_modules()
-            if name.endswith("norm")}
-
-
 @pytest.mark.parametrize("variant", ["eager", "compiled", "whole"])
 def test_each_rank_equals_an_unsharded_replica(ranks: list[dict[str, Any]],
                                                variant: str) -> None:
     for rank, result in enumerate(ranks):
         want = replica((rank,))
-        if variant == "whole":
-            # compiled whole, the root's hooks are in the graph: the watch finds the
-            # unsharded weights when the first step ends, and misses that step's gradient
-            last = last_weight_grads(rank)
-            assert last.keys() == want.keys()
-            for name, norm in last.items():
-                want[name]["weight_grad_norm"] = norm
+        # compiled whole, torch.compile's wrapper runs the root's hooks as eager frames
+        # (never compiled: measure.compiling.eager_frame): the watch finds the unsharded
+        # weights before the first backward, as in eager
         # no graph compiled after the first step (the weight hooks moved in between)
         graphs = result[variant].pop("graphs")
         assert graphs["after"] == 0 and (graphs["first step"] > 0) == (variant != "eager")

@@ -25,7 +25,7 @@ EVAL_EVERY = 10
 torch.manual_seed(1337)
 
 text = "".join(f"the {w} sat on the mat and saw {n} birds. " for w, n in
-               zip(["cat", "dog", "owl", "fox"] * 50, range(200)))
+               zip(["cat", "dog", "owl", "fox"] * 50, range(200), strict=True))
 chars = sorted(set(text))
 data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
 block_size, batch_size = 16, 8
@@ -141,7 +141,7 @@ for it in range(STEPS):
         for opt in optimizers:
             for group in opt.param_groups:
                 group["lr"] *= 1e4
-    for micro in range(ACCUMULATE):
+    for _ in range(ACCUMULATE):
         x, y = get_batch(gen)
         with torch.autocast("cpu", dtype=torch.float16, enabled=AMP):
             logits, loss = run_model(x, y)
@@ -156,7 +156,7 @@ for it in range(STEPS):
         opt.zero_grad(set_to_none=True)
     if ema is not None:
         with torch.no_grad():
-            for e, p in zip(ema.parameters(), model.parameters()):
+            for e, p in zip(ema.parameters(), model.parameters(), strict=True):
                 e.mul_(0.9).add_(p, alpha=0.1)
     if not math.isfinite(loss.item()):
         print(f"iter {it}: loss is not finite")
