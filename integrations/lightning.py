@@ -19,6 +19,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from normwatch.export.crossrank import VerdictExchange
 from normwatch.watch import Watch
@@ -35,6 +36,9 @@ class NormWatchCallback(pl.Callback):
         self._exchange = VerdictExchange()
         self._pending_state: dict[str, Any] | None = None
         self._last_global_step = -1
+        self._scaler: object = None
+        self._optimizer_steps = 0
+        self._step_handles: list[RemovableHandle] = []
 
     @property
     def remote_verdicts(self) -> list[tuple[int, str, int]]:
@@ -53,6 +57,13 @@ class NormWatchCallback(pl.Callback):
         model = trainer.strategy.model if trainer.strategy.model is not None else pl_module
         self.watch = Watch(model, config)
         watch_optimizers(self.watch, trainer.optimizers)
+        # 16-mixed: the precision plugin's GradScaler; the optimizer's step hook tells a
+        # step it skipped (inf/NaN gradients) from one it took, without a sync
+        self._scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if self._scaler is not None:
+            self.watch.watch_scaler(self._scaler)
+            self._step_handles = [opt.register_step_post_hook(self._optimizer_stepped)
+                                  for opt in trainer.optimizers]
         if self._pending_state is not None:
             self.watch.load_state_dict(self._pending_state)
             self._pending_state = None
@@ -64,18 +75,26 @@ class NormWatchCallback(pl.Callback):
         if watch is None or trainer.global_step == self._last_global_step:
             return  # still accumulating gradients: not an optimizer step yet
         self._last_global_step = trainer.global_step
-        snapshot = watch.step(_loss(outputs))
+        skipped = self._scaler is not None and not self._optimizer_steps
+        self._optimizer_steps = 0
+        snapshot = watch.step(_loss(outputs), skipped=skipped)
         if snapshot is None:
             return
         metrics = on_flush(watch, snapshot, self._exchange)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 
+    def _optimizer_stepped(self, optimizer: object, args: object, kwargs: object) -> None:
+        self._optimizer_steps += 1
+
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
         on_training_error(self.watch, exception)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for handle in self._step_handles:
+            handle.remove()
+        self._step_handles = []
         if self.watch is not None:
             self.watch.close()
 

@@ -265,7 +265,7 @@ class Watch:
         verdicts = self.postmortem.on_flush(snapshot, self.last_findings, passed,
                                             self.forward_order, conclude=conclude)
         self._show(verdicts)
-        if not self._idle_checked:
+        if fatal and not self._idle_checked:  # a regular flush (not a crash's last read)
             self._idle_checked = True
             self._warn_if_idle(snapshot)
         if self._collector is not None:

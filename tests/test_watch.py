@@ -326,3 +326,87 @@ def test_kernel_triton_without_a_backend_fails_at_setup(monkeypatch: pytest.Monk
     with pytest.raises(normwatch.ConfigError, match="'kernel' is 'triton' but no GPU driver"):
         normwatch.watch(nn.LayerNorm(4), kernel="triton")
     normwatch.watch(nn.LayerNorm(4), kernel="auto").close()  # auto picks torch here
+
+
+def test_watching_a_watched_model_is_refused() -> None:
+    model = TinyLM(dim=16, depth=1)
+    first = normwatch.watch(model, report_dir=None)
+    with pytest.raises(normwatch.ConfigError, match=r"'model' \(Block\) is already watched by "
+                                                    r"<Watch 3 norm layers"):
+        normwatch.watch(model.blocks[0], report_dir=None)  # a part of it counts too
+    first.close()
+    normwatch.watch(model, report_dir=None).close()  # after close(): fine
+
+
+@pytest.mark.parametrize("mode", ["eval", "no_grad", "never called"])
+def test_a_first_interval_with_nothing_measured_warns_why(mode: str) -> None:
+    model, other = TinyLM(dim=16, depth=1), TinyLM(dim=16, depth=1)
+    w = normwatch.watch(model, report_dir=None, flush_every=2)
+    tokens = synthetic_batch(torch.Generator().manual_seed(0), batch=2, seq=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):  # two flushes: one warning
+            if mode == "eval":
+                model.eval()
+                model(tokens)
+            elif mode == "no_grad":
+                with torch.no_grad():
+                    model(tokens)
+            else:
+                other(tokens)
+            w.step()
+    w.close()
+    said = [str(c.message) for c in caught if "nothing was measured" in str(c.message)]
+    assert len(said) == 1, said
+    want = {"eval": "6 norm calls in eval mode and 0 without grad",
+            "no_grad": "0 norm calls in eval mode and 6 without grad",
+            "never called": "no norm layer was called at all"}[mode]
+    assert want in said[0]
+
+
+def test_an_exception_before_any_measurement_says_so(tmp_path: Path) -> None:
+    w = normwatch.watch(TinyLM(dim=16, depth=2), report_dir=str(tmp_path))
+    w.step()
+    verdict = w.report_exception(RuntimeError("data loader died"))
+    w.close()
+    assert verdict is not None and verdict.blame == "inconclusive"
+    assert verdict.evidence[0].startswith("No norm call was measured before the exception at "
+                                          "step 1 (none of the 5 norm layers")
+
+
+def test_console_prints_attach_verdict_and_exit_lines(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    torch.manual_seed(0)
+    model = TinyLM(dim=16, depth=1)
+    w = normwatch.watch(model, console="lines", report_dir=str(tmp_path), report_console=False,
+                        flush_every=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for step in range(1, 5):
+            model.blocks[0].mlp.fault = step >= 3
+            tokens = synthetic_batch(torch.Generator().manual_seed(step), batch=2, seq=8)
+            w.step(lm_loss(model(tokens), tokens))
+    w.close()
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == ("normwatch: watching TinyLM: 3 norm layers (3 RMSNorm), flush every 2 "
+                      f"steps, reports to {tmp_path}")
+    verdicts = [line for line in err if line.startswith("normwatch VERDICT")]
+    assert len(verdicts) == 1 and "at step 3: normalization" not in verdicts[0]
+    assert err[-1].startswith("normwatch: TinyLM: 4 steps watched; alarms: ")
+    assert "verdicts: 1" in err[-1] and str(tmp_path) in err[-1]
+    assert all(len(line) < 400 for line in err)  # one line each, never wrapped
+
+
+def test_a_skipped_step_counts_and_its_gradients_are_dropped() -> None:
+    torch.manual_seed(0)
+    model = TinyLM(dim=16, depth=1)
+    w = normwatch.watch(model, report_dir=None, stats_every=1, flush_every=2)
+    tokens = synthetic_batch(torch.Generator().manual_seed(0), batch=2, seq=8)
+    lm_loss(model(tokens), tokens).backward()
+    w.step(skipped=False)
+    (lm_loss(model(tokens), tokens) * 1e30).backward()  # as if scaled past fp16
+    snap = w.step(skipped=True)
+    w.close()
+    assert snap is not None and w.step_count == 2 and w.skipped_steps == 1
+    norm = snap.layers["norm"]
+    assert norm.weight_grad_norm is not None and norm.weight_grad_norm < 1e3  # step 1's only

@@ -6,12 +6,14 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -194,3 +196,46 @@ def test_two_process_ddp(tmp_path: Path) -> None:
     logged = [r for r in rows if r.get("normwatch/remote_verdicts")]
     steps = {int(r["step"]): float(r["normwatch/remote_verdicts"]) for r in logged}
     assert steps[5] == 0.0 and steps[6] == 1.0  # rank 0's logger shows rank 1's verdict
+
+
+class ScaleProbe(pl.Callback):
+    """Independent record of a 16-mixed run: each optimizer step's unscaled weight
+    gradient of the final norm (float64), and the loss scale after each batch."""
+
+    def __init__(self) -> None:
+        self.grads: dict[int, float] = {}
+        self.scales: list[float] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
+        grad = pl_module.model.norm.weight.grad  # unscaled by now
+        self.grads[trainer.global_step + 1] = float(grad.double().norm())
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.scales.append(float(trainer.precision_plugin.scaler.get_scale()))
+
+
+def test_16_mixed_reads_the_grad_scaler(tmp_path: Path) -> None:
+    from lightning.pytorch.plugins import MixedPrecision
+
+    callback, probe = NormWatchCallback(stats_every=1, report_dir=None), ScaleProbe()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24)  # overflows fp16 at first
+    t = trainer(tmp_path, callback, max_steps=30, log_every_n_steps=10,
+                plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    t.callbacks.append(probe)
+    t.fit(LitLM())
+    watch = callback.watch
+    assert watch is not None and watch.step_count == 30  # skipped steps count too
+    before = [2.0 ** 24, *probe.scales[:-1]]
+    skipped = [i + 1 for i, (a, b) in enumerate(zip(before, probe.scales, strict=True)) if b < a]
+    assert skipped and watch.skipped_steps == len(skipped)  # the scaler did skip some
+    last = watch.last_snapshot
+    assert last is not None and last.loss_scale == probe.scales[-1]
+    assert not set(skipped) & set(range(last.first_step, last.step + 1))
+    # the weight gradient as the optimizer saw it: RMS over the interval's steps, unscaled
+    want = math.sqrt(sum(probe.grads[s] ** 2 for s in range(last.first_step, last.step + 1))
+                     / (last.step - last.first_step + 1))
+    assert last.layers["model.norm"].weight_grad_norm == pytest.approx(want, rel=1e-4)
+    losses = [loss for _, loss in last.losses]
+    assert len(losses) == 10 and all(0.5 < loss < 10.0 for loss in losses)  # unscaled

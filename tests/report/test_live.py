@@ -109,3 +109,30 @@ def test_the_demo_redraws_a_live_panel_in_a_pseudo_terminal(tmp_path: Path) -> N
     assert text.count("normwatch · step") >= 2  # redrawn as the run goes
     assert "CRIT" in text and "output_mismatch" in text
     assert "summary · wrong-dim" in text
+
+
+@pytest.mark.parametrize("width", [80, 100, 120])
+def test_the_panel_fits_the_width_and_keeps_the_layer_names(width: int) -> None:
+    from dataclasses import replace
+
+    long = [stats(f"model.language_model.layers.{i}.post_attention_layernorm", absmax=2.0 + i)
+            for i in range(12)]
+    s = replace(state(12), snapshot=snapshot(12, *long))
+    text = render(LivePanel(s, height=40, now=103.0), width=width)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= width
+    # every layer named: cut in the middle, its block number kept
+    numbers = {int(m.group(1)) for line in lines
+               if (m := re.match(r"\|mo\S*?(\d+)\.post_attention_layernorm ", line))}
+    assert numbers == set(range(12)), text
+    assert "absmax" in text and "headroom" in text  # the columns that matter stay
+
+
+def test_without_a_terminal_lines_are_not_wrapped(monkeypatch: pytest.MonkeyPatch) -> None:
+    from normwatch.report.console import stderr_console
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    console = stderr_console()
+    assert not console.is_terminal and console.width == 160 and console.soft_wrap
+    monkeypatch.setenv("COLUMNS", "100")
+    assert stderr_console().width == 100
