@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -103,6 +104,13 @@ def test_a_planted_fault_is_caught_in_an_unmodified_script(tmp_path: Path, kind:
     step = first["first_nonfinite"]["step"]  # type: ignore[index]
     planted = {"plain": 8, "lightning": 6, "transformers": 5}[kind]
     assert step == planted  # steps counted from the optimizer steps
+    model = {"plain": "TinyLM", "lightning": "TinyLM", "transformers": "LlamaForCausalLM"}[kind]
+    steps = {"plain": 12, "lightning": 10, "transformers": 8}[kind]
+    err = result.stderr
+    # (anywhere on a line: the HF Trainer's progress bar leaves its line open)
+    assert len(re.findall(rf"normwatch: watching {model}: ", err)) == 1, err[-3000:]
+    assert re.search(rf"^normwatch: {model}: {steps} steps watched; ", err, re.M), err[-3000:]
+    assert re.search(r"^normwatch VERDICT ", err, re.M)  # the verdict, where the user looks
     updates = first["update_history"]  # the script's optimizer was found and watched
     # (Lightning runs the first forward inside the first optimizer.step(closure): the
     # model is found after that step began, its optimizer measured from step 2)
@@ -137,3 +145,51 @@ def test_options_come_from_flags_or_the_environment(tmp_path: Path) -> None:
     missing = subprocess.run([str(SCRIPT), "run"], capture_output=True, text=True, timeout=60,
                              check=False)
     assert missing.returncode == 2 and "no command" in missing.stderr
+
+
+CUSTOM_FP16 = """
+import torch
+from torch import nn
+
+class MyRMSNorm(nn.Module):                        # squares in fp16: overflows past 256
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 16), MyRMSNorm(16), nn.Linear(16, 4)).half()
+seen = []
+model[1].register_forward_pre_hook(lambda m, a: seen.append(a[0].shape))
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+for step in range(1, 9):
+    x = torch.randn(8, 16) * (1.0 if step < 4 else 500.0)
+    loss = model(x.half()).float().square().mean()
+    loss.backward(); opt.step(); opt.zero_grad()
+assert len(seen) == 8, seen                        # the user's hook saw only the script's calls
+print("script finished")
+"""
+
+
+def test_an_overflowing_custom_norm_is_probed_without_touching_the_script(
+        tmp_path: Path) -> None:
+    result = normwatch_run(tmp_path, CUSTOM_FP16, "--flush-every", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "script finished" in result.stdout
+    assert "changed size during iteration" not in result.stderr
+    assert len(re.findall(r"^normwatch: watching Sequential: ", result.stderr, re.M)) == 1
+    found = reports(tmp_path)
+    assert found and all(r["trigger"] != "exception" for r in found), result.stderr[-3000:]
+    probe = [a for a in found[0]["alarms"] if a["kind"] == "fp16_overflow"]  # type: ignore[union-attr]
+    assert probe and any("fp16" in a["message"] for a in probe)
+
+
+def test_an_unusable_report_dir_is_refused_before_the_script_starts(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    env = {**os.environ, "NORMWATCH_REPORT_DIR": str(blocker / "reports")}
+    refused = subprocess.run([str(SCRIPT), "run", "--", sys.executable, "-c", "print('ran')"],
+                             env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert refused.returncode == 2 and "ran" not in refused.stdout
+    assert "'report_dir' must be a folder normwatch can create" in refused.stderr
