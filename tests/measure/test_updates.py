@@ -98,6 +98,7 @@ def test_wrappers_are_unwrapped_and_bad_input_names_the_argument() -> None:
     with pytest.raises(ConfigError, match=r"'optimizer' must be a torch.optim.Optimizer.*"
                                           r"got str"):
         w.watch_optimizer("adam")
+    w.close()
     with pytest.raises(ConfigError, match="'optimizer'"):
         normwatch.watch(model, optimizer=[opt])
 
