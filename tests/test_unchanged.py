@@ -69,3 +69,37 @@ def test_a_watched_run_is_bit_identical_to_an_unwatched_one(norm: str, mode: str
     assert watched[0] == plain[0]  # every loss, to the last bit
     assert all(torch.equal(a, b) for a, b in zip(watched[1], plain[1], strict=True))
     assert torch.equal(watched[2], plain[2])  # normwatch drew no random number
+
+
+def test_a_compiled_watched_run_is_bit_identical_to_a_compiled_unwatched_one() -> None:
+    # the gradient through each norm is folded from its output's tap (a formula), never
+    # from a node in front of its input: that re-associated the hidden state's gradient
+    def compiled(watched: bool) -> tuple[list[float], list[torch.Tensor]]:
+        torch.compiler.reset()
+        torch.manual_seed(0)
+        model = TinyLM(dim=32, depth=1)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        watch = normwatch.watch(model, opt, report_dir=None, flush_every=3, stats_every=2) \
+            if watched else None
+        run = torch.compile(model, fullgraph=True)
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(6):
+            tokens = synthetic_batch(gen, batch=4, seq=16)
+            loss = lm_loss(run(tokens), tokens)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if watch is not None:
+                watch.step(loss)
+        if watch is not None:
+            assert watch.flushes == 2 and not watch.disabled
+            grad_in = watch.last_snapshot.layers["norm"].grad_in_rms  # type: ignore[union-attr]
+            assert grad_in is not None and grad_in > 0  # measured, compiled
+            watch.close()
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    plain, watched = compiled(False), compiled(True)
+    assert watched[0] == plain[0]
+    assert all(torch.equal(a, b) for a, b in zip(watched[1], plain[1], strict=True))

@@ -2,9 +2,9 @@
 hidden state's gradient where it reads it; and its weight's gradient.
 
     >>> hooks = GradHooks(tokens, target, stage, fail)  # one per norm layer
-    >>> hooks.watch_call(x, y)       # forward hook, eager
-    >>> view = hooks.watch_input(x)  # forward pre-hook, compiled: the norm reads the view
-    >>> y = hooks.watch_output(y)    # forward hook, compiled
+    >>> hooks.watch_call(x, y)        # forward hook, eager
+    >>> hooks.watch_hidden(x)         # forward pre-hook, compiled
+    >>> y = hooks.watch_output(y, x)  # forward hook, compiled: the model goes on with y
 
 Hooks registered in the forward (on full-tier steps) fire in the backward with
 ``dL/dy`` (``grad_out``, a tensor hook on the output), ``dL/dx`` through the norm only
@@ -15,9 +15,10 @@ node into the model's graph, so the order in which autograd sums the hidden stat
 gradient, and every trained bit, stays as unwatched. Eager hooks reduce each to
 three floats per token (:func:`token_rows`) and stage them; the accumulator folds every
 staged gradient at once when the step ends (:func:`fold_grads`).
-Compiled code taps the input and output with :class:`_Tap` instead (an autograd function
-carrying the row on ``ctx``, traced into the backward graph), folding in place
-(:func:`fold_grad`); the hidden state keeps its tensor hook. Tensor ops only, no host
+Compiled code taps the output with :class:`_Tap` instead (an autograd function carrying
+the row on ``ctx``, traced into the backward graph), folding in place (:func:`fold_grad`)
+both ``dL/dy`` and, from it, the gradient through the norm (:func:`through_formula`);
+the hidden state keeps its tensor hook. Tensor ops only, no host
 sync. Hooks and taps live on the step's autograd graph and go with it: no tensor is
 kept past the step.
 
@@ -234,23 +235,66 @@ def fold_grads(block: torch.Tensor, staged: Sequence[GradRows], plan: GradPlan) 
         block[:, WEIGHT_AT:WEIGHT_AT + 2].index_add_(0, plan.weights, both)
 
 
+Through = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+"""``(dL/dy tokens, x tokens, weight or None) -> dL/dx`` through the norm (float32)."""
+
+
+def through_formula(kind: str, eps: float, one_plus_w: bool) -> Through | None:
+    """The gradient through a layer or RMS norm from its output's gradient, its input and
+    its weight (tokens ``(n, D)``, weight ``(D,)``), for compiled code, which cannot hook
+    the norm's own autograd nodes and must not put a node in front of its input (that
+    re-associates the hidden state's gradient sum). ``None`` for other kinds.
+
+    RMSNorm ``y = w·x·r``, ``r = 1/√(mean x² + ε)``: ``dx = r·(w g) − x r³ mean(x·w g)``;
+    LayerNorm ``y = w·x̂``, ``x̂ = (x − μ)·r``: ``dx = r·(w g − mean(w g) − x̂ mean(w g·x̂))``.
+    """
+    if kind not in ("layernorm", "rmsnorm"):
+        return None
+
+    def through(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        g, x = g.float(), x.float()
+        if weight is not None:
+            w = weight.float().reshape(1, -1)
+            g = g * (w + 1.0 if one_plus_w else w)
+        if kind == "rmsnorm":
+            r = torch.rsqrt(x.square().mean(1, keepdim=True) + eps)
+            return r * g - x * r.pow(3) * (x * g).mean(1, keepdim=True)
+        xc = x - x.mean(1, keepdim=True)
+        r = torch.rsqrt(xc.square().mean(1, keepdim=True) + eps)
+        xhat = xc * r
+        return r * (g - g.mean(1, keepdim=True) - xhat * (g * xhat).mean(1, keepdim=True))
+
+    return through
+
+
 class _Tap(torch.autograd.Function):
     """Identity whose backward folds the gradient into a layer's row; the row travels
     on ``ctx`` (not ``save_for_backward``: no version check when another backward of the
-    same compiled region folded into it first)."""
+    same compiled region folded into it first). On the output, given the norm's input
+    and weight (detached: no edge to them), it folds the gradient through the norm too
+    (:func:`through_formula`)."""
 
     @staticmethod
     def forward(ctx: Any, t: torch.Tensor, state: torch.Tensor, gate: torch.Tensor,
-                site: str, hooks: GradHooks) -> torch.Tensor:
+                site: str, hooks: GradHooks, x: torch.Tensor | None = None,
+                weight: torch.Tensor | None = None) -> torch.Tensor:
         ctx.state, ctx.gate, ctx.site, ctx.tokens = state, gate, site, hooks.tokens
+        ctx.x, ctx.weight, ctx.through = x, weight, hooks.through
         # The norm's output goes on into the model, which may modify it in place: a copy
         # (a view of a custom Function's output may not be). Its input is only read.
         return t.clone() if site == "grad_out" else t.view_as(t)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         fold_grad(ctx.state, ctx.gate > 0, ctx.site, g, ctx.tokens)
-        return g, None, None, None, None
+        if ctx.x is not None and ctx.through is not None:
+            into = ctx.through(ctx.tokens(g), ctx.tokens(ctx.x), ctx.weight)
+            fold_grad(ctx.state, ctx.gate > 0, "grad_in", into, _same)
+        return g, None, None, None, None, None, None
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 class GradHooks:
@@ -263,8 +307,11 @@ class GradHooks:
     """
 
     def __init__(self, tokens: Tokens, target: Target, stage: Stage,
-                 fail: Callable[[Exception], None]) -> None:
+                 fail: Callable[[Exception], None], through: Through | None = None) -> None:
         self.tokens = tokens
+        self.through = through
+        """Compiled code: the gradient through the norm from its output's
+        (:func:`through_formula`; ``None``: not measured compiled)."""
         self._target = target
         self._stage = stage
         self._fail = fail
@@ -284,29 +331,27 @@ class GradHooks:
         if nodes:
             _Through(nodes, self._in)
 
-    def watch_input(self, x: torch.Tensor) -> torch.Tensor:
-        """Compiled: hook ``x`` (the hidden state's gradient) and return the view of it
-        the norm must read instead (the gradient through the norm only)."""
-        if not isinstance(x, nn.Parameter):  # a leaf that lives on keeps its hooks
+    def watch_hidden(self, x: torch.Tensor) -> None:
+        """Compiled: hook ``x``, the hidden state's gradient (a tensor hook: no node in
+        the graph; the gradient through the norm comes from :meth:`watch_output`)."""
+        if not isinstance(x, nn.Parameter):
             x.register_hook(self._hidden)  # type: ignore[no-untyped-call]
-        return self._tap(x, "grad_in", self._in, view=True)
 
-    def watch_output(self, y: torch.Tensor) -> torch.Tensor:
+    def watch_output(self, y: torch.Tensor, x: torch.Tensor | None = None,
+                     weight: torch.Tensor | None = None) -> torch.Tensor:
         """Hook the norm's output (the gradient arriving at it); returns the tensor the
-        model must go on with (compiled code: a tap in its place)."""
-        return self._tap(y, "grad_out", self._out, view=False)
-
-    def _tap(self, t: torch.Tensor, site: str, hook: Callable[[torch.Tensor], None],
-             view: bool) -> torch.Tensor:
-        """An identity view of ``t`` whose gradient is measured at ``site``. Compiled:
-        :class:`_Tap` carries the row on ``ctx`` (hooks traced into a compiled backward
-        save it with a version check, so two forwards before one backward failed)."""
+        model must go on with (compiled code: a tap in its place, which with the norm's
+        input ``x`` and ``weight`` also folds the gradient through the norm)."""
         target = self._target() if torch.compiler.is_compiling() else None
         if target is None:
-            hooked = t.view_as(t) if view else t
-            hooked.register_hook(hook)  # type: ignore[no-untyped-call]
-            return hooked
-        return _Tap.apply(t, target[0], target[1], site, self)  # type: ignore[no-any-return, no-untyped-call]
+            y.register_hook(self._out)  # type: ignore[no-untyped-call]
+            return y
+        # compiled: a tap carries the row on ctx (hooks traced into a compiled backward
+        # save it with a version check, so two forwards before one backward failed)
+        through = x.detach() if x is not None and self.through is not None else None
+        return _Tap.apply(y, target[0], target[1], "grad_out", self,  # type: ignore[no-any-return, no-untyped-call]
+                          through, None if weight is None else weight.detach())
+
 
     def watch_weight(self, weight: object) -> None:
         """Hook the layer's weight once (again when the module's weight is replaced, as

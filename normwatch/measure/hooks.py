@@ -40,7 +40,7 @@ from normwatch.measure.accumulator import (
     fold_into,
 )
 from normwatch.measure.autocasting import autocast_made, output_op
-from normwatch.measure.gradients import GradHooks, GradRows
+from normwatch.measure.gradients import GradHooks, GradRows, through_formula
 from normwatch.measure.reductions import (
     CallRows,
     carried_eps,
@@ -231,8 +231,10 @@ class LayerHook:
         self.grads: GradHooks | None = None
         self._pre_handle: RemovableHandle | None = None
         if runtime.gradients:
+            through = None if layer.token_size is None else \
+                through_formula(layer.kind, self._eps, layer.weight_form == "1+w")
             self.grads = GradHooks(self._tokens, self._grad_target, self._stage_grad,
-                                   self._fail)
+                                   self._fail, through)
             self.grads.watch_weight(getattr(module, "weight", None))
             self._pre_handle = module.register_forward_pre_hook(self._pre, with_kwargs=True)
 
@@ -268,11 +270,11 @@ class LayerHook:
     def _stage_grad(self, site: int, rows: torch.Tensor, width: int) -> None:
         self.rt.accumulator.stage_grad(GradRows(rows, self.row, site, width))
 
-    def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-             ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        """Forward pre-hook, compiled code only: the norm reads a tapped view of its input
-        (:meth:`GradHooks.watch_input`). Eager calls hook their gradients from the
-        forward hook, without a view (:meth:`GradHooks.watch_call`)."""
+    def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Forward pre-hook, compiled code only: a tensor hook on the input (the hidden
+        state's gradient, :meth:`GradHooks.watch_hidden`). Nothing is put between the
+        input and the norm: eager calls hook their gradients from the forward hook
+        (:meth:`GradHooks.watch_call`), compiled ones from the output's tap."""
         if not torch.compiler.is_compiling():
             return None
         try:
@@ -282,15 +284,10 @@ class LayerHook:
             if x is None or not x.requires_grad or not x.is_floating_point() \
                     or self.grads is None:
                 return None
-            view = self.grads.watch_input(x)
-            if args and args[0] is x:
-                return (view, *args[1:]), kwargs
-            if any(v is x for v in kwargs.values()):
-                return args, {k: view if v is x else v for k, v in kwargs.items()}
-            return tuple(view if a is x else a for a in args), kwargs
+            self.grads.watch_hidden(x)
         except Exception as exc:  # never take the training run down
             self._fail(exc)
-            return None
+        return None
 
     def __call__(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], output: Any
@@ -408,7 +405,13 @@ class LayerHook:
                                 alone=not _other_tensor(args, kwargs, x))
         if self.grads is not None and y is not None and y.requires_grad \
                 and isinstance(output, torch.Tensor):
-            return self.grads.watch_output(y)  # the model goes on with the tapped output
+            weight = getattr(module, "weight", None)
+            weight = weight if isinstance(weight, torch.Tensor) else None
+            # the formula of the gradient through the norm holds for x alone, whole tokens
+            fits = y.shape == x.shape and not _other_tensor(args, kwargs, x) and (
+                weight is None or weight.numel() == self.layer.token_size)
+            # the model goes on with the tapped output
+            return self.grads.watch_output(y, x if fits else None, weight)
         return None
 
     def _fold_in_place(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None,
