@@ -37,7 +37,7 @@ from normwatch.config import WatchConfig, options_from_env
 from normwatch.measure.compiling import eager_frame
 from normwatch.measure.discovery import iter_norm_modules
 from normwatch.measure.isolation import internal
-from normwatch.watch import Watch, watched_by
+from normwatch.watch import Watch
 
 from .common import watch_optimizers
 
@@ -139,14 +139,10 @@ class AutoWatch:
         if not any(True for _ in iter_norm_modules(model, self.config.include,
                                                    self.config.exclude)):
             return
-        owner = watched_by(model)
-        if owner is not None:
-            print(f"normwatch run: {type(model).__name__} is already watched by the script's "
-                  f"own {owner!r}; not watching it twice", file=sys.stderr)
-            return
         try:
             self.watches[id(model)] = Watch(model, self.config, drop_compiled=False)
-        except Exception as exc:  # the script trains on, unwatched, rather than dies
+        except Exception as exc:  # already watched by the script, a bad report dir, ...:
+            # the script trains on, unwatched, rather than dies
             print(f"normwatch run: not watching {type(model).__name__}: "
                   f"{type(exc).__name__}: {exc}", file=sys.stderr)
 

@@ -38,23 +38,30 @@ def train(norm: str, mode: str, options: dict[str, Any] | None,
     watch = None
     if options is not None:
         watch = normwatch.watch(model, opt, report_dir=None, flush_every=5, **options)
+    losses = steps(model, opt, watch, STEPS, amp)
+    if watch is not None:
+        assert watch.flushes == STEPS // 5 and not watch.disabled
+        watch.close()
+    return losses, [p.detach().clone() for p in model.parameters()], torch.get_rng_state()
+
+
+def steps(run: torch.nn.Module, opt: torch.optim.Optimizer, watch: normwatch.Watch | None,
+          n: int, amp: torch.dtype | None = None) -> list[float]:
+    """``n`` training steps of ``run`` on the same batches every time; their losses."""
     gen = torch.Generator().manual_seed(1)
     losses = []
-    for _ in range(STEPS):
+    for _ in range(n):
         tokens = synthetic_batch(gen, batch=4, seq=16)
         ctx = torch.autocast("cpu", dtype=amp) if amp else contextlib.nullcontext()
         with ctx:
-            loss = lm_loss(model(tokens), tokens)
+            loss = lm_loss(run(tokens), tokens)
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
         if watch is not None:
             watch.step(loss)
-    if watch is not None:
-        assert watch.flushes == STEPS // 5 and not watch.disabled
-        watch.close()
-    return losses, [p.detach().clone() for p in model.parameters()], torch.get_rng_state()
+    return losses
 
 
 @pytest.mark.parametrize("tier", sorted(TIERS))
@@ -81,18 +88,7 @@ def test_a_compiled_watched_run_is_bit_identical_to_a_compiled_unwatched_one() -
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         watch = normwatch.watch(model, opt, report_dir=None, flush_every=3, stats_every=2) \
             if watched else None
-        run = torch.compile(model, fullgraph=True)
-        gen = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(6):
-            tokens = synthetic_batch(gen, batch=4, seq=16)
-            loss = lm_loss(run(tokens), tokens)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-            if watch is not None:
-                watch.step(loss)
+        losses = steps(torch.compile(model, fullgraph=True), opt, watch, 6)
         if watch is not None:
             assert watch.flushes == 2 and not watch.disabled
             grad_in = watch.last_snapshot.layers["norm"].grad_in_rms  # type: ignore[union-attr]
