@@ -257,9 +257,11 @@ class Accumulator:
             _reset(grads.data)  # .data: compiled backwards that saved it stay valid
 
 
-META = ("meta_input", "meta_weight", "meta_output", "meta_autocast")
+META = ("meta_input", "meta_weight", "meta_output", "meta_autocast", "meta_first")
 """Per-layer codes compiled calls leave (:func:`dtype_code` of the input, weight, output
-and autocast dtypes; 0: none seen), riding along in :meth:`Accumulator.read`'s rows."""
+and autocast dtypes; 0: none seen; and the score of the layer's first call, as
+:func:`~normwatch.catalog.decode_score` reads: its place in forward order), riding along
+in :meth:`Accumulator.read`'s rows (never reset)."""
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64,
           torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64, torch.complex128)
 

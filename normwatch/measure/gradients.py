@@ -16,7 +16,8 @@ gradient, and every trained bit, stays as unwatched. Eager hooks reduce each to
 three floats per token (:func:`token_rows`) and stage them; the accumulator folds every
 staged gradient at once when the step ends (:func:`fold_grads`).
 Compiled code taps the output with :class:`_Tap` instead (an autograd function carrying
-the row on ``ctx``, traced into the backward graph), folding in place (:func:`fold_grad`)
+the row on ``ctx``, traced into the backward graph), folding in place (:func:`fold_grad`,
+inside one opaque operator, ``normwatch::fold_grad`` of :mod:`normwatch.measure.opaque`)
 both ``dL/dy`` and, from it, the gradient through the norm (:func:`through_formula`);
 the hidden state keeps its tensor hook. Tensor ops only, no host
 sync. Hooks and taps live on the step's autograd graph and go with it: no tensor is
@@ -276,25 +277,24 @@ class _Tap(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, t: torch.Tensor, state: torch.Tensor, gate: torch.Tensor,
-                site: str, hooks: GradHooks, x: torch.Tensor | None = None,
+                site: str, key: str, x: torch.Tensor | None = None,
                 weight: torch.Tensor | None = None) -> torch.Tensor:
-        ctx.state, ctx.gate, ctx.site, ctx.tokens = state, gate, site, hooks.tokens
-        ctx.x, ctx.weight, ctx.through = x, weight, hooks.through
+        ctx.state, ctx.gate, ctx.site, ctx.key = state, gate, site, key
+        ctx.x, ctx.weight = x, weight
         # The norm's output goes on into the model, which may modify it in place: a copy
         # (a view of a custom Function's output may not be). Its input is only read.
         return t.clone() if site == "grad_out" else t.view_as(t)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        fold_grad(ctx.state, ctx.gate > 0, ctx.site, g, ctx.tokens)
-        if ctx.x is not None and ctx.through is not None:
-            into = ctx.through(ctx.tokens(g), ctx.tokens(ctx.x), ctx.weight)
-            fold_grad(ctx.state, ctx.gate > 0, "grad_in", into, _same)
+        _fold(g, ctx.state, ctx.gate, ctx.site, ctx.key, ctx.x, ctx.weight)
         return g, None, None, None, None, None, None
 
 
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
+def _fold(*args: Any) -> None:
+    """``normwatch::fold_grad`` (registered by :mod:`normwatch.measure.opaque`, which
+    builds on this module)."""
+    torch.ops.normwatch.fold_grad(*args)
 
 
 class GradHooks:
@@ -307,11 +307,15 @@ class GradHooks:
     """
 
     def __init__(self, tokens: Tokens, target: Target, stage: Stage,
-                 fail: Callable[[Exception], None], through: Through | None = None) -> None:
+                 fail: Callable[[Exception], None], key: str = "", through: bool = False
+                 ) -> None:
         self.tokens = tokens
+        self.key = key
+        """The layer's key for the compiled operators
+        (:func:`~normwatch.measure.opaque.site_key`)."""
         self.through = through
-        """Compiled code: the gradient through the norm from its output's
-        (:func:`through_formula`; ``None``: not measured compiled)."""
+        """Compiled code measures the gradient through the norm from its output's
+        (:func:`through_formula`; false: not measured compiled)."""
         self._target = target
         self._stage = stage
         self._fail = fail
@@ -348,8 +352,8 @@ class GradHooks:
             return y
         # compiled: a tap carries the row on ctx (hooks traced into a compiled backward
         # save it with a version check, so two forwards before one backward failed)
-        through = x.detach() if x is not None and self.through is not None else None
-        return _Tap.apply(y, target[0], target[1], "grad_out", self,  # type: ignore[no-any-return, no-untyped-call]
+        through = x.detach() if x is not None and self.through else None
+        return _Tap.apply(y, target[0], target[1], "grad_out", self.key,  # type: ignore[no-any-return, no-untyped-call]
                           through, None if weight is None else weight.detach())
 
 
@@ -385,7 +389,7 @@ class GradHooks:
             if torch.compiler.is_compiling():  # traced (the hidden state's hook): in place
                 target = self._target()
                 if target is not None:
-                    fold_grad(target[0], target[1] > 0, SITES[site], g, self.tokens)
+                    _fold(g, target[0], target[1], SITES[site], self.key, None, None)
             elif g.numel() and self._target() is not None:
                 t = self.tokens(g.detach())
                 self._stage(site, token_rows(t), t.shape[1])

@@ -7,24 +7,23 @@ kernel) and stages them in the accumulator, with no host synchronisation (no
 reads metadata (shapes, dtypes, flags). Any exception disables this hook with one
 warning; training goes on.
 
-Inside ``torch.compile`` the hook takes its *traced* path: tensor ops only, folding the
-call straight into the layer's accumulator row in place (:func:`fold_one`,
-:func:`fold_into`), with the step, the tier, the call counter, the pause and the
-output-check flag read from a small control tensor (:class:`Runtime` writes it between
-steps) — no Python value that changes between steps is read and no Python state is
-written (dtypes go to a device row), so the compiled graph neither breaks nor recompiles,
-inside activation checkpoints too. Eager keeps the staged fold (faster there) until a
+Inside ``torch.compile`` the hook takes its *traced* path: one opaque operator per call
+(``normwatch::fold_call``, :mod:`~normwatch.measure.opaque`) folding the call straight
+into the layer's accumulator row in place, with the step, the tier, the call counter,
+the pause and the output-check flag read from a small control tensor (:class:`Runtime`
+writes it between steps) — no Python value that changes between steps is read and no
+Python state is written (dtypes and the place in forward order go to a device row), so
+the compiled graph neither breaks nor recompiles, inside activation checkpoints too, and
+compiling it costs what compiling the model costs. Eager keeps the staged fold (faster there) until a
 flush finds compiled calls: eager hooks then fold in place too, so that the calls of a
 step share one counter. Both give the same numbers.
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
@@ -32,30 +31,20 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from normwatch.catalog import KEY_STRIDE
-from normwatch.measure.accumulator import (
-    MISMATCH_COLUMN,
-    Accumulator,
-    code_dtype,
-    dtype_code,
-    fold_into,
-)
+from normwatch.measure.accumulator import Accumulator, code_dtype, dtype_code
 from normwatch.measure.autocasting import autocast_made, output_op
-from normwatch.measure.gradients import GradHooks, GradRows, through_formula
-from normwatch.measure.reductions import (
-    CallRows,
-    carried_eps,
-    checked_rows,
-    fold_one,
-    mismatch,
-    reduce_call,
-    rows_from_fused,
-    token_view,
+from normwatch.measure.gradients import GradHooks, GradRows
+from normwatch.measure.opaque import (
+    failure,
+    fold_call,
+    fold_in_place,
+    output_check,
+    output_tokens,
+    site,
+    site_key,
 )
-from normwatch.measure.reference import (
-    expected_from,
-    flattens_heads,
-    reference_params,
-)
+from normwatch.measure.reductions import CallRows, reduce_call, rows_from_fused
+from normwatch.measure.reference import reference_params
 from normwatch.measure.triton_kernel import available as triton_available
 from normwatch.measure.triton_kernel import row_stats_triton
 from normwatch.records import NormLayer
@@ -185,7 +174,7 @@ class HostCounts:
         call did."""
         if not codes[0] or self.input_dtype is not None:
             return
-        x, weight, y, amp = (code_dtype(c) for c in codes)
+        x, weight, y, amp = (code_dtype(c) for c in codes[:4])
         self.input_dtype, self.weight_dtype, self.output_dtype = (
             None if d is None else _dtype_name(d) for d in (x, weight, y))
         if amp is not None and device is not None:
@@ -206,14 +195,11 @@ class LayerHook:
         self.pending_recompute = 0
         self.disabled_reason: str | None = None
         self._skipped: set[str] = set()
-        self._token_ndim = len(layer.normalized_shape) if layer.normalized_shape else 1
-        self._eps = 0.0 if math.isnan(layer.eps) else layer.eps
         self._signature: tuple[Any, ...] = ()
-        self._tokens: Callable[[torch.Tensor], torch.Tensor] = partial(
-            token_view, kind=layer.kind, token_ndim=self._token_ndim,
-            groups=layer.num_groups or 1, width=layer.token_size)
-        if layer.token_size is not None:  # layer/RMS norms: the common case first
-            self._tokens = partial(_chunk_tokens, width=layer.token_size, other=self._tokens)
+        self.key = site_key(layer, runtime.accumulator.limits)
+        """What compiled calls pass their operators (:mod:`~normwatch.measure.opaque`)."""
+        self.site = site(self.key)
+        self._tokens: Callable[[torch.Tensor], torch.Tensor] = self.site.tokens
         self.state: torch.Tensor | None = None
         """This layer's accumulator row on its home device (what compiled calls update)."""
         self.ctl: torch.Tensor | None = None
@@ -231,10 +217,8 @@ class LayerHook:
         self.grads: GradHooks | None = None
         self._pre_handle: RemovableHandle | None = None
         if runtime.gradients:
-            through = None if layer.token_size is None else \
-                through_formula(layer.kind, self._eps, layer.weight_form == "1+w")
             self.grads = GradHooks(self._tokens, self._grad_target, self._stage_grad,
-                                   self._fail, through)
+                                   self._fail, self.key, self.site.through is not None)
             self.grads.watch_weight(getattr(module, "weight", None))
             self._pre_handle = module.register_forward_pre_hook(self._pre, with_kwargs=True)
 
@@ -300,6 +284,12 @@ class LayerHook:
         except Exception as exc:  # never take the training run down
             self._fail(exc)
         return None
+
+    def poll(self) -> None:
+        """Disable this hook if a compiled call's operator failed (:func:`failure`)."""
+        exc = failure(self.state, self.grad_state)
+        if exc is not None:
+            self._fail(exc)
 
     def _fail(self, exc: Exception) -> None:
         """Disable this hook with one warning (while tracing: Dynamo breaks the graph
@@ -367,7 +357,8 @@ class LayerHook:
             call = self._reduce(tokens, x, out, key)
             rt.accumulator.stage(call)
             if rt.check_outputs and out is not None and alone:
-                check = self._output_check(module, x, out, call, tokens.shape[1])
+                check = output_check(self.site, x, out, reference_params(self.layer, module, x),
+                                     call, tokens.shape[1], module.training)
                 if check is not None:
                     rt.accumulator.update_check(self.row, check[0], check[1])
         # Host bookkeeping last, so a failed measurement leaves no half-counted call.
@@ -398,11 +389,17 @@ class LayerHook:
         # Python state is neither read nor written here (a checkpointed region is a
         # higher-order op that refuses side effects): dtypes go to a device row
         assert self.meta is not None
-        self.meta.copy_(torch.tensor([dtype_code(d) for d in _dtypes(module, x, y)[:4]],
-                                     dtype=torch.float64, device=self.meta.device))
+        self.meta[:4].copy_(torch.tensor([dtype_code(d) for d in _dtypes(module, x, y)[:4]],
+                                         dtype=torch.float64, device=self.meta.device))
         if x.numel():
-            self._fold_in_place(module, x.detach(), None if y is None else y.detach(),
-                                alone=not _other_tensor(args, kwargs, x))
+            assert self.ctl is not None
+            xd = x.detach()
+            # one opaque call (its body runs eagerly): inlined, the fold's few dozen ops
+            # per call site cost minutes of code generation
+            check = self.rt.output_checks and not _other_tensor(args, kwargs, x)
+            fold_call(xd, None if y is None else y.detach(),
+                      reference_params(self.layer, module, xd), self.state, self.ctl,
+                      self.meta, self.key, check, module.training)
         if self.grads is not None and y is not None and y.requires_grad \
                 and isinstance(output, torch.Tensor):
             weight = getattr(module, "weight", None)
@@ -415,91 +412,20 @@ class LayerHook:
         return None
 
     def _fold_in_place(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None,
-                       alone: bool) -> int | torch.SymInt:
-        """Fold one call into :attr:`state` in place, reading flags from :attr:`ctl`;
-        returns the token count. Tensor ops only (compiled or eager alike). ``alone``:
-        ``x`` was the only tensor input (else the output is not checked)."""
-        state, ctl = self.state, self.ctl
-        assert state is not None and ctl is not None
-        tokens = self._tokens(x)
-        out = y if y is not None and y.is_floating_point() and y.numel() else None
-        out_tokens = self._out_tokens(out, x)
-        moved = x.device != state.device
-        if moved:  # the model moved after watch(): correct, with a copy per call
-            self._warn_device(x.device, state.device)
-        flags = ctl.to(x.device) if moved else ctl
-        key = flags[0] * KEY_STRIDE + flags[2]
-        # no per-layer int reaches the graph (a block compiled once serves every layer)
-        call = reduce_call(tokens, out_tokens, self.layer.kind, self._eps, True, 0, key)
-        values = fold_one(call, flags[1] > 0, self.rt.accumulator.limits)
-        # compiled, the check runs every call and the flag selects (``torch.cond`` cannot
-        # run inside an activation checkpoint); output_check_every=0 leaves it out
-        check = self._output_check(module, x, out, call, tokens.shape[1]) \
-            if out is not None and alone and self.rt.output_checks and \
-            (torch.compiler.is_compiling() or self.rt.check_outputs) else None
-        if check is not None:  # [mismatch, eps]
-            check = torch.where(flags[4] > 0, check, -math.inf).to(values.dtype)
-            values = torch.cat([values[:MISMATCH_COLUMN], check, values[MISMATCH_COLUMN + 2:]])
-        fold_into(state, values.to(state.device) if moved else values, ctl[3] > 0)
-        ctl[2:3].add_(1.0)
-        return tokens.shape[0]
-
-    def _output_check(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                      call: CallRows, width: int) -> torch.Tensor | None:
-        """``[mismatch, carried eps]`` (float64) of output ``y`` against the kind's formula,
-        over the rows :meth:`_checked` picks; ``None``: no formula applies. Tensor ops
-        only (compiled or eager alike)."""
-        layer = self.layer
-        params = reference_params(layer, module, x)
-        x, y = self._checked(x, y, params, call, width)
-        ref = expected_from(layer, x, params, module.training)
-        if ref is None:
-            return None
-        if flattens_heads(ref.shape, y.shape):  # heads flattened on the way out
-            ref = ref.reshape(y.shape)
-        err = torch.ones((), dtype=torch.float64, device=y.device) if ref.shape != y.shape \
-            else mismatch(self._tokens(y), self._tokens(ref)).double()  # wrong shape: 1
-        return torch.stack([err, carried_eps(y)])
-
-    def _checked(self, x: torch.Tensor, y: torch.Tensor, params: tuple[torch.Tensor | None, ...],
-                 call: CallRows, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The part of ``x`` and ``y`` an output check reads: for layer and RMS norms whose
-        parameters cover whole rows of trailing dims, the rows
-        :func:`~normwatch.measure.reductions.checked_rows` picks (a few dozen, whatever
-        the call's size); else all of them."""
-        if self.layer.kind not in ("layernorm", "rmsnorm") or y.shape != x.shape:
-            return x, y
-        lowest = max([1] + [p.dim() for p in params if p is not None])
-        for d in range(lowest, x.dim()):  # the fewest trailing dims holding tokens
-            trailing = x.shape[x.dim() - d:]
-            span = math.prod(trailing)
-            if span % width == 0:
-                rows = checked_rows(call.hi, call.lo, span // width)
-                return x.reshape(-1, *trailing)[rows], y.reshape(-1, *trailing)[rows]
-        return x, y
-
-    def _warn_device(self, got: torch.device, home: torch.device) -> None:
-        if not self._warned_device:
-            self._warned_device = True
-            warnings.warn(f"normwatch: {self.layer.name!r} runs on {got} but its statistics "
-                          f"live on {home} (the model moved after watch()?); each call copies "
-                          "them across: attach after moving the model", RuntimeWarning,
-                          stacklevel=4)
-
-    def _out_tokens(self, out: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
-        """The output as tokens: the input's layout, or for a wrong-shaped output its
-        last dim, whatever those tokens mean; ``None`` for no (or an empty) output."""
-        if out is None or out.numel() == 0:
-            return None
-        if out.shape == x.shape:
-            return self._tokens(out)
-        return out.reshape(-1, out.shape[-1]) if out.dim() else out.reshape(1, 1)
+                       alone: bool) -> int:
+        """Eager calls once compiled ones run too: :func:`fold_in_place` (what compiled
+        calls run as one operator), straight; returns the token count."""
+        assert self.state is not None and self.ctl is not None
+        rt = self.rt
+        return fold_in_place(self.site, x, y, reference_params(self.layer, module, x),
+                             self.state, self.ctl,
+                             alone and rt.output_checks and rt.check_outputs, module.training)
 
     def _reduce(self, tokens: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None,
                 key: float) -> CallRows:
         """One call's per-token rows: the fused kernel on its devices, else torch."""
-        kind, eps = self.layer.kind, self._eps
-        out_tokens = self._out_tokens(out, x)
+        kind, eps = self.layer.kind, self.site.eps
+        out_tokens = output_tokens(self.site, out, x)
         if not self.rt.fused(x):
             return reduce_call(tokens, out_tokens, kind, eps, self.rt.full_stats, self.row, key)
         same = out_tokens is not None and out_tokens.shape == tokens.shape
@@ -544,12 +470,6 @@ def module_device(module: nn.Module) -> torch.device | None:
     for t in (*module.parameters(), *module.buffers()):
         return t.device
     return None
-
-
-def _chunk_tokens(x: torch.Tensor, width: int,
-                  other: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """Tokens of ``width`` elements, straight away when the last dim is one token."""
-    return x.reshape(-1, width) if x.dim() and x.shape[-1] == width else other(x)
 
 
 def _other_tensor(args: tuple[Any, ...], kwargs: Mapping[str, Any], x: torch.Tensor) -> bool:

@@ -183,12 +183,20 @@ class Measurement:
         device-to-host copy per device. Does not reset."""
         self.commit()
         rows, copied = self._rt.accumulator.read(dict(extras or {}))
+        firsts: list[tuple[tuple[int, int], str]] = []
         for row, hook in zip(rows, self._hooks, strict=True):
+            hook.poll()
             row["calls"] += hook.counts.empty_calls
             codes = [row.pop(name) for name in META]
             if codes[0]:  # compiled calls ran: eager ones now share their call counter
                 self._rt.traced = True
                 hook.counts.adopt(codes, None if hook.state is None else hook.state.device)
+            first = decode_score(codes[-1])
+            if first is not None:
+                firsts.append((first, hook.layer.name))
+        order = self._rt.forward_order
+        for _, name in sorted(firsts):  # compiled calls' place in forward order
+            order.setdefault(name, len(order))
         return rows, copied
 
     @property
