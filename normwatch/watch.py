@@ -226,12 +226,13 @@ class Watch:
             self._early.reset()
         checked = self._measure.checking_outputs
         scale = getattr(self._scaler, "_scale", None)
-        scales = {scale.device: scale} if isinstance(scale, torch.Tensor) else {}
+        scale = scale if isinstance(scale, torch.Tensor) else None
+        scales = {} if scale is None else {scale.device: scale}
         rows, copied = self._measure.read(ride_along(self._losses.tensors(),
                                                      self._updates.tensors(), scales))
         values = {d: iter(v) for d, v in copied.items()}  # losses, updates, then the scale
         losses, updates = self._losses.resolve(values), self._updates.resolve(values)
-        loss_scale = next(values[d]) if (d := next(iter(scales), None)) is not None else None
+        loss_scale = None if scale is None else next(values[scale.device])
         if loss_scale is not None:
             unscale(rows, loss_scale)
         snapshot = self._measure.snapshot(rows, self.step_count, self._interval_start,
@@ -300,8 +301,10 @@ class Watch:
             why = "no norm layer was called at all (is this the model that trains?" + \
                   (" check include/exclude" if self.config.include or self.config.exclude
                    else "") + ")"
-        warnings.warn(f"normwatch: nothing was measured in the first {snapshot.step} steps "
-                      f"of {self._model_name}: {why}", RuntimeWarning, stacklevel=4)
+        steps = f"the first {snapshot.step} steps" if snapshot.step > 1 else \
+            "the first step" if snapshot.step == 1 else "the forwards before the first step"
+        warnings.warn(f"normwatch: nothing was measured in {steps} of {self._model_name}: "
+                      f"{why}", RuntimeWarning, stacklevel=4)
 
     @property
     def health_findings(self) -> list[Alarm]:

@@ -358,6 +358,7 @@ def test_a_first_interval_with_nothing_measured_warns_why(mode: str) -> None:
     w.close()
     said = [str(c.message) for c in caught if "nothing was measured" in str(c.message)]
     assert len(said) == 1, said
+    assert "nothing was measured in the first 2 steps of TinyLM" in said[0]
     want = {"eval": "6 norm calls in eval mode and 0 without grad",
             "no_grad": "0 norm calls in eval mode and 6 without grad",
             "never called": "no norm layer was called at all"}[mode]

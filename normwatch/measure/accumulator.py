@@ -49,8 +49,6 @@ class Accumulator:
         self._staged_tokens = 0
         self._commits = 0
         self._plans: dict[tuple[Any, ...], FoldPlan | GradPlan] = {}
-        self._meta: dict[torch.device, torch.Tensor] = {}
-        self._grads: dict[tuple[torch.device, int], torch.Tensor] = {}
 
     def stage(self, call: CallRows) -> None:
         """Queue one call's rows; no tensor op (the fold is a few dozen ops per step)."""
@@ -163,30 +161,10 @@ class Accumulator:
         return block
 
     def row_state(self, device: torch.device, row: int) -> torch.Tensor:
-        """Layer ``row``'s state on ``device``: a view of the device block, which compiled
-        hooks update in place (:func:`fold_into`); made ahead of the first call so that
-        traced code only reads it."""
+        """Layer ``row``'s state on ``device``: a view of the device block (made ahead of
+        the first call so that traced code only reads it: compiled calls name their layer
+        by it)."""
         return self._block(device)[row]
-
-    def row_meta(self, device: torch.device, row: int) -> torch.Tensor:
-        """Layer ``row``'s :data:`META` codes on ``device``, written by compiled calls
-        (which may not touch Python state) and read at the flush."""
-        meta = self._meta.get(device)
-        if meta is None:
-            meta = self._meta[device] = torch.zeros(self.n_layers, len(META),
-                                                    dtype=torch.float64, device=device)
-            torch._dynamo.mark_static_address(meta)
-        return meta[row]
-
-    def grad_row(self, device: torch.device, row: int) -> torch.Tensor:
-        """Layer ``row``'s gradient state on ``device``: a row of :data:`COLUMNS` of its
-        own (the backward hooks fold only its gradient columns). Its own storage: the
-        compiled backward saves it, so the forward's in-place folds into the block must
-        not touch its version counter."""
-        grads = self._grads.get((device, row))
-        if grads is None:
-            grads = self._grads[(device, row)] = _new_state(1, device)
-        return grads[0]
 
     def update_check(self, row: int, error: torch.Tensor, eps: torch.Tensor) -> None:
         """Fold an output check (0-d tensors: the mismatch and the precision the output
@@ -201,45 +179,29 @@ class Accumulator:
     ) -> tuple[list[dict[str, float]], dict[torch.device, list[float]]]:
         """Copy everything to the host: one copy per device, ``extras`` riding along.
 
-        Returns per-layer ``{column: value}`` dicts (combined across devices, with the
-        :data:`META` codes) and each extra as a list of floats. Does not reset.
+        Returns per-layer ``{column: value}`` dicts (combined across devices) and each
+        extra as a list of floats. Does not reset.
         """
         self.commit()
         extras = dict(extras or {})
         per_device: list[list[dict[str, float]]] = []
         out_extras: dict[torch.device, list[float]] = {}
-        metas: list[list[float]] = [[0.0] * len(META) for _ in range(self.n_layers)]
-        grad_rows: list[list[dict[str, float]]] = [[] for _ in range(self.n_layers)]
         for device in dict.fromkeys([*self._blocks, *extras]):
             parts = []
             block = self._blocks.get(device)
-            grads = {row: t for (d, row), t in self._grads.items() if d == device}
-            meta = self._meta.get(device)
-            if meta is not None:
-                parts.append(meta.flatten())
             if block is not None:
                 parts.append(block.flatten().to(torch.float64))
-            parts += [t.flatten().to(torch.float64) for t in grads.values()]
             extra = extras.get(device)
             if extra is not None:
                 parts.append(extra.detach().flatten().to(torch.float64))
             flat = torch.cat(parts).cpu().tolist()
-            if meta is not None:
-                codes, flat = flat[:meta.numel()], flat[meta.numel():]
-                for i, row in enumerate(metas):
-                    row[:] = [max(a, b) for a, b in zip(row, codes[i * len(META):], strict=False)]
             width = len(COLUMNS)
             if block is not None:
                 per_device.append([dict(zip(COLUMNS, flat[i * width : (i + 1) * width],
                                             strict=True)) for i in range(self.n_layers)])
-                flat = flat[block.numel():]
-            for i, layer in enumerate(grads):  # gradient rows: combined like a device's
-                grad_rows[layer].append(dict(zip(COLUMNS, flat[i * width : (i + 1) * width],
-                                               strict=True)))
             if extra is not None:
                 out_extras[device] = flat[len(flat) - extra.numel() :]
-        rows = [combine([d[i] for d in per_device] + grad_rows[i], COLUMNS)
-                | dict(zip(META, metas[i], strict=True)) for i in range(self.n_layers)]
+        rows = [combine([d[i] for d in per_device], COLUMNS) for i in range(self.n_layers)]
         return rows, out_extras
 
     @property
@@ -253,46 +215,11 @@ class Accumulator:
         self._staged_tokens = 0
         for block in self._blocks.values():
             _reset(block)
-        for grads in self._grads.values():
-            _reset(grads.data)  # .data: compiled backwards that saved it stay valid
-
-
-META = ("meta_input", "meta_weight", "meta_output", "meta_autocast", "meta_first")
-"""Per-layer codes compiled calls leave (:func:`dtype_code` of the input, weight, output
-and autocast dtypes; 0: none seen; and the score of the layer's first call, as
-:func:`~normwatch.catalog.decode_score` reads: its place in forward order), riding along
-in :meth:`Accumulator.read`'s rows (never reset)."""
-DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64,
-          torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64, torch.complex128)
-
-
-def dtype_code(dtype: torch.dtype | None) -> float:
-    """A dtype as a float code for :data:`META` (0: none or unknown)."""
-    return float(DTYPES.index(dtype) + 1) if dtype in DTYPES else 0.0
-
-
-def code_dtype(code: float) -> torch.dtype | None:
-    """The dtype of a :func:`dtype_code`."""
-    i = int(code) - 1
-    return DTYPES[i] if 0 <= i < len(DTYPES) else None
-
-
-def fold_into(state: torch.Tensor, values: torch.Tensor, gate: torch.Tensor) -> None:
-    """Fold one call's ``values`` (:func:`~normwatch.measure.reductions.fold_one`) into a
-    layer's ``state`` in place where the 0-d ``gate`` is true: the staged fold's
-    arithmetic (sums add, NaN never beats a peak) as tensor ops a compiler can trace."""
-    inf = math.inf
-    values = values.to(state.dtype)
-    merged = torch.cat([
-        state[:_N_SUM] + values[:_N_SUM],
-        torch.maximum(state[_N_SUM:_MAX_END], values[_N_SUM:_MAX_END].nan_to_num(-inf, inf, -inf)),
-        torch.minimum(state[_MAX_END:], values[_MAX_END:].nan_to_num(inf, inf, -inf))])
-    state.copy_(torch.where(gate, merged, state))
 
 
 def _new_state(rows: int, device: torch.device) -> torch.Tensor:
     """``rows`` rows of :data:`COLUMNS` at their identities, kept at a fixed address (the
-    compiler treats it as static; CUDA graphs keep it)."""
+    compiler treats it as static: compiled calls name their layer by its rows)."""
     dtype = torch.float32 if device.type == "mps" else torch.float64
     state = torch.empty(rows, len(COLUMNS), dtype=dtype, device=device)
     _reset(state)

@@ -15,12 +15,12 @@ node into the model's graph, so the order in which autograd sums the hidden stat
 gradient, and every trained bit, stays as unwatched. Eager hooks reduce each to
 three floats per token (:func:`token_rows`) and stage them; the accumulator folds every
 staged gradient at once when the step ends (:func:`fold_grads`).
-Compiled code taps the output with :class:`_Tap` instead (an autograd function carrying
-the row on ``ctx``, traced into the backward graph), folding in place (:func:`fold_grad`,
-inside one opaque operator, ``normwatch::fold_grad`` of :mod:`normwatch.measure.opaque`)
-both ``dL/dy`` and, from it, the gradient through the norm (:func:`through_formula`);
-the hidden state keeps its tensor hook. Tensor ops only, no host
-sync. Hooks and taps live on the step's autograd graph and go with it: no tensor is
+Compiled code taps the output with :class:`_Tap` instead (an autograd function traced
+into the backward graph), whose backward hands ``dL/dy`` to one opaque operator
+(``normwatch::observe_grad``, :mod:`~normwatch.measure.opaque`) whose body, at run time,
+measures it and, from it, the gradient through the norm (:func:`through_formula`) as
+eager hooks do (:meth:`GradHooks.measure`); the hidden state keeps its tensor hook. No
+host sync. Hooks and taps live on the step's autograd graph and go with it: no tensor is
 kept past the step.
 
 The weight's gradient is measured by a hook on the parameter, registered once: it fires
@@ -40,6 +40,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from normwatch.catalog import COLUMNS, GRAD_SITES, GRAD_SUMS
+from normwatch.measure.opaque import observe_grad
 from normwatch.measure.reductions import runs, summed_dtype
 from normwatch.measure.sharding import local
 
@@ -57,7 +58,7 @@ WEIGHT = len(SITES)
 
 Tokens = Callable[[torch.Tensor], torch.Tensor]
 """A layer's token view (``(tokens, elements)``, as its forward hook reads x and y)."""
-Target = Callable[[], "tuple[torch.Tensor, torch.Tensor] | None"]
+Target = Callable[[], "torch.Tensor | None"]
 Stage = Callable[[int, torch.Tensor, int], None]
 """Stages a layer's gradient: ``(site index, rows, width)`` (see :class:`GradRows`)."""
 
@@ -95,27 +96,6 @@ def token_sums(rows: torch.Tensor, width: torch.Tensor | int
     sums = torch.stack([torch.ones_like(okf), okf, torch.where(ok, norm * norm, 0.0),
                         okf * width], 1)
     return sums, torch.where(ok, a, -math.inf)
-
-
-def reduce_grad(g: torch.Tensor, tokens: Tokens) -> tuple[torch.Tensor, torch.Tensor]:
-    """One gradient as ``([tokens, finite tokens, sum of squares, elements], max |g|)``
-    over its finite tokens (``tokens`` gives the layer's token view)."""
-    t = tokens(g)
-    sums, peaks = token_sums(token_rows(t), t.shape[1])
-    return sums.sum(0), peaks.amax()
-
-
-def fold_grad(state: torch.Tensor, gate: torch.Tensor, site: str, g: torch.Tensor,
-              tokens: Tokens) -> None:
-    """Fold gradient ``g`` measured at ``site`` into a layer's accumulator row ``state``
-    in place, where the 0-d bool ``gate`` is true (compiled code: tensor ops only)."""
-    sums, peak = reduce_grad(g.detach(), tokens)
-    start, n = SUM_AT[site], len(GRAD_SUMS)
-    cells = state[start:start + n]
-    cells.add_(torch.where(gate, sums, 0.0).to(state.dtype))
-    at = PEAK_AT[site]
-    cell = state[at:at + 1]
-    cell.copy_(torch.fmax(cell, torch.where(gate, peak, -math.inf).to(state.dtype).reshape(1)))
 
 
 MAX_NODES = 64
@@ -269,53 +249,39 @@ def through_formula(kind: str, eps: float, one_plus_w: bool) -> Through | None:
 
 
 class _Tap(torch.autograd.Function):
-    """Identity whose backward folds the gradient into a layer's row; the row travels
-    on ``ctx`` (not ``save_for_backward``: no version check when another backward of the
-    same compiled region folded into it first). On the output, given the norm's input
-    and weight (detached: no edge to them), it folds the gradient through the norm too
-    (:func:`through_formula`)."""
+    """Identity on a norm's output whose backward hands the gradient, with the norm's
+    input and weight (detached: no edge to them), to ``normwatch::observe_grad``; the
+    layer's row (what names it to the operator) travels on ``ctx``."""
 
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, state: torch.Tensor, gate: torch.Tensor,
-                site: str, key: str, x: torch.Tensor | None = None,
+    def forward(ctx: Any, t: torch.Tensor, row: torch.Tensor, x: torch.Tensor | None = None,
                 weight: torch.Tensor | None = None) -> torch.Tensor:
-        ctx.state, ctx.gate, ctx.site, ctx.key = state, gate, site, key
-        ctx.x, ctx.weight = x, weight
+        ctx.row, ctx.x, ctx.weight = row, x, weight
         # The norm's output goes on into the model, which may modify it in place: a copy
-        # (a view of a custom Function's output may not be). Its input is only read.
-        return t.clone() if site == "grad_out" else t.view_as(t)
+        # (a view of a custom Function's output may not be).
+        return t.clone()
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        _fold(g, ctx.state, ctx.gate, ctx.site, ctx.key, ctx.x, ctx.weight)
-        return g, None, None, None, None, None, None
-
-
-def _fold(*args: Any) -> None:
-    """``normwatch::fold_grad`` (registered by :mod:`normwatch.measure.opaque`, which
-    builds on this module)."""
-    torch.ops.normwatch.fold_grad(*args)
+        observe_grad(g, ctx.row, "grad_out", ctx.x, ctx.weight)
+        return g, None, None, None
 
 
 class GradHooks:
     """The gradient side of one layer's hook (see the module docstring).
 
-    ``target()`` gives the layer's gradient row and gate (0-d), or ``None`` while
-    nothing is measured (eager: this step is not measured); ``stage`` takes an eager
+    ``target()`` gives the row naming the layer to the compiled operators, or ``None``
+    while nothing is measured (eager: this step is not measured); ``stage`` takes an eager
     hook's rows; ``fail`` disables the layer on an exception (eager only: a traced hook
     must not touch Python state).
     """
 
     def __init__(self, tokens: Tokens, target: Target, stage: Stage,
-                 fail: Callable[[Exception], None], key: str = "", through: bool = False
-                 ) -> None:
+                 fail: Callable[[Exception], None], through: Through | None = None) -> None:
         self.tokens = tokens
-        self.key = key
-        """The layer's key for the compiled operators
-        (:func:`~normwatch.measure.opaque.site_key`)."""
         self.through = through
-        """Compiled code measures the gradient through the norm from its output's
-        (:func:`through_formula`; false: not measured compiled)."""
+        """Compiled code: the gradient through the norm from its output's
+        (:func:`through_formula`; ``None``: not measured compiled)."""
         self._target = target
         self._stage = stage
         self._fail = fail
@@ -346,16 +312,13 @@ class GradHooks:
         """Hook the norm's output (the gradient arriving at it); returns the tensor the
         model must go on with (compiled code: a tap in its place, which with the norm's
         input ``x`` and ``weight`` also folds the gradient through the norm)."""
-        target = self._target() if torch.compiler.is_compiling() else None
-        if target is None:
+        row = self._target() if torch.compiler.is_compiling() else None
+        if row is None:
             y.register_hook(self._out)  # type: ignore[no-untyped-call]
             return y
-        # compiled: a tap carries the row on ctx (hooks traced into a compiled backward
-        # save it with a version check, so two forwards before one backward failed)
-        through = x.detach() if x is not None and self.through else None
-        return _Tap.apply(y, target[0], target[1], "grad_out", self.key,  # type: ignore[no-any-return, no-untyped-call]
-                          through, None if weight is None else weight.detach())
-
+        through = x.detach() if x is not None and self.through is not None else None
+        return _Tap.apply(y, row, through,  # type: ignore[no-any-return, no-untyped-call]
+                          None if weight is None else weight.detach())
 
     def watch_weight(self, weight: object) -> None:
         """Hook the layer's weight once (again when the module's weight is replaced, as
@@ -384,12 +347,29 @@ class GradHooks:
     def _hidden(self, g: torch.Tensor) -> None:
         self._measure(HIDDEN, g)
 
+    def measure(self, site: int, g: torch.Tensor, x: torch.Tensor | None = None,
+                weight: torch.Tensor | None = None) -> None:
+        """Measure gradient ``g`` at ``site`` (what a compiled gradient's operator runs);
+        given the norm's input ``x`` (and ``weight``), ``g`` is the output's gradient and
+        the gradient through the norm (:func:`through_formula`) is measured too. Nothing
+        when this backward is not measured."""
+        if self._target() is None:
+            return
+        self._measure(site, g)
+        if x is not None and self.through is not None:
+            try:
+                into = self.through(self.tokens(g.detach()), self.tokens(x), weight)
+            except Exception as exc:  # never take the training run down
+                self._fail(exc)
+                return
+            self._measure(IN, into)
+
     def _measure(self, site: int, g: torch.Tensor) -> None:
         try:
-            if torch.compiler.is_compiling():  # traced (the hidden state's hook): in place
-                target = self._target()
-                if target is not None:
-                    _fold(g, target[0], target[1], SITES[site], self.key, None, None)
+            if torch.compiler.is_compiling():  # traced (the hidden state's hook)
+                row = self._target()
+                if row is not None:
+                    observe_grad(g, row, SITES[site], None, None)
             elif g.numel() and self._target() is not None:
                 t = self.tokens(g.detach())
                 self._stage(site, token_rows(t), t.shape[1])

@@ -7,23 +7,21 @@ kernel) and stages them in the accumulator, with no host synchronisation (no
 reads metadata (shapes, dtypes, flags). Any exception disables this hook with one
 warning; training goes on.
 
-Inside ``torch.compile`` the hook takes its *traced* path: one opaque operator per call
-(``normwatch::fold_call``, :mod:`~normwatch.measure.opaque`) folding the call straight
-into the layer's accumulator row in place, with the step, the tier, the call counter,
-the pause and the output-check flag read from a small control tensor (:class:`Runtime`
-writes it between steps) — no Python value that changes between steps is read and no
-Python state is written (dtypes and the place in forward order go to a device row), so
-the compiled graph neither breaks nor recompiles, inside activation checkpoints too, and
-compiling it costs what compiling the model costs. Eager keeps the staged fold (faster there) until a
-flush finds compiled calls: eager hooks then fold in place too, so that the calls of a
-step share one counter. Both give the same numbers.
+Inside ``torch.compile`` the hook's traced body reads no Python value that changes
+between steps and writes no Python state: it hands the call to one opaque operator
+(``normwatch::observe``, :mod:`~normwatch.measure.opaque`) whose body, at run time, is
+the eager measurement (:meth:`LayerHook.compiled_call`). The compiled graph neither
+breaks nor recompiles, inside activation checkpoints too; compiling it costs what
+compiling the model costs; and compiled and eager calls share one path.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -31,20 +29,24 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from normwatch.catalog import KEY_STRIDE
-from normwatch.measure.accumulator import Accumulator, code_dtype, dtype_code
+from normwatch.measure.accumulator import Accumulator
 from normwatch.measure.autocasting import autocast_made, output_op
-from normwatch.measure.gradients import GradHooks, GradRows
-from normwatch.measure.opaque import (
-    failure,
-    fold_call,
-    fold_in_place,
-    output_check,
-    output_tokens,
-    site,
-    site_key,
+from normwatch.measure.gradients import SITES, GradHooks, GradRows, through_formula
+from normwatch.measure.opaque import disown, observe, own
+from normwatch.measure.reductions import (
+    CallRows,
+    carried_eps,
+    checked_rows,
+    mismatch,
+    reduce_call,
+    rows_from_fused,
+    token_view,
 )
-from normwatch.measure.reductions import CallRows, reduce_call, rows_from_fused
-from normwatch.measure.reference import reference_params
+from normwatch.measure.reference import (
+    expected_from,
+    flattens_heads,
+    reference_params,
+)
 from normwatch.measure.triton_kernel import available as triton_available
 from normwatch.measure.triton_kernel import row_stats_triton
 from normwatch.records import NormLayer
@@ -69,58 +71,20 @@ class Runtime:
     kernel: str = "auto"
     paused: bool = False
     forward_order: dict[str, int] = field(default_factory=dict)
-    traced: bool = False
-    """A flush found compiled calls: eager hooks fold in place too (one call counter)."""
-    controls: dict[torch.device, torch.Tensor] = field(default_factory=dict)
-    """Per device, the flags compiled hooks read (:data:`CONTROL` order, float64)."""
     gradients: bool = True
-    """Whether gradients through the norms are measured (fixed: compiled graphs read it)."""
-    gates: dict[torch.device, torch.Tensor] = field(default_factory=dict)
-    """Per device, the gradient hooks' flag (:meth:`gate`)."""
+    """Whether gradients through the norms are measured (fixed: compiled graphs tap the
+    outputs for it)."""
 
     @property
     def grads_now(self) -> bool:
         """Whether this step's backward is measured (full tier, not paused)."""
         return self.gradients and self.full_stats and not self.paused
 
-    def control(self, device: torch.device) -> torch.Tensor:
-        """The control tensor of ``device`` (made, outside any graph, on first use)."""
-        ctl = self.controls.get(device)
-        if ctl is None:
-            ctl = torch.zeros(len(CONTROL), dtype=torch.float64, device=device)
-            _static(ctl)
-            self._write(ctl)
-            self.controls[device] = ctl
-        return ctl
-
-    def gate(self, device: torch.device) -> torch.Tensor:
-        """The 0-d flag gradient hooks read on ``device`` (1: measure this backward).
-        Its own tensor, written through ``.data``: compiled backwards save it, and their
-        saved copy must stay valid while it changes."""
-        gate = self.gates.get(device)
-        if gate is None:
-            gate = torch.zeros((), dtype=torch.float64, device=device)
-            _static(gate)
-            gate.data.fill_(float(self.grads_now))
-            self.gates[device] = gate
-        return gate
-
     def update(self, **flags: Any) -> None:
         """Set flags (``step``, ``full_stats``, ``paused``, ``check_outputs``,
-        ``calls_this_step``) and write them into every control tensor: a few fills, no
-        host copy."""
+        ``calls_this_step``)."""
         for name, value in flags.items():
             setattr(self, name, value)
-        for ctl in self.controls.values():
-            self._write(ctl)
-        for gate in self.gates.values():
-            gate.data.fill_(float(self.grads_now))
-
-    def _write(self, ctl: torch.Tensor) -> None:
-        values = (self.step, self.full_stats, self.calls_this_step, not self.paused,
-                  self.check_outputs)
-        for i, value in enumerate(values):
-            ctl[i].fill_(float(value))
 
     def fused(self, x: torch.Tensor) -> bool:
         """Whether to use the fused Triton kernel for ``x`` (by its device)."""
@@ -129,16 +93,6 @@ class Runtime:
         if self.kernel == "triton":
             return True
         return x.is_cuda and triton_available()
-
-
-CONTROL = ("step", "full", "call", "active", "check")
-"""The control tensor's slots: step, full tier, calls so far this step, not paused,
-check outputs."""
-
-
-def _static(t: torch.Tensor) -> None:
-    """Mark a long-lived buffer static for the compiler (CUDA graphs keep its address)."""
-    torch._dynamo.mark_static_address(t)
 
 
 @dataclass
@@ -169,18 +123,6 @@ class HostCounts:
         self.tokens = 0
         self.empty_calls = 0
 
-    def adopt(self, codes: Sequence[float], device: torch.device | None) -> None:
-        """Take the dtypes compiled calls recorded (:data:`META` codes), when no eager
-        call did."""
-        if not codes[0] or self.input_dtype is not None:
-            return
-        x, weight, y, amp = (code_dtype(c) for c in codes[:4])
-        self.input_dtype, self.weight_dtype, self.output_dtype = (
-            None if d is None else _dtype_name(d) for d in (x, weight, y))
-        if amp is not None and device is not None:
-            self.autocast = f"{device.type}:{_dtype_name(amp)}"
-        self.device = device
-
 
 class LayerHook:
     """Forward hook measuring one layer; see the module docstring."""
@@ -195,21 +137,17 @@ class LayerHook:
         self.pending_recompute = 0
         self.disabled_reason: str | None = None
         self._skipped: set[str] = set()
+        self._token_ndim = len(layer.normalized_shape) if layer.normalized_shape else 1
+        self._eps = 0.0 if math.isnan(layer.eps) else layer.eps
         self._signature: tuple[Any, ...] = ()
-        self.key = site_key(layer, runtime.accumulator.limits)
-        """What compiled calls pass their operators (:mod:`~normwatch.measure.opaque`)."""
-        self.site = site(self.key)
-        self._tokens: Callable[[torch.Tensor], torch.Tensor] = self.site.tokens
+        self._tokens: Callable[[torch.Tensor], torch.Tensor] = partial(
+            token_view, kind=layer.kind, token_ndim=self._token_ndim,
+            groups=layer.num_groups or 1, width=layer.token_size)
+        if layer.token_size is not None:  # layer/RMS norms: the common case first
+            self._tokens = partial(_chunk_tokens, width=layer.token_size, other=self._tokens)
         self.state: torch.Tensor | None = None
-        """This layer's accumulator row on its home device (what compiled calls update)."""
-        self.ctl: torch.Tensor | None = None
-        self.grad_state: torch.Tensor | None = None
-        """This layer's gradient row (:meth:`Accumulator.grad_row`)."""
-        self.grad_gate: torch.Tensor | None = None
-        """The gradient hooks' flag (:meth:`Runtime.gate`)."""
-        self.meta: torch.Tensor | None = None
-        """Dtype codes compiled calls write (:data:`~normwatch.measure.accumulator.META`)."""
-        self._warned_device = False
+        """This layer's accumulator row on its home device: what names the layer to the
+        operators compiled calls make (:mod:`~normwatch.measure.opaque`)."""
         home = home or module_device(module)
         if home is not None and home.type != "meta":  # meta: placed at its first real call
             self.home(home)
@@ -217,19 +155,20 @@ class LayerHook:
         self.grads: GradHooks | None = None
         self._pre_handle: RemovableHandle | None = None
         if runtime.gradients:
+            through = None if layer.token_size is None else \
+                through_formula(layer.kind, self._eps, layer.weight_form == "1+w")
             self.grads = GradHooks(self._tokens, self._grad_target, self._stage_grad,
-                                   self._fail, self.key, self.site.through is not None)
+                                   self._fail, through)
             self.grads.watch_weight(getattr(module, "weight", None))
             self._pre_handle = module.register_forward_pre_hook(self._pre, with_kwargs=True)
 
     def home(self, device: torch.device) -> None:
-        """Place this layer's in-place state on ``device`` (outside any graph)."""
+        """Place this layer's row on ``device`` (outside any graph): compiled calls name
+        the layer by it."""
+        if self.state is not None:
+            disown(self.state, self)
         self.state = self.rt.accumulator.row_state(device, self.row)
-        self.meta = self.rt.accumulator.row_meta(device, self.row)
-        self.ctl = self.rt.control(device)
-        if self.rt.gradients:
-            self.grad_state = self.rt.accumulator.grad_row(device, self.row)
-            self.grad_gate = self.rt.gate(device)
+        own(self.state, self)
 
     def remove(self) -> None:
         """Detach from the module (harmless twice)."""
@@ -241,15 +180,15 @@ class LayerHook:
             self._pre_handle = None
         if self.grads is not None:
             self.grads.remove()
+        if self.state is not None:
+            disown(self.state, self)
 
-    def _grad_target(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """This layer's gradient row and gate, for the gradient hooks (``None`` when
-        there is nothing to measure: eager hooks skip the gated-off tensor work)."""
-        if self.grad_state is None or self.grad_gate is None:
-            return None
-        if not torch.compiler.is_compiling() and not self.rt.grads_now:
-            return None  # the gate reads 0 (compiled code reads the gate, never this flag)
-        return self.grad_state, self.grad_gate
+    def _grad_target(self) -> torch.Tensor | None:
+        """The row naming this layer, for the gradient hooks: traced, always (the
+        operator's body decides); eager, ``None`` when this backward is not measured."""
+        if torch.compiler.is_compiling() or self.rt.grads_now:
+            return self.state
+        return None
 
     def _stage_grad(self, site: int, rows: torch.Tensor, width: int) -> None:
         self.rt.accumulator.stage_grad(GradRows(rows, self.row, site, width))
@@ -284,12 +223,6 @@ class LayerHook:
         except Exception as exc:  # never take the training run down
             self._fail(exc)
         return None
-
-    def poll(self) -> None:
-        """Disable this hook if a compiled call's operator failed (:func:`failure`)."""
-        exc = failure(self.state, self.grad_state)
-        if exc is not None:
-            self._fail(exc)
 
     def _fail(self, exc: Exception) -> None:
         """Disable this hook with one warning (while tracing: Dynamo breaks the graph
@@ -333,23 +266,26 @@ class LayerHook:
         x = _input(args, kwargs)
         if x is None or not x.is_floating_point() or x.is_meta:
             return self._skip(x)
-        x0 = x
         if not self._counted(module):
             return
-        y = y0 = _output(output)
+        y = _output(output)
         # A second tensor input (the gate of a gated RMSNorm) changes what the output is:
         # the formula of x alone no longer applies.
         alone = not self.rt.check_outputs or not _other_tensor(args, kwargs, x)
         # Detached tensors record no autograd graph: no no_grad() context needed.
-        x = x.detach()
-        y = None if y is None else y.detach()
+        self._measure(module, x.detach(), None if y is None else y.detach(), alone)
+        if self.grads is not None and self.rt.grads_now:
+            if y is not None and y.requires_grad:
+                self.grads.watch_call(x, y)
+            self.grads.watch_weight(getattr(module, "weight", None))  # FSDP2 swaps it
+        self._record_dtypes(module, x, y)
+
+    def _measure(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None,
+                 alone: bool) -> None:
+        """Reduce and stage one counted call (``x``, ``y`` detached); count it."""
         rt = self.rt
         n_tokens = 0
-        if x.numel() and rt.traced:  # compiled hooks run too: share their call counter
-            if self.state is None or self.state.device != x.device:
-                self.home(x.device)
-            n_tokens = int(self._fold_in_place(module, x, y, alone))
-        elif x.numel():
+        if x.numel():
             tokens = self._tokens(x)
             n_tokens = tokens.shape[0]
             out = y if y is not None and y.is_floating_point() else None
@@ -357,8 +293,7 @@ class LayerHook:
             call = self._reduce(tokens, x, out, key)
             rt.accumulator.stage(call)
             if rt.check_outputs and out is not None and alone:
-                check = output_check(self.site, x, out, reference_params(self.layer, module, x),
-                                     call, tokens.shape[1], module.training)
+                check = self._output_check(module, x, out, call, tokens.shape[1])
                 if check is not None:
                     rt.accumulator.update_check(self.row, check[0], check[1])
         # Host bookkeeping last, so a failed measurement leaves no half-counted call.
@@ -368,13 +303,8 @@ class LayerHook:
         c.tokens += n_tokens
         c.empty_calls += not n_tokens
         c.input_shape = x.shape
-        if self.grads is not None and rt.grads_now:
-            if y0 is not None and y0.requires_grad:
-                self.grads.watch_call(x0, y0)
-            self.grads.watch_weight(getattr(module, "weight", None))  # FSDP2 swaps it
         if c.calls == 1:
             rt.forward_order.setdefault(self.layer.name, len(rt.forward_order))
-        self._record_dtypes(module, x, y0)
 
     def _traced(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any],
                 output: Any) -> torch.Tensor | None:
@@ -387,19 +317,9 @@ class LayerHook:
             return None
         y = _output(output)
         # Python state is neither read nor written here (a checkpointed region is a
-        # higher-order op that refuses side effects): dtypes go to a device row
-        assert self.meta is not None
-        self.meta[:4].copy_(torch.tensor([dtype_code(d) for d in _dtypes(module, x, y)[:4]],
-                                         dtype=torch.float64, device=self.meta.device))
-        if x.numel():
-            assert self.ctl is not None
-            xd = x.detach()
-            # one opaque call (its body runs eagerly): inlined, the fold's few dozen ops
-            # per call site cost minutes of code generation
-            check = self.rt.output_checks and not _other_tensor(args, kwargs, x)
-            fold_call(xd, None if y is None else y.detach(),
-                      reference_params(self.layer, module, xd), self.state, self.ctl,
-                      self.meta, self.key, check, module.training)
+        # higher-order op that refuses side effects): the operator's body does that
+        observe(x.detach(), None if y is None else y.detach(), self.state,
+                not _other_tensor(args, kwargs, x))
         if self.grads is not None and y is not None and y.requires_grad \
                 and isinstance(output, torch.Tensor):
             weight = getattr(module, "weight", None)
@@ -411,21 +331,74 @@ class LayerHook:
             return self.grads.watch_output(y, x if fits else None, weight)
         return None
 
-    def _fold_in_place(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None,
-                       alone: bool) -> int:
-        """Eager calls once compiled ones run too: :func:`fold_in_place` (what compiled
-        calls run as one operator), straight; returns the token count."""
-        assert self.state is not None and self.ctl is not None
-        rt = self.rt
-        return fold_in_place(self.site, x, y, reference_params(self.layer, module, x),
-                             self.state, self.ctl,
-                             alone and rt.output_checks and rt.check_outputs, module.training)
+    def compiled_call(self, x: torch.Tensor, y: torch.Tensor | None, alone: bool) -> None:
+        """The body of a compiled call's operator, at run time: what an eager call
+        measures (a call traced as counted; an activation checkpoint's recompute, inside
+        the backward, is not counted again)."""
+        try:
+            if self.rt.paused or self.disabled_reason is not None or \
+                    torch._C._current_graph_task_id() != -1:
+                return
+            self._measure(self.module, x, y, not self.rt.check_outputs or alone)
+            self._record_dtypes(self.module, x, y)
+        except Exception as exc:  # never take the training run down
+            self._fail(exc)
+
+    def compiled_grad(self, at: str, g: torch.Tensor, x: torch.Tensor | None,
+                      weight: torch.Tensor | None) -> None:
+        """The body of a compiled gradient's operator, at run time (see
+        :meth:`GradHooks.measure`)."""
+        if self.grads is not None and self.disabled_reason is None:
+            self.grads.measure(SITES.index(at), g, x, weight)
+
+    def _output_check(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                      call: CallRows, width: int) -> torch.Tensor | None:
+        """``[mismatch, carried eps]`` (float64) of output ``y`` against the kind's formula,
+        over the rows :meth:`_checked` picks; ``None``: no formula applies. Tensor ops
+        only (compiled or eager alike)."""
+        layer = self.layer
+        params = reference_params(layer, module, x)
+        x, y = self._checked(x, y, params, call, width)
+        ref = expected_from(layer, x, params, module.training)
+        if ref is None:
+            return None
+        if flattens_heads(ref.shape, y.shape):  # heads flattened on the way out
+            ref = ref.reshape(y.shape)
+        err = torch.ones((), dtype=torch.float64, device=y.device) if ref.shape != y.shape \
+            else mismatch(self._tokens(y), self._tokens(ref)).double()  # wrong shape: 1
+        return torch.stack([err, carried_eps(y)])
+
+    def _checked(self, x: torch.Tensor, y: torch.Tensor, params: tuple[torch.Tensor | None, ...],
+                 call: CallRows, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The part of ``x`` and ``y`` an output check reads: for layer and RMS norms whose
+        parameters cover whole rows of trailing dims, the rows
+        :func:`~normwatch.measure.reductions.checked_rows` picks (a few dozen, whatever
+        the call's size); else all of them."""
+        if self.layer.kind not in ("layernorm", "rmsnorm") or y.shape != x.shape:
+            return x, y
+        lowest = max([1] + [p.dim() for p in params if p is not None])
+        for d in range(lowest, x.dim()):  # the fewest trailing dims holding tokens
+            trailing = x.shape[x.dim() - d:]
+            span = math.prod(trailing)
+            if span % width == 0:
+                rows = checked_rows(call.hi, call.lo, span // width)
+                return x.reshape(-1, *trailing)[rows], y.reshape(-1, *trailing)[rows]
+        return x, y
+
+    def _out_tokens(self, out: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+        """The output as tokens: the input's layout, or for a wrong-shaped output its
+        last dim, whatever those tokens mean; ``None`` for no (or an empty) output."""
+        if out is None or out.numel() == 0:
+            return None
+        if out.shape == x.shape:
+            return self._tokens(out)
+        return out.reshape(-1, out.shape[-1]) if out.dim() else out.reshape(1, 1)
 
     def _reduce(self, tokens: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None,
                 key: float) -> CallRows:
         """One call's per-token rows: the fused kernel on its devices, else torch."""
-        kind, eps = self.layer.kind, self.site.eps
-        out_tokens = output_tokens(self.site, out, x)
+        kind, eps = self.layer.kind, self._eps
+        out_tokens = self._out_tokens(out, x)
         if not self.rt.fused(x):
             return reduce_call(tokens, out_tokens, kind, eps, self.rt.full_stats, self.row, key)
         same = out_tokens is not None and out_tokens.shape == tokens.shape
@@ -470,6 +443,12 @@ def module_device(module: nn.Module) -> torch.device | None:
     for t in (*module.parameters(), *module.buffers()):
         return t.device
     return None
+
+
+def _chunk_tokens(x: torch.Tensor, width: int,
+                  other: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Tokens of ``width`` elements, straight away when the last dim is one token."""
+    return x.reshape(-1, width) if x.dim() and x.shape[-1] == width else other(x)
 
 
 def _other_tensor(args: tuple[Any, ...], kwargs: Mapping[str, Any], x: torch.Tensor) -> bool:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from normwatch.catalog import PUBLIC, decode_score, values
-from normwatch.measure.accumulator import META, Accumulator
+from normwatch.measure.accumulator import Accumulator
 from normwatch.measure.compiling import eager_frame
 from normwatch.measure.hooks import HostCounts, LayerHook, Runtime, module_device
 from normwatch.measure.probe import ProbeCache, ProbeTarget
@@ -114,7 +114,7 @@ class Measurement:
 
     @eager_frame
     def _forward_begins(self, module: nn.Module, args: object) -> None:
-        if torch.compiler.is_compiling():  # compiled calls fold in place: nothing to drop
+        if torch.compiler.is_compiling():  # traced: no Python state (nothing to drop)
             return
         if self._open is None:  # the outermost call
             self._open = _OpenForward(self._rt.accumulator.mark(), self._rt.calls_this_step,
@@ -183,20 +183,8 @@ class Measurement:
         device-to-host copy per device. Does not reset."""
         self.commit()
         rows, copied = self._rt.accumulator.read(dict(extras or {}))
-        firsts: list[tuple[tuple[int, int], str]] = []
         for row, hook in zip(rows, self._hooks, strict=True):
-            hook.poll()
             row["calls"] += hook.counts.empty_calls
-            codes = [row.pop(name) for name in META]
-            if codes[0]:  # compiled calls ran: eager ones now share their call counter
-                self._rt.traced = True
-                hook.counts.adopt(codes, None if hook.state is None else hook.state.device)
-            first = decode_score(codes[-1])
-            if first is not None:
-                firsts.append((first, hook.layer.name))
-        order = self._rt.forward_order
-        for _, name in sorted(firsts):  # compiled calls' place in forward order
-            order.setdefault(name, len(order))
         return rows, copied
 
     @property

@@ -76,7 +76,7 @@ class CallRows(NamedTuple):
     row: int
     """The layer's accumulator row."""
     key: float | torch.Tensor
-    """The call's position (see :data:`KEY_STRIDE`); a 0-d tensor in compiled calls."""
+    """The call's position (see :data:`KEY_STRIDE`)."""
     width: int
     eps: float
     hi: torch.Tensor
@@ -145,8 +145,7 @@ def _moments(x: torch.Tensor, centred: bool) -> tuple[torch.Tensor, torch.Tensor
         norm = torch.linalg.vector_norm(x, dim=1)
         return x.sum(1), norm, norm
     width = x.shape[1]
-    # compiled, the reductions fuse into one pass with no temporary: no chunks to unroll
-    step = x.shape[0] if torch.compiler.is_compiling() else max(1, CHUNK_ELEMENTS // width)
+    step = max(1, CHUNK_ELEMENTS // width)
     parts = []
     for start in range(0, x.shape[0], step):
         chunk = x[start : start + step]
@@ -334,55 +333,6 @@ def fold_calls(calls: Sequence[CallRows], plan: FoldPlan) -> torch.Tensor:
     cols["first_born_score"] = score * ((out_bad > 0) & (nonfinite == 0))
     return torch.stack([cols.get(name, plan.identity[i]) for i, name in enumerate(COLUMNS)],
                        1).double()
-
-
-FULL_ONLY = ("stats_tokens", "common_mode_tokens", "eps_dominated_tokens", "rms_sum",
-             "rms_max", "rms_min", "common_mode_max", "sumsq_max", "eps_dominance")
-"""The columns only the full tier measures (the sentinel tier leaves their identity)."""
-
-
-def fold_one(call: CallRows, full: torch.Tensor, limits: Limits) -> torch.Tensor:
-    """One call's ``(columns,)`` float64 contribution, as :func:`fold_calls` computes it,
-    with tensor ops only (traceable by ``torch.compile``, shapes may be symbolic).
-
-    ``call`` holds the full statistics and a 0-d tensor key; ``full`` (0-d bool) picks
-    the tier: the sentinel tier resets :data:`FULL_ONLY` to their identities, so the
-    numbers equal the staged fold's either way."""
-    n_in = call.hi.shape[0]
-    n_out = 0 if call.out_hi is None else call.out_hi.shape[0]
-    device = call.hi.device
-
-    def const(n: int, value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.full((n,), value, dtype=dtype, device=device)
-
-    tol, width = limits.eps_tol, float(call.width)
-    below = math.sqrt(call.eps * (1 - tol) / tol) if call.eps > 0 else 2.0**-149
-    identity, full_only = _column_constants(device)
-    plan = FoldPlan(
-        n_calls=1, uniform=n_in, aligned=n_out == n_in, out_uniform=n_out,
-        rows=const(1, 0, torch.int64), n_in=const(1, n_in), n_out=const(1, n_out),
-        width=const(1, width), eps=const(1, call.eps),
-        key_offset=const(1, 0.0, torch.float64),
-        segment=const(n_in, 0, torch.int64), out_segment=const(n_out, 0, torch.int64),
-        inv_width=const(n_in, 1 / width), inv_sqrt_width=const(n_in, 1 / math.sqrt(width)),
-        dominated_below=const(n_in, below), identity=identity[:, None], limits=limits)
-    v = fold_calls([call], plan)[0]
-    return torch.where(full | ~full_only, v, identity)
-
-
-_CONSTANTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _column_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each column's identity (float64) and whether it is :data:`FULL_ONLY`, on
-    ``device``: graph constants when compiled, made once per device in eager."""
-    if not torch.compiler.is_compiling() and device in _CONSTANTS:
-        return _CONSTANTS[device]
-    made = (torch.tensor(identity_row(COLUMNS), dtype=torch.float64, device=device),
-            torch.tensor([c in FULL_ONLY for c in COLUMNS], device=device))
-    if not torch.compiler.is_compiling():
-        _CONSTANTS[device] = made
-    return made
 
 
 def _cat(parts: Sequence[torch.Tensor | None]) -> torch.Tensor:

@@ -57,19 +57,18 @@ def bandwidth() -> str:
 
 def per_call_statistics(x: torch.Tensor) -> str:
     """One norm call's statistics, reductions and fold: fused kernel vs inductor."""
-    from normwatch.measure.reductions import fold_one, reduce_call, rows_from_fused
+    from normwatch.measure.reductions import fold_calls, fold_plan, reduce_call, rows_from_fused
     from normwatch.records import Limits
 
-    key, full, limits = torch.zeros((), dtype=torch.float64, device="cuda"), \
-        torch.ones((), dtype=torch.bool, device="cuda"), Limits()
+    plan = fold_plan([reduce_call(x, x, "rmsnorm", 1e-6, True, 0, 0.0)], Limits())
 
     def fused() -> torch.Tensor:
         call = rows_from_fused(row_stats_triton(x, x), "rmsnorm", 1e-6, x.shape[1], True, 0,
-                               key)  # type: ignore[arg-type]
-        return fold_one(call, full, limits)
+                               0.0)
+        return fold_calls([call], plan)
 
     def torch_path(x: torch.Tensor) -> torch.Tensor:
-        return fold_one(reduce_call(x, x, "rmsnorm", 1e-6, True, 0, key), full, limits)
+        return fold_calls([reduce_call(x, x, "rmsnorm", 1e-6, True, 0, 0.0)], plan)
 
     compiled = torch.compile(torch_path, fullgraph=True)
     fused_ms = time_cuda(fused)

@@ -248,31 +248,31 @@ def test_closing_leaves_the_compiled_model_unwatched() -> None:
 
 
 def test_a_failing_compiled_measurement_disables_that_layer_only(monkeypatch: pytest.MonkeyPatch
-                                                                 ) -> None:
-    """The failure, inside the compiled call's operator, measures nothing and training goes
-    on; the next flush disables that layer with one warning; the other layer is still
-    measured, and the recompile that drops the hook runs without it."""
-    import normwatch.measure.opaque as opaque
+                                                              ) -> None:
+    """The failure, inside the compiled call's operator, disables that layer with one
+    warning; training goes on; the recompile that drops the hook runs without it and the
+    other layer is still measured."""
+    import normwatch.measure.hooks as hooks
 
-    real = opaque.reduce_call
+    real = hooks.reduce_call
 
     def broken(tokens, *args):  # type: ignore[no-untyped-def]
         if tokens.shape[1] == 48:
             raise RuntimeError("kernel exploded")
         return real(tokens, *args)
 
-    monkeypatch.setattr(opaque, "reduce_call", broken)
+    monkeypatch.setattr(hooks, "reduce_call", broken)
     model = nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 48), nn.LayerNorm(48))
-    w = normwatch.watch(model, report_dir=None, flush_every=2)
+    w = normwatch.watch(model, report_dir=None)
     compiled = torch.compile(model)
     with pytest.warns(RuntimeWarning, match="measuring '2' failed") as record:
-        for _ in range(3):  # flushed after the second step: the third runs without it
+        for _ in range(3):
             compiled(torch.randn(4, 32, requires_grad=True)).sum().backward()
             w.step()
     assert sum("failed" in str(r.message) for r in record) == 1
     assert w.disabled == {"2": "RuntimeError: kernel exploded"}
     snap = w.flush()
-    assert snap.layers["0"].calls == 1 and snap.layers["2"].calls == 0
+    assert snap.layers["0"].calls == 3 and snap.layers["2"].calls == 0
     w.close()
 
 

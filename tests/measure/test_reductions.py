@@ -10,7 +10,6 @@ import torch
 from normwatch.catalog import COLUMNS, SCORE_BASE
 from normwatch.measure.reductions import (
     fold_calls,
-    fold_one,
     fold_plan,
     mismatch,
     reduce_call,
@@ -222,31 +221,6 @@ def test_fold_of_many_calls_matches_each_call_alone(full: bool, uniform: bool,
     assert got["nonfinite"] == 1 and got["first_arrived_score"] == SCORE_BASE - (5 * KEY + 1)
     born = dict(zip(COLUMNS, together[2].tolist(), strict=True))
     assert born["first_born_score"] == SCORE_BASE - (5 * KEY + 2)
-
-
-@pytest.mark.parametrize("full", [True, False])
-@pytest.mark.parametrize("compiled", [False, True])
-def test_single_call_fold_equals_the_staged_fold(full: bool, compiled: bool) -> None:
-    """The compiled hook's fold (tensor key, tier as a tensor) gives the staged numbers."""
-    specs = calls_for_fold(uniform=False)
-    specs[0] = (specs[0][0], None, *specs[0][2:])  # no output
-    y3 = specs[3][1]
-    assert y3 is not None
-    specs[3] = (specs[3][0], y3[:, :5], *specs[3][2:])  # a wrong-shaped output
-
-    def one(x: torch.Tensor, y: torch.Tensor | None, kind: str, eps: float,
-            key: torch.Tensor, tier: torch.Tensor) -> torch.Tensor:
-        call = reduce_call(x, y, kind, eps, True, 0, key)  # type: ignore[arg-type]
-        return fold_one(call, tier, TH)
-
-    fold = torch.compile(one, fullgraph=True, dynamic=True) if compiled else one
-    for x, y, kind, eps, key in specs:
-        staged = reduce_call(x, y, kind, eps, full, 0, key)  # type: ignore[arg-type]
-        want = fold_calls([staged], fold_plan([staged], TH))[0]
-        got = fold(x, y, kind, eps, torch.tensor(key, dtype=torch.float64),
-                   torch.tensor(full))
-        assert got.dtype == torch.float64
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
 
 
 def test_carried_eps_reads_the_precision_from_the_mantissas() -> None:
