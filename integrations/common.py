@@ -19,7 +19,7 @@ from normwatch.config import WatchConfig
 from normwatch.export.crossrank import VerdictExchange
 from normwatch.export.metrics import flat_metrics
 from normwatch.records import Snapshot
-from normwatch.watch import Watch
+from normwatch.watching import Watch
 
 
 def validate(options: Mapping[str, Any]) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from normwatch.config import WatchConfig, options_from_env
 from normwatch.measure.compiling import eager_frame
 from normwatch.measure.discovery import iter_norm_modules
 from normwatch.measure.isolation import internal
-from normwatch.watch import Watch
+from normwatch.watching import Watch
 
 from .common import watch_optimizers
 

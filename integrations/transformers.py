@@ -32,7 +32,7 @@ from transformers import (
 )
 
 from normwatch.export.crossrank import VerdictExchange
-from normwatch.watch import Watch
+from normwatch.watching import Watch
 
 from .common import on_flush, on_training_error, trainer_config, validate, watch_optimizers
 

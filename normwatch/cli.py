@@ -24,7 +24,7 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (``--help`` on every subcommand)."""
-    from normwatch.demos.demo import DEFAULT_FAULT, FAULTS
+    from normwatch.demos.faults import DEFAULT_FAULT, FAULTS
 
     parser = argparse.ArgumentParser(
         prog="normwatch",

@@ -74,7 +74,7 @@ def test_the_stages_are_sub_packages() -> None:
         assert f"normwatch.{stage}" in MODULES
     top = {n for n in MODULES if n.count(".") == 1 and not n.startswith("normwatch.integrations")}
     assert top <= {"normwatch._version", "normwatch.records", "normwatch.catalog",
-                   "normwatch.config", "normwatch.errors", "normwatch.watch", "normwatch.cli",
+                   "normwatch.config", "normwatch.errors", "normwatch.watching", "normwatch.cli",
                    "normwatch.__main__", "normwatch.measure", "normwatch.judge",
                    "normwatch.report", "normwatch.export", "normwatch.demos",
                    "normwatch.integrations"}
@@ -115,3 +115,29 @@ def test_every_module_imports_alone() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             cwd=ROOT / "tests", check=False)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_the_launcher_and_the_package_load_no_torch_until_used() -> None:
+    """``normwatch run``'s launcher only starts the script: importing the package, the
+    command line and its parser, and checking a report folder load no torch (seconds of
+    start-up); the first use of ``normwatch.watch`` loads it and is the function."""
+    code = (
+        "import sys, tempfile\n"
+        "import normwatch, normwatch.cli\n"
+        "from normwatch.report.document import prepare_report_dir\n"
+        "normwatch.cli.build_parser(); prepare_report_dir(tempfile.mkdtemp())\n"
+        "assert 'torch' not in sys.modules, 'torch loaded'\n"
+        "assert {'watch', 'Watch', 'load_report'} <= set(dir(normwatch))\n"
+        "assert callable(normwatch.watch) and normwatch.watch.__name__ == 'watch'\n"
+        "assert 'torch' in sys.modules\n"
+        "import normwatch.watching\n"
+        "assert normwatch.watch is normwatch.watching.watch\n"
+        "try:\n"
+        "    normwatch.nothing\n"
+        "except AttributeError as exc:\n"
+        "    assert 'nothing' in str(exc)\n"
+        "else:\n"
+        "    raise SystemExit('no AttributeError')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 0, done.stderr

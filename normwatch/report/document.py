@@ -25,8 +25,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from normwatch._version import __version__
 from normwatch.catalog import TABLE
 from normwatch.errors import ConfigError
@@ -120,6 +118,8 @@ def environment(records: Sequence[Record] = ()) -> dict[str, Any]:
                     dtypes[key].add(value)
             if s.autocast:
                 autocast.add(s.autocast)
+    import torch  # here: loading a report (and normwatch run's launcher) needs no torch
+
     return {
         "normwatch": __version__,
         "torch": torch.__version__,

@@ -6,7 +6,7 @@
 
 A 60-layer model whose residual stream drifts raises the same alarm in every norm; the
 console and the logs get one line naming the layers as a count and a range, with the
-worst layer's explanation, while :attr:`~normwatch.watch.Watch.alarms`, ``report.json``
+worst layer's explanation, while :attr:`~normwatch.watching.Watch.alarms`, ``report.json``
 and the HTML keep every layer's alarm. Pure: no output here.
 """
 
