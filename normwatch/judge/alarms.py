@@ -176,7 +176,20 @@ def eps_alarms(stats: LayerStats, layer: NormLayer, step: int, config: WatchConf
         "eps_dominance", sev, stats.name, step, stats.eps_dominance, config.eps_tol,
         f"{stats.name}: eps = {layer.eps:g} dominates {share} (eps/({s_name} + eps) up to "
         f"{stats.eps_dominance:.3g} > {config.eps_tol:g}): their output is flattened to "
-        f"RMS sqrt(s/(s+eps)). Use eps 1e-6..1e-5, or mask zero/padding tokens.")]
+        f"RMS sqrt(s/(s+eps)). {_eps_advice(layer.eps)}")]
+
+
+USUAL_EPS = 1e-5
+"""The largest eps in the usual range (1e-6..1e-5)."""
+
+
+def _eps_advice(eps: float) -> str:
+    """What to do about eps dominance, for the layer's own eps."""
+    if eps > USUAL_EPS:
+        return "Lower eps to 1e-6..1e-5, or mask zero/padding tokens."
+    return ("This eps is already in the usual range: the tokens themselves are small (common "
+            "at initialisation; it fades as training grows them). If it persists, mask "
+            "zero/padding tokens or lower eps further.")
 
 
 def common_mode_alarms(stats: LayerStats, step: int, config: WatchConfig) -> list[Alarm]:

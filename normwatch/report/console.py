@@ -89,7 +89,9 @@ class HealthTable:
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         snap = self.snapshot
-        title = self.title or f"normwatch · steps {snap.first_step}-{snap.step}"
+        span = f"step {snap.step}" if snap.first_step >= snap.step else \
+            f"steps {snap.first_step}-{snap.step}"
+        title = self.title or f"normwatch · {span}"
         rows = self.rows()
         shown = rows if self.max_rows is None or len(rows) <= self.max_rows else \
             rows[:max(1, self.max_rows - 1)]

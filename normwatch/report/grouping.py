@@ -74,7 +74,7 @@ class AlarmGroup:
         message = worst.message
         if worst.layer is not None and message.startswith(f"{worst.layer}: "):
             message = message[len(worst.layer) + 2:]
-        return f"{head} · worst {worst.layer}: {message}"
+        return f"{head} · worst {worst.layer!r}: {message}"  # quoted: a layer named 'norm'
 
     def as_alarm(self, detail: bool = True, count: int = 1, since: int | None = None
                  ) -> Alarm:

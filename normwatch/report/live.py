@@ -9,8 +9,9 @@ step, tokens/s and the time since the last flush; the health table, worst layers
 capped to the terminal's height with the healthy layers folded into one row, each layer
 with a sparkline of its max |x| against the fp16 limit; the latest grouped alarm lines.
 :class:`ConsoleView` owns the side effects: a ``rich.live.Live`` on a terminal, plain
-lines (one per grouped alarm, one status line per flush at most every few seconds)
-without one — CI logs stay readable.
+lines (one per grouped warning or critical alarm — info alarms are shown in the panel,
+logged and counted in the watch's exit line, so a healthy run prints none — and one
+status line per flush at most every few seconds) without one — CI logs stay readable.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.live import Live
 from rich.text import Text
 
-from normwatch.records import Alarm, Snapshot
+from normwatch.records import SEVERITY_RANK, Alarm, Snapshot
 from normwatch.report.console import HealthTable, alarm_text, stderr_console
 
 BARS = "▁▂▃▄▅▆▇█"
@@ -108,7 +109,7 @@ class ConsoleView:
     def alarm(self, alarm: Alarm) -> None:
         """A grouped alarm line (a watch sink): printed now, or shown in the panel."""
         self._lines = [*self._lines, alarm][-20:]
-        if self._live is None:
+        if self._live is None and SEVERITY_RANK[alarm.severity] >= SEVERITY_RANK["warning"]:
             self.console.print(alarm_text(alarm))
 
     def update(self, snapshot: Snapshot, findings: Sequence[Alarm], fp16_limit: float,

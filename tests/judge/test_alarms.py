@@ -86,6 +86,19 @@ def test_too_large_eps_flattens_small_tokens() -> None:
     alarm = next(a for a in w.alarms if a.kind == "eps_dominance")
     assert alarm.severity == "warning" and alarm.layer == "1"
     assert alarm.value > 0.5 and "eps = 0.1 dominates 16 of 16 tokens" in alarm.message
+    assert "Lower eps to 1e-6..1e-5" in alarm.message
+
+
+def test_eps_advice_reads_the_layers_own_eps() -> None:
+    """Small tokens against the usual eps 1e-5: no advice to use what it has."""
+    model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.LayerNorm(64, eps=1e-5))
+    w = normwatch.watch(model, flush_every=1, report_dir=None)
+    model(torch.randn(16, 64) * 5e-4).pow(2).mean().backward()
+    w.step()
+    alarm = next(a for a in w.alarms if a.kind == "eps_dominance")
+    assert "eps = 1e-05 dominates" in alarm.message
+    assert "already in the usual range" in alarm.message and "Lower eps" not in alarm.message
+    w.close()
 
 
 def test_nan_born_in_an_mlp_names_the_next_norm() -> None:

@@ -45,7 +45,9 @@ def test_worst_first_with_status_words() -> None:
 
 def test_nonfinite_layers_are_critical_even_without_their_own_alarm() -> None:
     snap = Snapshot(step=3, first_step=3, layers={"a": stats("a", 1.0, nonfinite=5)})
-    assert "CRIT" in render(HealthTable(snap, []))
+    text = render(HealthTable(snap, []))
+    assert "CRIT" in text
+    assert "normwatch · step 3" in text and "steps 3-3" not in text  # one step: said so
 
 
 def test_alarm_line() -> None:

@@ -37,7 +37,7 @@ def test_groups_follow_kind_severity_tag_and_forward_order() -> None:
     assert first.layers == (LAYERS[1], LAYERS[2], LAYERS[3])  # forward order
     assert first.worst.layer == LAYERS[3]  # fewest steps to the limit
     assert first.text() == ("3 layers, blocks.1.norm … blocks.3.norm · steps to the limit "
-                            "27–29 · worst blocks.3.norm: ~27 steps to the fp16 limit. Act now.")
+                            "27–29 · worst 'blocks.3.norm': ~27 steps to the fp16 limit. Act now.")
     assert first.text(detail=False) == ("3 layers, blocks.1.norm … blocks.3.norm · steps to "
                                         "the limit 27–29")
     assert groups[1].text() == "blocks.0.norm: max |x| = 300 > 256."  # one alarm: as is

@@ -3,6 +3,7 @@ and the plain-line fallback without one."""
 
 from __future__ import annotations
 
+import io
 import os
 import pty
 import re
@@ -18,7 +19,7 @@ from rich.console import Console
 import normwatch
 from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
 from normwatch.records import Alarm
-from normwatch.report.live import LivePanel, LiveState, sparkline
+from normwatch.report.live import ConsoleView, LivePanel, LiveState, sparkline
 from tests.factory import snapshot, stats
 
 
@@ -73,8 +74,21 @@ def test_plain_lines_without_a_terminal(capsys: pytest.CaptureFixture[str]) -> N
     err = capsys.readouterr().err
     assert "normwatch · step 2 · max |x|" in err  # one status line (at most every 5 s)
     assert err.count("normwatch · step") == 1
-    assert "CRIT fp16_overflow: 3 layers" in err or "fp16_overflow" in err
+    # past the limit in fp32: info (harmless in this dtype), counted, not printed
+    assert "fp16_overflow" not in err and "alarms: 3 info" in err
     assert "\x1b[" not in err  # no cursor movement in a log
+
+
+def test_plain_lines_print_warnings_and_criticals_only() -> None:
+    """Info alarms stay in the panel (and the log and the exit line): a healthy run prints
+    none of them."""
+    buf = io.StringIO()
+    view = ConsoleView(Console(file=buf, width=120, color_system=None), live=False)
+    view.alarm(Alarm("eps_dominance", "info", "a", 3, 0.02, 0.01, "a: small tokens"))
+    view.alarm(Alarm("fp16_headroom", "warning", "b", 3, 40.0, 1000.0, "b: growing"))
+    view.alarm(Alarm("nonfinite", "critical", "c", 3, 1.0, 0.0, "c: NaN"))
+    text = buf.getvalue()
+    assert "small tokens" not in text and "growing" in text and "NaN" in text
 
 
 def test_bad_console_option_is_refused() -> None:
