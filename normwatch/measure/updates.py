@@ -5,21 +5,28 @@
     ... # optimizer.step() records one device row: [|g|², |Δp|², |p|²]
     >>> updates = monitor.resolve(copied)    # at the flush: (UpdateStats, ...)
 
-The pre-hook copies the trainable parameters; the post-hook sums the squared gradients
-the step used, the squared change and the squared parameters. Everything stays on the
-parameters' devices (no host sync) until the flush copies the rows along with the
-statistics. The copy costs the optimizer's local parameters in memory (a shard under
-FSDP2): for the duration of ``step()`` on accelerators, kept between steps on the CPU
-(:meth:`UpdateMonitor._copy`). Several optimizers stepping in one training step add up
-into one row. A failure in a hook detaches the monitor with one warning; training goes
-on.
+The pre-hook copies a fixed sample of each trainable parameter: every
+:data:`SAMPLE_STRIDE`-th element (17, prime: it walks across the columns of any
+power-of-two width instead of always reading the same one), tensors smaller than
+:data:`EXACT_BELOW` whole. The post-hook sums the squared gradients the step used and the
+squared parameters (exact: nothing to copy) and the squared change of the sample, scaled
+up by each tensor's elements per sampled element (an unbiased estimate of the update's sum
+of squares where the update is spread like the tensor; the relative error of the norm is
+about ``sqrt(SAMPLE_STRIDE / (2 n))`` for ``n`` elements of similar size: 0.3 % at 1M
+elements). The copy costs 1/17 of the optimizer's local parameters (a shard under FSDP2)
+in memory: for the duration of ``step()`` on accelerators, kept between steps on the CPU
+(:meth:`UpdateMonitor._copy`). Everything stays on the parameters' devices (no host sync)
+until the flush copies the rows along with the statistics. Several optimizers stepping in
+one training step add up into one row. A failure in a hook detaches the monitor with one
+warning; training goes on.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,6 +42,24 @@ KEEP_ON = frozenset({"cpu"})
 """Device types whose parameter copies are kept between steps (:meth:`UpdateMonitor._copy`)."""
 WIDTH = 3
 """Values per device row: gradient, update and parameter sums of squares."""
+SAMPLE_STRIDE = 17
+"""The update is measured on every 17th element of a tensor (5.9 %)."""
+EXACT_BELOW = 16 * SAMPLE_STRIDE
+"""Tensors with fewer elements are copied whole (a sample of under 16 says little)."""
+
+
+def sample(t: torch.Tensor) -> torch.Tensor:
+    """The elements of ``t`` the update is measured on: a strided view of every
+    :data:`SAMPLE_STRIDE`-th one (no copy), or all of them (flattened)."""
+    if t.numel() < EXACT_BELOW or not t.is_contiguous():
+        return t.reshape(-1)
+    return t.view(-1)[::SAMPLE_STRIDE]
+
+
+def weight(t: torch.Tensor) -> float:
+    """Elements of ``t`` per element of its :func:`sample`."""
+    n = t.numel()
+    return n / sample(t).numel() if n else 1.0
 
 
 def unwrap(optimizer: object) -> torch.optim.Optimizer:
@@ -49,19 +74,33 @@ def unwrap(optimizer: object) -> torch.optim.Optimizer:
     return inner
 
 
-def sumsq(tensors: Iterable[torch.Tensor]) -> dict[torch.device, torch.Tensor]:
-    """The float64 sum of squares of ``tensors`` per device (0-d tensors, no sync)."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
+def sumsq(tensors: Iterable[torch.Tensor], weights: Sequence[float] | None = None
+          ) -> dict[torch.device, torch.Tensor]:
+    """The float64 sum of squares of ``tensors`` per device (0-d tensors, no sync), each
+    tensor's counted ``weights[i]`` times (default once)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, float]]] = {}
+    for i, t in enumerate(tensors):
         if t.is_sparse:  # an embedding's sparse gradient: its stored values
             t = t.coalesce().values()
-        groups.setdefault((t.device, t.dtype), []).append(t)
+        groups.setdefault((t.device, t.dtype), []).append((t, 1.0 if weights is None
+                                                           else weights[i]))
     out: dict[torch.device, torch.Tensor] = {}
     for (device, dtype), group in groups.items():
-        norms = torch._foreach_norm(group, 2, dtype=summed_dtype(dtype))
-        total = torch.stack(norms).to(torch.float64).square().sum()
+        norms = torch._foreach_norm([t for t, _ in group], 2, dtype=summed_dtype(dtype))
+        squares = torch.stack(norms).to(torch.float64).square()
+        scale = tuple(w for _, w in group)
+        if any(w != 1.0 for w in scale):
+            squares = squares * _scales(device, scale)
+        total = squares.sum()
         out[device] = out[device] + total if device in out else total
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _scales(device: torch.device, scale: tuple[float, ...]) -> torch.Tensor:
+    """``scale`` as a float64 vector on ``device``, made once (by fill kernels: no
+    host-to-device copy) for a parameter list."""
+    return torch.cat([torch.full((1,), w, dtype=torch.float64, device=device) for w in scale])
 
 
 class UpdateMonitor:
@@ -101,7 +140,7 @@ class UpdateMonitor:
         """The parameters' values before the step. CPU copies are kept between steps and
         overwritten (a fresh large CPU allocation page-faults: it cost more than AdamW's
         step); on accelerators the caching allocator makes a transient copy cheap."""
-        values = [local(p).detach() for p in params]
+        values = [sample(local(p).detach()) for p in params]
         keep = [v.device.type in KEEP_ON for v in values]
         if not any(keep):
             return [v.clone() for v in values]
@@ -123,11 +162,12 @@ class UpdateMonitor:
             with torch.no_grad():
                 params, copies = before
                 now = [local(p).detach() for p in params]
-                torch._foreach_sub_(copies, now)  # the copies become -Δp
+                torch._foreach_sub_(copies, [sample(t) for t in now])  # the copies: -Δp
                 # the gradients are read after the step: a closure (LBFGS, Lightning)
                 # computes them inside step(), after the pre-hook
                 grads = sumsq(local(p.grad) for p in params if p.grad is not None)
-                changes, sizes = sumsq(copies), sumsq(now)
+                changes = sumsq(copies, [weight(t) for t in now])
+                sizes = sumsq(now)
                 step = self._step()
                 for device in dict.fromkeys([*grads, *changes]):
                     zero = torch.zeros((), dtype=torch.float64, device=device)

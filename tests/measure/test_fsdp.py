@@ -216,11 +216,15 @@ def test_optimizer_steps_per_rank_under_fsdp2_and_ddp(ranks: list[dict[str, Any]
                  for p, b in zip(model.parameters(), before, strict=True))
     param = sum(float(p.detach().double().square().sum()) for p in model.parameters())
     want = [grad**0.5, update**0.5, param**0.5]
+    # gradient and parameter norms exact; the update's estimated from every 17th element
+    # (updates.SAMPLE_STRIDE; the shards sample their own elements)
+    tolerance = [1e-5, 5e-2, 1e-5]  # a tiny model whose SGD update is its sparse gradient
     for result in ranks:  # DDP: every rank holds the reduced gradient and the whole model
-        assert result["ddp_step"]["update"] == pytest.approx(want, rel=1e-5)
+        for got, value, rel in zip(result["ddp_step"]["update"], want, tolerance, strict=True):
+            assert got == pytest.approx(value, rel=rel)
     shards = [result["fsdp_step"]["update"] for result in ranks]  # FSDP2: each rank its shard
-    assert [sum(s[i] ** 2 for s in shards) ** 0.5 for i in range(3)] == pytest.approx(
-        want, rel=1e-5)
+    for i, rel in enumerate(tolerance):
+        assert sum(s[i] ** 2 for s in shards) ** 0.5 == pytest.approx(want[i], rel=rel)
     assert all(0 < s[0] < want[0] for s in shards)
 
 
