@@ -6,13 +6,13 @@
     >>> updates = monitor.resolve(copied)    # at the flush: (UpdateStats, ...)
 
 The pre-hook copies a fixed sample of each trainable parameter: every
-:data:`SAMPLE_STRIDE`-th element (17, prime: it walks across the columns of any
-power-of-two width instead of always reading the same one), tensors smaller than
-:data:`EXACT_BELOW` whole. The post-hook sums the squared gradients the step used and the
-squared parameters (exact: nothing to copy) and the squared change of the sample, scaled
-up by each tensor's elements per sampled element (an unbiased estimate of the update's sum
-of squares where the update is spread like the tensor; the relative error of the norm is
-about ``sqrt(SAMPLE_STRIDE / (2 n))`` for ``n`` elements of similar size: 0.3 % at 1M
+:data:`SAMPLE_STRIDE`-th block of :data:`BLOCK` elements (17, prime: it walks across the
+columns of any power-of-two width instead of always reading the same ones), tensors
+smaller than :data:`EXACT_BELOW` whole. The post-hook sums the squared gradients the step
+used (exact) and the squared change and squared values of the sample, scaled up by each
+tensor's elements per sampled element (an estimate of the update's and the parameters' sums
+of squares where they are spread like the tensor; the relative error of a norm is about
+``sqrt(SAMPLE_STRIDE / (2 n))`` for ``n`` elements of similar size: 0.3 % at 1M
 elements). The copy costs 1/17 of the optimizer's local parameters (a shard under FSDP2)
 in memory: for the duration of ``step()`` on accelerators, kept between steps on the CPU
 (:meth:`UpdateMonitor._copy`). Everything stays on the parameters' devices (no host sync)
@@ -43,17 +43,22 @@ KEEP_ON = frozenset({"cpu"})
 WIDTH = 3
 """Values per device row: gradient, update and parameter sums of squares."""
 SAMPLE_STRIDE = 17
-"""The update is measured on every 17th element of a tensor (5.9 %)."""
-EXACT_BELOW = 16 * SAMPLE_STRIDE
-"""Tensors with fewer elements are copied whole (a sample of under 16 says little)."""
+"""The update is measured on every 17th block of a tensor (5.9 %)."""
+BLOCK = 16
+"""Elements per sampled block (64 bytes of fp32: one cache line, so the sample reads 1/17
+of the memory too)."""
+EXACT_BELOW = 16 * SAMPLE_STRIDE * BLOCK
+"""Tensors with fewer elements are copied whole (a sample of under 16 blocks says little)."""
 
 
 def sample(t: torch.Tensor) -> torch.Tensor:
-    """The elements of ``t`` the update is measured on: a strided view of every
-    :data:`SAMPLE_STRIDE`-th one (no copy), or all of them (flattened)."""
-    if t.numel() < EXACT_BELOW or not t.is_contiguous():
+    """The elements of ``t`` the update is measured on: every :data:`SAMPLE_STRIDE`-th
+    block of :data:`BLOCK` (a view, no copy; the last partial block left out), or all of
+    them (flattened)."""
+    n = t.numel()
+    if n < EXACT_BELOW or not t.is_contiguous():
         return t.reshape(-1)
-    return t.view(-1)[::SAMPLE_STRIDE]
+    return t.view(-1)[:n - n % BLOCK].view(-1, BLOCK)[::SAMPLE_STRIDE]
 
 
 def weight(t: torch.Tensor) -> float:
@@ -162,12 +167,13 @@ class UpdateMonitor:
             with torch.no_grad():
                 params, copies = before
                 now = [local(p).detach() for p in params]
-                torch._foreach_sub_(copies, [sample(t) for t in now])  # the copies: -Δp
+                samples = [sample(t) for t in now]
+                torch._foreach_sub_(copies, samples)  # the copies: -Δp
                 # the gradients are read after the step: a closure (LBFGS, Lightning)
                 # computes them inside step(), after the pre-hook
                 grads = sumsq(local(p.grad) for p in params if p.grad is not None)
-                changes = sumsq(copies, [weight(t) for t in now])
-                sizes = sumsq(now)
+                weights = [weight(t) for t in now]
+                changes, sizes = sumsq(copies, weights), sumsq(samples, weights)
                 step = self._step()
                 for device in dict.fromkeys([*grads, *changes]):
                     zero = torch.zeros((), dtype=torch.float64, device=device)

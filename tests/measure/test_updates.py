@@ -19,20 +19,23 @@ from normwatch.errors import ConfigError
 def reference(params: list[torch.nn.Parameter], before: list[torch.Tensor]
               ) -> tuple[float, float, float, float]:
     """Gradient, update and parameter L2 norms in float64, one parameter at a time, and
-    the update's norm estimated from every 17th element of each tensor of 272 or more
-    (the documented sample), scaled by elements per sampled element."""
+    the update's and the parameters' norms estimated from every 17th block of 16 elements
+    of each tensor of 4352 or more (the documented sample), scaled by elements per sampled
+    element."""
     def norm(ts: list[torch.Tensor]) -> float:
         return math.sqrt(sum(float(t.double().square().sum()) for t in ts))
 
     def sampled(t: torch.Tensor) -> float:
         flat = t.double().flatten()
-        picked = flat if flat.numel() < 272 else flat[::17]
-        return float(picked.square().sum()) * flat.numel() / picked.numel()
+        n = flat.numel()
+        picked = flat if n < 4352 else flat[:n - n % 16].view(-1, 16)[::17].flatten()
+        return float(picked.square().sum()) * n / picked.numel()
     with_grad = [(p, b) for p, b in zip(params, before, strict=True) if b is not None]
     changes = [p.detach() - b[0] for p, b in with_grad]
-    return (norm([b[1] for _, b in with_grad]), norm(changes),
-            norm([p.detach() for p, _ in with_grad]),
-            math.sqrt(sum(sampled(c) for c in changes)))
+    now = [p.detach() for p, _ in with_grad]
+    return (norm([b[1] for _, b in with_grad]), norm(changes), norm(now),
+            math.sqrt(sum(sampled(c) for c in changes)),
+            math.sqrt(sum(sampled(t) for t in now)))
 
 
 @pytest.mark.parametrize("kept", [True, False], ids=["copies kept", "copies per step"])
@@ -68,11 +71,12 @@ def test_norms_match_a_float64_reference_with_two_optimizers_and_accumulation(
     got = [u for s in [w.flush()] for u in s.updates]
     snapshots = [u for u in w.postmortem.updates]
     assert [u.step for u in snapshots] == [1, 2, 3, 4, 5, 6] and got == []
-    for u, (g, d, p, estimate) in zip(snapshots, expected, strict=True):
+    for u, (g, d, p, update, size) in zip(snapshots, expected, strict=True):
         assert u.grad_norm == pytest.approx(g, rel=1e-6)
-        assert u.update_norm == pytest.approx(estimate, rel=1e-5)  # the sample's arithmetic
-        assert u.update_norm == pytest.approx(d, rel=3e-2)  # an estimate over ~10k elements
-        assert u.param_norm == pytest.approx(p, rel=1e-6)
+        assert u.update_norm == pytest.approx(update, rel=1e-5)  # the sample's arithmetic
+        assert u.param_norm == pytest.approx(size, rel=1e-6)
+        assert u.update_norm == pytest.approx(d, rel=3e-2)  # estimates over ~20k elements
+        assert u.param_norm == pytest.approx(p, rel=3e-2)
         assert u.lr == 0.05 and u.update_ratio == pytest.approx(d / p, rel=3e-2)
     assert w._updates._before == {}  # the step's references are dropped after each step
     assert bool(w._updates._kept) == kept
