@@ -339,7 +339,7 @@ class LayerHook:
             if self.rt.paused or self.disabled_reason is not None or \
                     torch._C._current_graph_task_id() != -1:
                 return
-            self._measure(self.module, x, y, not self.rt.check_outputs or alone)
+            self._measure(self.module, x, y, alone)
             self._record_dtypes(self.module, x, y)
         except Exception as exc:  # never take the training run down
             self._fail(exc)

@@ -13,8 +13,9 @@ serves every layer) and runs what an eager call runs: the flags, counters and st
 are plain Python again, and compiled and eager calls give the same numbers by
 construction.
 
-The operators are *effectful* (ordered, never dead-code eliminated, never recomputed
-by an activation checkpoint) and mutate nothing the graph sees; they are marked unsafe
+The operators are *effectful* (ordered, never dead-code eliminated; a forward call's body
+that runs inside the backward, an activation checkpoint's recompute, counts nothing) and mutate
+nothing the graph sees; they are marked unsafe
 for CUDA graphs (their bodies run Python), so ``mode="reduce-overhead"`` leaves the
 graph holding them to run without CUDA graphs.
 """

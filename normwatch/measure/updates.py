@@ -61,12 +61,6 @@ def sample(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1)[:n - n % BLOCK].view(-1, BLOCK)[::SAMPLE_STRIDE]
 
 
-def weight(t: torch.Tensor) -> float:
-    """Elements of ``t`` per element of its :func:`sample`."""
-    n = t.numel()
-    return n / sample(t).numel() if n else 1.0
-
-
 def unwrap(optimizer: object) -> torch.optim.Optimizer:
     """The torch optimizer inside wrappers, or a clear error. A wrapper may itself
     subclass ``Optimizer`` without being one (Accelerate's steps the one it holds)."""
@@ -172,7 +166,9 @@ class UpdateMonitor:
                 # the gradients are read after the step: a closure (LBFGS, Lightning)
                 # computes them inside step(), after the pre-hook
                 grads = sumsq(local(p.grad) for p in params if p.grad is not None)
-                weights = [weight(t) for t in now]
+                # each tensor's elements per sampled element
+                weights = [t.numel() / s.numel() if s.numel() else 1.0
+                           for t, s in zip(now, samples, strict=True)]
                 changes, sizes = sumsq(copies, weights), sumsq(samples, weights)
                 step = self._step()
                 for device in dict.fromkeys([*grads, *changes]):
