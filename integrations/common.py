@@ -3,6 +3,7 @@
     >>> config = trainer_config(options, flush_every=50, rank=0, world_size=2, local_rank=0)
     >>> metrics = on_flush(watch, snapshot, exchange)   # logger metrics; verdicts shared
     >>> on_training_error(watch, exc)                   # post-mortem, hooks removed
+    >>> watch.finish()                                  # the end of a run: last steps judged
     >>> watch_optimizers(watch, trainer.optimizers)     # gradient and update norms
 
 Both callbacks validate their options when constructed (:func:`validate`), so bad
@@ -60,13 +61,10 @@ def on_flush(watch: Watch, snapshot: Snapshot, exchange: VerdictExchange) -> dic
 
 
 def on_training_error(watch: Watch | None, exc: BaseException) -> None:
-    """Training raised: write the post-mortem, then remove every hook."""
-    if watch is None:
-        return
-    try:
-        watch.report_exception(exc)
-    finally:
-        watch.close()
+    """Training raised: write the post-mortem, then remove every hook
+    (:meth:`Watch.finish`)."""
+    if watch is not None:
+        watch.finish(exc)
 
 
 def watch_optimizers(watch: Watch, optimizers: Iterable[object]) -> None:

@@ -96,7 +96,7 @@ class NormWatchCallback(pl.Callback):
             handle.remove()
         self._step_handles = []
         if self.watch is not None:
-            self.watch.close()
+            self.watch.finish()  # the steps since the last flush are judged too
 
     def state_dict(self) -> dict[str, Any]:
         if self.watch is not None:

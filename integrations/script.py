@@ -188,19 +188,12 @@ class AutoWatch:
     def fail(self, exc: BaseException) -> None:
         """The script died of ``exc``: a post-mortem per watch, hooks removed."""
         for watch in list(self.watches.values()):
-            if not watch.closed:
-                try:
-                    watch.report_exception(exc)
-                finally:
-                    watch.close()
+            watch.finish(exc)
 
     def finish(self) -> None:
         """The script ended: flush what is left, close every watch, remove the hooks."""
         for watch in list(self.watches.values()):
-            if not watch.closed:
-                if watch.unflushed:
-                    watch.flush()
-                watch.close()
+            watch.finish()
         for handle in self._handles:
             handle.remove()
         self._handles = []

@@ -114,9 +114,7 @@ class NormWatchTrainerCallback(TrainerCallback):
                      control: TrainerControl, **kwargs: Any) -> None:
         self._release()
         if self.watch is not None:
-            if self.watch.unflushed:  # the steps since the last flush, not an empty interval
-                self.watch.flush()
-            self.watch.close()
+            self.watch.finish()
 
 
 def _calling_trainer(callback: TrainerCallback) -> Trainer | None:

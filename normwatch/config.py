@@ -87,9 +87,12 @@ class WatchConfig:
     spike_min_rel: float = 0.1
     """...and by at least this fraction of the median."""
     report_dir: str | None = "normwatch-reports"
-    """Where post-mortem reports go (one folder per event); ``None``: write none."""
+    """Where post-mortem reports go (one folder per incident); ``None``: write none."""
     max_reports: int = 20
     """At most this many report folders per watch."""
+    incident_quiet: int = 5
+    """An incident stays open (later triggers join it, its verdict stands) until this many
+    flushes in a row had no trigger and no critical alarm."""
     report_console: bool = True
     """Print a summary to stderr when a report is written."""
     console: Literal["lines", "live"] | None = None
@@ -149,6 +152,7 @@ class WatchConfig:
         _int(self.spike_window, "spike_window", minimum=3)
         _int(self.spike_warmup, "spike_warmup", minimum=1)
         _int(self.max_reports, "max_reports", minimum=0)
+        _int(self.incident_quiet, "incident_quiet", minimum=1)
         _int(self.history_size, "history_size", minimum=1)
         _int(self.blame_lookback, "blame_lookback", minimum=1)
         _number(self.spike_threshold, "spike_threshold", low=0.0, low_open=True)

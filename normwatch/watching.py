@@ -388,6 +388,22 @@ class Watch:
                 "report; no post-mortem", type(exc).__name__, self.step_count)
         return verdicts[-1] if verdicts else None
 
+    def finish(self, exc: BaseException | None = None) -> Verdict | None:
+        """End the run, the one way the loop, both callbacks and ``normwatch run`` end it:
+        with ``exc`` (training raised) judge and report it (:meth:`report_exception`);
+        without, judge the steps since the last flush (never raising for ``raise_on``:
+        training is over). Then :meth:`close`. Returns the verdict reached, if any;
+        harmless after close."""
+        if self.closed:
+            return None
+        try:
+            if exc is not None:
+                return self.report_exception(exc)
+            verdicts = self._flush(fatal=False)[1] if self.unflushed else []
+            return verdicts[-1] if verdicts else None
+        finally:
+            self.close()
+
     def _closed_use(self, what: str) -> bool:
         """After :meth:`close`: warn once that ``what`` measures nothing; ``True`` then."""
         if not self.closed:
@@ -477,11 +493,8 @@ class Watch:
         self, exc_type: type[BaseException] | None, exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        try:
-            if exc is not None and not isinstance(exc, NumericalHealthError | GeneratorExit):
-                self.report_exception(exc)
-        finally:
-            self.close()
+        fault = exc is not None and not isinstance(exc, NumericalHealthError | GeneratorExit)
+        self.finish(exc if fault else None)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"step {self.step_count}"

@@ -20,6 +20,7 @@ from rich.markup import escape
 
 from normwatch.demos.faults import DEFAULT_FAULT, FAULTS, Fault
 from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
+from normwatch.judge.incidents import lead_warning
 from normwatch.records import SEVERITY_RANK, Alarm, Verdict
 from normwatch.report.console import HealthTable
 from normwatch.report.live import ConsoleView
@@ -119,12 +120,13 @@ def summary(result: DemoResult) -> str:
         lines.append(f"  first {key} at step {alarm.step} ({alarm.layer or '-'})")
     if not kinds:
         lines.append("  no alarms: every norm layer stayed healthy")
-    warn = result.first_step("warning")
+    lead = lead_warning(result.alarms, result.verdicts[0]) if result.verdicts else None
     if result.nan_step is not None:
         lines.append(f"  loss became non-finite at step {result.nan_step}")
-        if warn is not None and warn < result.nan_step:
-            lines.append(f"  normwatch warned {result.nan_step - warn} steps before the NaN loss")
-    for verdict in result.verdicts[-1:]:
+        if lead is not None and lead.step < result.nan_step:
+            lines.append(f"  normwatch warned {result.nan_step - lead.step} steps before the "
+                         f"NaN loss ({lead.kind} at step {lead.step})")
+    for verdict in result.verdicts[:1]:
         where = f" ({verdict.layer})" if verdict.layer else ""
         cause = f", cause {verdict.cause}" if verdict.cause else ""
         lines.append(f"  verdict on {verdict.trigger} at step {verdict.step}: "

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from normwatch.config import WatchConfig
 from normwatch.judge.depth import gradient_alarms
-from normwatch.judge.headroom import steps_to_limit
+from normwatch.judge.headroom import STEADY_FRACTION, steps_to_limit, worth_warning
 from normwatch.records import (
     FP16_MAX,
     Alarm,
@@ -56,7 +56,8 @@ def evaluate(snapshot: Snapshot, ctx: RuleContext) -> list[Alarm]:
         alarms += output_alarms(stats, step, ctx.config)
     alarms += gradient_alarms(snapshot, ctx.order, decay_ratio=ctx.config.gradient_decay_ratio,
                               stated=ctx.config.placement, grad_history=ctx.grad_history,
-                              horizon=ctx.config.headroom_horizon)
+                              horizon=ctx.config.headroom_horizon,
+                              ratio=ctx.config.headroom_ratio)
     return alarms
 
 
@@ -142,10 +143,12 @@ def fp16_alarms(stats: LayerStats, layer: NormLayer, step: int, ctx: RuleContext
 
 def _headroom(stats: LayerStats, step: int, ctx: RuleContext, fp16: bool) -> list[Alarm]:
     limit = ctx.config.fp16_limit
-    if stats.absmax is None or stats.absmax < ctx.config.headroom_ratio * limit:
+    if stats.absmax is None or stats.absmax < STEADY_FRACTION * limit:
         return []
     forecast = steps_to_limit(ctx.absmax_history.get(stats.name, ()), limit)
-    if forecast is None or forecast.steps > ctx.config.headroom_horizon:
+    if forecast is None or not worth_warning(stats.absmax, limit, forecast,
+                                             ctx.config.headroom_ratio,
+                                             ctx.config.headroom_horizon):
         return []
     growth = (forecast.growth_per_step - 1) * 100
     msg = (

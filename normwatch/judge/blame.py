@@ -46,6 +46,8 @@ def judge(trigger: Trigger, step: int, records: Sequence[Record], order: Sequenc
     position = {name: i for i, name in enumerate(order)}
     first = first_nonfinite(records)
     jump = update_jump(updates, step)
+    if jump is not None and first is not None and first.step <= jump.update.step:
+        jump = None  # the forward went non-finite first: the gradient, then the update followed
     failures = sorted(
         (a for r in records for a in r.findings if is_norm_failure(a)),
         key=lambda a: (a.step, position.get(a.layer or "", len(order))),

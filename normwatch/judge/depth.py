@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from normwatch.judge.headroom import steps_to_limit
+from normwatch.judge.headroom import steps_to_limit, worth_warning
 from normwatch.records import FP16_MAX, Alarm, LayerStats, Snapshot
 
 Placement = Literal["pre", "post", "unknown"]
@@ -134,7 +134,7 @@ def trunk_rms(stats: LayerStats, placement: Placement) -> float | None:
 def gradient_alarms(snapshot: Snapshot, order: Sequence[str], *, decay_ratio: float,
                     stated: Mapping[str, str] | None = None,
                     grad_history: Sequence[tuple[int, float]] = (),
-                    horizon: int = 1000) -> list[Alarm]:
+                    horizon: int = 1000, ratio: float = 0.25) -> list[Alarm]:
     """``gradient_nonfinite``, ``gradient_decay`` and ``gradient_headroom`` findings."""
     out = _nonfinite(snapshot, order)
     profile = depth_profile(snapshot, order, stated)
@@ -153,7 +153,7 @@ def gradient_alarms(snapshot: Snapshot, order: Sequence[str], *, decay_ratio: fl
             f"{profile.ratio:.3g} < {decay_ratio:g}), falling with depth; {where}. Deep "
             "layers learn slowly and the loss plateaus. Use pre-norm (h + F(LN(h))) with a "
             "final norm, or warm the learning rate up."))
-    out += _headroom(snapshot, grad_history, horizon)
+    out += _headroom(snapshot, grad_history, horizon, ratio)
     return out
 
 
@@ -184,7 +184,7 @@ def _nonfinite(snapshot: Snapshot, order: Sequence[str]) -> list[Alarm]:
 
 
 def _headroom(snapshot: Snapshot, history: Sequence[tuple[int, float]],
-              horizon: int) -> list[Alarm]:
+              horizon: int, ratio: float) -> list[Alarm]:
     """fp16 runs: the largest gradient is past, or heading for, 65504 (loss scaling
     multiplies it; the scaler then skips steps). With a watched loss scaler the gradients
     are reported unscaled and their fp16 range is the scaler's job: no alarm."""
@@ -197,7 +197,7 @@ def _headroom(snapshot: Snapshot, history: Sequence[tuple[int, float]],
                       f"The gradient at {worst.name!r} reaches |g| = {peak:.4g} > 65504: it "
                       "overflows fp16 (with a GradScaler: skipped steps, shrinking scale).")]
     forecast = steps_to_limit(history, FP16_MAX)
-    if forecast is None or forecast.steps > horizon:
+    if forecast is None or not worth_warning(peak, FP16_MAX, forecast, ratio, horizon):
         return []
     return [Alarm("gradient_headroom", "warning", worst.name, snapshot.step, forecast.steps,
                   float(horizon),

@@ -37,21 +37,34 @@ class UpdateJump:
     grad_median: float
 
     def sentences(self) -> list[str]:
-        """The evidence: the update, then what made it (learning rate or gradient)."""
+        """The evidence: the update, then what made it (learning rate or gradient). A
+        non-finite update or gradient is said as such (no ratio, no clipping advice: a
+        clipped NaN is still NaN)."""
         u = self.update
-        times = f"{self.ratio:.0f}x" if math.isfinite(self.ratio) else "not finite,"
-        out = [f"The optimizer step at step {u.step} moved the parameters by {u.update_norm:.4g}"
-               f" (L2), {times} the median {self.median:.4g} of the steps before it."]
+        if math.isfinite(u.update_norm):
+            out = [f"The optimizer step at step {u.step} moved the parameters by "
+                   f"{u.update_norm:.4g} (L2), {self.ratio:.0f}x the median {self.median:.4g} "
+                   "of the steps before it."]
+        else:
+            out = [f"The optimizer step at step {u.step} wrote non-finite values into the "
+                   f"parameters (its update norm is {_said(u.update_norm)}; the steps before "
+                   f"it moved them by a median {self.median:.4g})."]
         causes = []
         if u.lr is not None and self.lr_median and u.lr > 2 * self.lr_median:
             causes.append(f"the learning rate was {u.lr:.4g}, {u.lr / self.lr_median:.0f}x its "
                           f"median {self.lr_median:.4g}")
-        if self.grad_median > 0 and not u.grad_norm <= 2 * self.grad_median:
+        if not math.isfinite(u.grad_norm):
+            causes.append(f"the gradient it received was not finite ({_said(u.grad_norm)})")
+        elif self.grad_median > 0 and u.grad_norm > 2 * self.grad_median:
             causes.append(f"the gradient norm it received was {u.grad_norm:.4g}, against a "
                           f"median {self.grad_median:.4g} (clipping would have capped it)")
         if causes:
             out.append("At that step " + " and ".join(causes) + ".")
         return out
+
+
+def _said(value: float) -> str:
+    return "NaN" if math.isnan(value) else "infinite"
 
 
 def known(updates: Sequence[UpdateStats], step: int) -> bool:

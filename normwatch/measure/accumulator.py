@@ -53,14 +53,14 @@ class Accumulator:
     def stage(self, call: CallRows) -> None:
         """Queue one call's rows; no tensor op (the fold is a few dozen ops per step)."""
         self._staged.append(call)
-        self._staged_tokens += call.hi.shape[0]
+        self._staged_tokens += call.n
         if self._staged_tokens >= self.max_staged_tokens:
             self.commit()
 
     def stage_grad(self, grad: GradRows) -> None:
         """Queue one gradient's rows (backward hooks); no tensor op."""
         self._staged_grads.append(grad)
-        self._staged_tokens += grad.rows.shape[1]
+        self._staged_tokens += grad.norms.numel()
         if self._staged_tokens >= self.max_staged_tokens:
             self.commit()
 
@@ -72,7 +72,7 @@ class Accumulator:
     def drop_grads(self) -> None:
         """Drop the staged gradients (not yet folded)."""
         self._staged_grads = []
-        self._staged_tokens = sum(c.hi.shape[0] for c in self._staged)
+        self._staged_tokens = sum(c.n for c in self._staged)
 
     def mark(self) -> tuple[int, int]:
         """Where staging stands now, for :meth:`drop_since`."""
@@ -83,27 +83,27 @@ class Accumulator:
         if mark[0] != self._commits:
             return False
         del self._staged[mark[1]:]
-        self._staged_tokens = sum(c.hi.shape[0] for c in self._staged) + \
-            sum(g.rows.shape[1] for g in self._staged_grads)
+        self._staged_tokens = sum(c.n for c in self._staged) + \
+            sum(g.norms.numel() for g in self._staged_grads)
         return True
 
     def on_cuda(self) -> bool:
         """Whether any state or staged call lives on a CUDA device."""
         return any(d.type == "cuda" for d in self._blocks) or \
-            any(c.hi.device.type == "cuda" for c in self._staged[:1]) or \
-            any(g.rows.device.type == "cuda" for g in self._staged_grads[:1])
+            any(c.v.device.type == "cuda" for c in self._staged[:1]) or \
+            any(g.norms.device.type == "cuda" for g in self._staged_grads[:1])
 
     def commit(self) -> None:
         """Fold every staged call into the state (in place, no host sync). Staged rows
         are dropped even when the fold fails."""
-        groups: dict[tuple[torch.device, bool], list[CallRows]] = {}
-        for call in self._staged:  # one fold per device and tier
-            groups.setdefault((call.hi.device, call.full), []).append(call)
+        groups: dict[tuple[torch.device, bool, bool], list[CallRows]] = {}
+        for call in self._staged:  # one fold per device, tier and kernel
+            groups.setdefault((call.v.device, call.full, call.fused), []).append(call)
         self._staged = []
         self._commits += 1
         self.commit_grads()
         self._staged_tokens = 0
-        for (device, _), calls in groups.items():
+        for (device, *_), calls in groups.items():
             plan = self._plan(device, calls)
             index = plan.rows
             values = fold_calls(calls, plan)
@@ -124,8 +124,8 @@ class Accumulator:
         staged, self._staged_grads = self._staged_grads, []
         grads: dict[torch.device, list[GradRows]] = {}
         for grad in staged:
-            grads.setdefault(grad.rows.device, []).append(grad)
-            self._staged_tokens -= grad.rows.shape[1]
+            grads.setdefault(grad.norms.device, []).append(grad)
+            self._staged_tokens -= grad.norms.numel()
         for device, group in grads.items():
             fold_grads(self._block(device), group, self._grad_plan(device, group))
 
@@ -133,7 +133,8 @@ class Accumulator:
         """The fold's constant vectors, cached: the same forward pass stages the same
         sequence of calls every step."""
         key0 = calls[0].key
-        signature = (device, calls[0].full, tuple(c.signature(key0) for c in calls))
+        signature = (device, calls[0].full, calls[0].fused,
+                     tuple(c.signature(key0) for c in calls))
         plan = self._plans.get(signature)
         if not isinstance(plan, FoldPlan):
             plan = self._cache(signature, fold_plan(calls, self.limits))
@@ -141,7 +142,7 @@ class Accumulator:
 
     def _grad_plan(self, device: torch.device, staged: list[GradRows]) -> GradPlan:
         """:func:`~normwatch.measure.gradients.grad_plan`, cached like :meth:`_plan`."""
-        signature = (device, "grad", tuple((g.layer, g.site, g.rows.shape[1], g.width)
+        signature = (device, "grad", tuple((g.layer, g.site, g.norms.numel(), g.width)
                                            for g in staged))
         plan = self._plans.get(signature)
         if not isinstance(plan, GradPlan):

@@ -59,8 +59,10 @@ WEIGHT = len(SITES)
 Tokens = Callable[[torch.Tensor], torch.Tensor]
 """A layer's token view (``(tokens, elements)``, as its forward hook reads x and y)."""
 Target = Callable[[], "torch.Tensor | None"]
-Stage = Callable[[int, torch.Tensor, int], None]
-"""Stages a layer's gradient: ``(site index, rows, width)`` (see :class:`GradRows`)."""
+Stage = Callable[[int, "tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]", int],
+                 None]
+"""Stages a layer's gradient: ``(site index, (norms, lo, hi), width)`` (see
+:class:`GradRows`)."""
 
 
 def unscale(rows: Sequence[dict[str, float]], scale: float) -> None:
@@ -75,27 +77,13 @@ def unscale(rows: Sequence[dict[str, float]], scale: float) -> None:
         row["weight_grad_sumsq"] /= scale * scale
 
 
-def token_rows(t: torch.Tensor) -> torch.Tensor:
-    """A gradient's tokens (``(tokens, elements)``) as ``(3, tokens)`` float32 rows: each
-    token's max, min and L2 norm (NaN/inf exactly on the tokens holding them). Three
-    plain reductions, no temporary the size of the gradient (for float32)."""
-    if t.dtype != torch.float32:
-        t = t.float()
-    return torch.stack([t.amax(1), t.amin(1), torch.linalg.vector_norm(t, dim=1)])
-
-
-def token_sums(rows: torch.Tensor, width: torch.Tensor | int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token of :func:`token_rows`: its summed columns (``(tokens, 4)``,
-    :data:`GRAD_SUMS` order: 1, finite, sum of squares and elements of a finite token)
-    and its max |g| (-inf on a token holding NaN/inf)."""
-    hi, lo, norm = rows
-    a = torch.maximum(hi, -lo)  # NaN/inf exactly on the tokens holding them
-    ok = a.isfinite()
-    okf = ok.float()
-    sums = torch.stack([torch.ones_like(okf), okf, torch.where(ok, norm * norm, 0.0),
-                        okf * width], 1)
-    return sums, torch.where(ok, a, -math.inf)
+def token_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A gradient ``t`` (the last dim one token) as each token's L2 norm (float32, NaN/inf
+    on the tokens holding NaN/inf, or whose sum of squares overflows float32) and the
+    whole gradient's min and max (0-d): two reductions, no temporary the size of the
+    gradient (the per-token max |g| would take two more)."""
+    lo, hi = torch.aminmax(t)
+    return torch.linalg.vector_norm(t, dim=-1, dtype=summed_dtype(t.dtype)), lo, hi
 
 
 MAX_NODES = 64
@@ -162,8 +150,12 @@ class _Through:
 class GradRows(NamedTuple):
     """One gradient staged by an eager hook (a named tuple: built on the hot path)."""
 
-    rows: torch.Tensor
-    """:func:`token_rows` (the weight: ``(1, 1)``, its gradient's norm)."""
+    norms: torch.Tensor
+    """Each token's L2 norm (:func:`token_rows`; one element per token, any shape); the
+    weight: its gradient's norm (0-d)."""
+    lo: torch.Tensor | None
+    """The gradient's min and max (0-d; the weight: ``None``)."""
+    hi: torch.Tensor | None
     layer: int
     """The layer's accumulator row."""
     site: int
@@ -176,42 +168,64 @@ class GradRows(NamedTuple):
 class GradPlan:
     """The constant vectors of :func:`fold_grads`, built once per distinct backward pass
     (by fill kernels: no host-to-device copy): per token, where it folds (``layer *
-    len(SITES) + site``) and its width; per weight gradient, its layer."""
+    len(SITES) + site``), its width and its gradient's position among the staged ones;
+    per gradient, where it folds; per weight gradient, its layer."""
 
     index: torch.Tensor
     width: torch.Tensor
+    segment: torch.Tensor
+    where: torch.Tensor
     weights: torch.Tensor
 
 
 def grad_plan(staged: Sequence[GradRows], device: torch.device) -> GradPlan:
     """The :class:`GradPlan` of ``staged`` (all on ``device``)."""
     acts = [s for s in staged if s.site != WEIGHT]
-    counts = [s.rows.shape[1] for s in acts]
+    counts = [s.norms.numel() for s in acts]
+    where = [s.layer * len(SITES) + s.site for s in acts]
     weights = [s.layer for s in staged if s.site == WEIGHT]
     return GradPlan(
-        index=runs([s.layer * len(SITES) + s.site for s in acts], counts, torch.int64, device),
+        index=runs(where, counts, torch.int64, device),
         width=runs([s.width for s in acts], counts, torch.float32, device),
+        segment=runs(list(range(len(acts))), counts, torch.int64, device),
+        where=runs(where, [1] * len(where), torch.int64, device),
         weights=runs(weights, [1] * len(weights), torch.int64, device))
 
 
 def fold_grads(block: torch.Tensor, staged: Sequence[GradRows], plan: GradPlan) -> None:
     """Fold staged gradients (one device: ``block``'s) into ``block``'s gradient columns
-    in place: a couple of dozen ops, however many gradients."""
-    acts = [s.rows for s in staged if s.site != WEIGHT]
+    in place: a couple of dozen ops, however many gradients.
+
+    A token counts as finite where its norm is, or where its whole gradient is finite
+    (then only its sum of squares overflowed, and counts as inf); the peak max |g| of a
+    gradient holding NaN/inf is not known (its finite tokens' is not measured)."""
+    acts = [s for s in staged if s.site != WEIGHT]
     if acts:
-        sums, peaks = token_sums(torch.cat(acts, 1), plan.width)
+        shape = acts[0].norms.shape
+        norms = torch.stack([s.norms for s in acts]).view(-1).float() \
+            if all(s.norms.shape == shape for s in acts) else \
+            torch.cat([s.norms.reshape(-1).float() for s in acts])  # one op when alike
+        bounds = torch.stack([t for s in acts for t in (s.lo, s.hi) if t is not None]
+                             ).float().view(-1, 2)
+        peak = torch.maximum(bounds[:, 1], -bounds[:, 0])  # NaN/inf: the gradient holds them
+        whole = peak.isfinite()
+        ok = norms.isfinite() | whole[plan.segment]
+        okf = ok.float()
+        sums = torch.stack([torch.ones_like(okf), okf, torch.where(ok, norms * norms, 0.0),
+                            okf * plan.width], 1)
         n_rows, n = block.shape[0], len(GRAD_SUMS)
         total = sums.new_zeros(n_rows * len(SITES), n).index_add_(0, plan.index, sums)
-        peak = peaks.new_full((n_rows * len(SITES),), -math.inf).scatter_reduce_(
-            0, plan.index, peaks, "amax")
-        total, peak = total.view(n_rows, len(SITES), n), peak.view(n_rows, len(SITES))
+        known = torch.where(whole, peak, -math.inf)
+        peaks = known.new_full((n_rows * len(SITES),), -math.inf).scatter_reduce_(
+            0, plan.where, known, "amax")
+        total, peaks = total.view(n_rows, len(SITES), n), peaks.view(n_rows, len(SITES))
         for i, site in enumerate(SITES):
             block[:, SUM_AT[site]:SUM_AT[site] + n] += total[:, i].to(block.dtype)
             cells = block[:, PEAK_AT[site]]
-            cells.copy_(torch.fmax(cells, peak[:, i].to(block.dtype)))
-    weights = [s.rows for s in staged if s.site == WEIGHT]
+            cells.copy_(torch.fmax(cells, peaks[:, i].to(block.dtype)))
+    weights = [s.norms for s in staged if s.site == WEIGHT]
     if weights:
-        norms = torch.cat(weights, 1)[0].to(block.dtype)
+        norms = torch.stack([w.reshape(()) for w in weights]).to(block.dtype)
         both = torch.stack([torch.ones_like(norms), norms * norms], 1)
         block[:, WEIGHT_AT:WEIGHT_AT + 2].index_add_(0, plan.weights, both)
 
@@ -277,8 +291,11 @@ class GradHooks:
     """
 
     def __init__(self, tokens: Tokens, target: Target, stage: Stage,
-                 fail: Callable[[Exception], None], through: Through | None = None) -> None:
+                 fail: Callable[[Exception], None], through: Through | None = None,
+                 width: int | None = None) -> None:
         self.tokens = tokens
+        self.width = width
+        """Elements per token when the last dim holds one (read as it is), else ``None``."""
         self.through = through
         """Compiled code: the gradient through the norm from its output's
         (:func:`through_formula`; ``None``: not measured compiled)."""
@@ -371,8 +388,9 @@ class GradHooks:
                 if row is not None:
                     observe_grad(g, row, SITES[site], None, None)
             elif g.numel() and self._target() is not None:
-                t = self.tokens(g.detach())
-                self._stage(site, token_rows(t), t.shape[1])
+                g = g.detach()
+                t = g if g.shape[-1] == self.width else self.tokens(g)
+                self._stage(site, token_rows(t), t.shape[-1])
         except Exception as exc:  # never take the training run down
             self._fail(exc)
 
@@ -381,6 +399,6 @@ class GradHooks:
             if g is not None and self._target() is not None:
                 g = local(g).detach()
                 norm = torch.linalg.vector_norm(g, dtype=summed_dtype(g.dtype))
-                self._stage(WEIGHT, norm.float().reshape(1, 1), 1)
+                self._stage(WEIGHT, (norm, None, None), 1)
         except Exception as exc:  # never take the training run down
             self._fail(exc)

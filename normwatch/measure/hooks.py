@@ -37,9 +37,9 @@ from normwatch.measure.reductions import (
     CallRows,
     carried_eps,
     checked_rows,
+    fused_call,
     mismatch,
     reduce_call,
-    rows_from_fused,
     token_view,
 )
 from normwatch.measure.reference import (
@@ -139,6 +139,7 @@ class LayerHook:
         self._skipped: set[str] = set()
         self._token_ndim = len(layer.normalized_shape) if layer.normalized_shape else 1
         self._eps = 0.0 if math.isnan(layer.eps) else layer.eps
+        self._width = layer.token_size
         self._signature: tuple[Any, ...] = ()
         self._tokens: Callable[[torch.Tensor], torch.Tensor] = partial(
             token_view, kind=layer.kind, token_ndim=self._token_ndim,
@@ -158,7 +159,7 @@ class LayerHook:
             through = None if layer.token_size is None else \
                 through_formula(layer.kind, self._eps, layer.weight_form == "1+w")
             self.grads = GradHooks(self._tokens, self._grad_target, self._stage_grad,
-                                   self._fail, through)
+                                   self._fail, through, layer.token_size)
             self.grads.watch_weight(getattr(module, "weight", None))
             self._pre_handle = module.register_forward_pre_hook(self._pre, with_kwargs=True)
 
@@ -190,8 +191,10 @@ class LayerHook:
             return self.state
         return None
 
-    def _stage_grad(self, site: int, rows: torch.Tensor, width: int) -> None:
-        self.rt.accumulator.stage_grad(GradRows(rows, self.row, site, width))
+    def _stage_grad(self, site: int,
+                    rows: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+                    width: int) -> None:
+        self.rt.accumulator.stage_grad(GradRows(*rows, self.row, site, width))
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Forward pre-hook, compiled code only: a tensor hook on the input (the hidden
@@ -278,7 +281,8 @@ class LayerHook:
             if y is not None and y.requires_grad:
                 self.grads.watch_call(x, y)
             self.grads.watch_weight(getattr(module, "weight", None))  # FSDP2 swaps it
-        self._record_dtypes(module, x, y)
+        if self.rt.full_stats or self.counts.calls == 1:  # each interval's first call, and
+            self._record_dtypes(module, x, y)             # the full-tier steps' calls
 
     def _measure(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None,
                  alone: bool) -> None:
@@ -286,14 +290,12 @@ class LayerHook:
         rt = self.rt
         n_tokens = 0
         if x.numel():
-            tokens = self._tokens(x)
-            n_tokens = tokens.shape[0]
-            out = y if y is not None and y.is_floating_point() else None
-            key = float(rt.step * KEY_STRIDE + rt.calls_this_step)
-            call = self._reduce(tokens, x, out, key)
+            out = y if y is not None and y.is_floating_point() and y.numel() else None
+            call = self._reduce(x, out, float(rt.step * KEY_STRIDE + rt.calls_this_step))
+            n_tokens = call.n
             rt.accumulator.stage(call)
             if rt.check_outputs and out is not None and alone:
-                check = self._output_check(module, x, out, call, tokens.shape[1])
+                check = self._output_check(module, x, out, call)
                 if check is not None:
                     rt.accumulator.update_check(self.row, check[0], check[1])
         # Host bookkeeping last, so a failed measurement leaves no half-counted call.
@@ -352,13 +354,13 @@ class LayerHook:
             self.grads.measure(SITES.index(at), g, x, weight)
 
     def _output_check(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                      call: CallRows, width: int) -> torch.Tensor | None:
+                      call: CallRows) -> torch.Tensor | None:
         """``[mismatch, carried eps]`` (float64) of output ``y`` against the kind's formula,
         over the rows :meth:`_checked` picks; ``None``: no formula applies. Tensor ops
         only (compiled or eager alike)."""
         layer = self.layer
         params = reference_params(layer, module, x)
-        x, y = self._checked(x, y, params, call, width)
+        x, y = self._checked(x, y, params, call)
         ref = expected_from(layer, x, params, module.training)
         if ref is None:
             return None
@@ -369,7 +371,7 @@ class LayerHook:
         return torch.stack([err, carried_eps(y)])
 
     def _checked(self, x: torch.Tensor, y: torch.Tensor, params: tuple[torch.Tensor | None, ...],
-                 call: CallRows, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 call: CallRows) -> tuple[torch.Tensor, torch.Tensor]:
         """The part of ``x`` and ``y`` an output check reads: for layer and RMS norms whose
         parameters cover whole rows of trailing dims, the rows
         :func:`~normwatch.measure.reductions.checked_rows` picks (a few dozen, whatever
@@ -380,32 +382,32 @@ class LayerHook:
         for d in range(lowest, x.dim()):  # the fewest trailing dims holding tokens
             trailing = x.shape[x.dim() - d:]
             span = math.prod(trailing)
-            if span % width == 0:
-                rows = checked_rows(call.hi, call.lo, span // width)
+            if span % call.width == 0:
+                rows = checked_rows(call.hi, call.lo, span // call.width)
                 return x.reshape(-1, *trailing)[rows], y.reshape(-1, *trailing)[rows]
         return x, y
 
-    def _out_tokens(self, out: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
-        """The output as tokens: the input's layout, or for a wrong-shaped output its
-        last dim, whatever those tokens mean; ``None`` for no (or an empty) output."""
-        if out is None or out.numel() == 0:
-            return None
-        if out.shape == x.shape:
-            return self._tokens(out)
-        return out.reshape(-1, out.shape[-1]) if out.dim() else out.reshape(1, 1)
-
-    def _reduce(self, tokens: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None,
-                key: float) -> CallRows:
-        """One call's per-token rows: the fused kernel on its devices, else torch."""
+    def _reduce(self, x: torch.Tensor, out: torch.Tensor | None, key: float) -> CallRows:
+        """One call's per-token rows (``out``: a non-empty floating output, or ``None``):
+        the fused kernel on its devices, else torch. A layer or RMS norm whose last dim is
+        one token is read as it is (no reshape)."""
         kind, eps = self.layer.kind, self._eps
-        out_tokens = self._out_tokens(out, x)
+        whole = x.dim() > 0 and x.shape[-1] == self._width
+        tokens = x if whole else self._tokens(x)
+        out_tokens = None
+        if out is not None:  # the input's layout, or for a wrong-shaped output its last dim
+            out_tokens = (out if whole else self._tokens(out)) if out.shape == x.shape else \
+                out.reshape(-1, out.shape[-1]) if out.dim() else out.reshape(1, 1)
         if not self.rt.fused(x):
             return reduce_call(tokens, out_tokens, kind, eps, self.rt.full_stats, self.row, key)
-        same = out_tokens is not None and out_tokens.shape == tokens.shape
-        rows = row_stats_triton(tokens, out_tokens if same else None)
-        call = rows_from_fused(rows, kind, eps, tokens.shape[1], same, self.row, key)
+        tokens = tokens.reshape(-1, tokens.shape[-1])
+        same = out_tokens is not None and out.shape == x.shape  # type: ignore[union-attr]
+        if same:
+            out_tokens = out_tokens.reshape(tokens.shape)  # type: ignore[union-attr]
+        call = fused_call(row_stats_triton(tokens, out_tokens if same else None), kind, eps,
+                          tokens.shape[1], same, self.row, key)
         if out_tokens is not None and not same:
-            call = call._replace(out_hi=out_tokens.amax(1), out_lo=out_tokens.amin(1))
+            call = call._replace(out=torch.stack([out_tokens.amax(1), out_tokens.amin(1)]))
         return call
 
     def _record_dtypes(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None) -> None:

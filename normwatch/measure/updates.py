@@ -8,22 +8,26 @@
 The pre-hook copies a fixed sample of each trainable parameter: every
 :data:`SAMPLE_STRIDE`-th block of :data:`BLOCK` elements (17, prime: it walks across the
 columns of any power-of-two width instead of always reading the same ones), tensors
-smaller than :data:`EXACT_BELOW` whole. The post-hook sums the squared gradients the step
-used (exact) and the squared change and squared values of the sample, scaled up by each
-tensor's elements per sampled element (an estimate of the update's and the parameters' sums
-of squares where they are spread like the tensor; the relative error of a norm is about
-``sqrt(SAMPLE_STRIDE / (2 n))`` for ``n`` elements of similar size: 0.3 % at 1M
-elements). The copy costs 1/17 of the optimizer's local parameters (a shard under FSDP2)
-in memory: for the duration of ``step()`` on accelerators, kept between steps on the CPU
-(:meth:`UpdateMonitor._copy`). Everything stays on the parameters' devices (no host sync)
-until the flush copies the rows along with the statistics. Several optimizers stepping in
-one training step add up into one row. A failure in a hook detaches the monitor with one
-warning; training goes on.
+smaller than :data:`EXACT_BELOW` whole; the samples are views made once per parameter
+list. The post-hook sums the squares of the same sample of the gradients the step used,
+of the change and of the values, each scaled up by its tensor's elements per sampled
+element (an estimate of each sum of squares where the values are spread like the tensor;
+the relative error of a norm is about ``sqrt(SAMPLE_STRIDE / (2 n))`` for ``n`` elements
+of similar size: 0.3 % at 1M elements): one norm call per device and dtype and one
+product, whatever the number of tensors, reading 1/17 of the parameters and gradients.
+A non-finite gradient element outside the sample is not seen here (the norms' gradient
+hooks and the loss see it). The copy costs 1/17 of the optimizer's local parameters (a
+shard under FSDP2) in memory: for the duration of ``step()`` on accelerators, kept
+between steps on the CPU (:meth:`UpdateMonitor._copy`). Everything stays on the
+parameters' devices (no host sync) until the flush copies the rows along with the
+statistics. Several optimizers stepping in one training step add up into one row. A
+failure in a hook detaches the monitor with one warning; training goes on.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -34,7 +38,7 @@ from torch.utils.hooks import RemovableHandle
 
 from normwatch.errors import ConfigError
 from normwatch.measure.losses import ride_along
-from normwatch.measure.reductions import summed_dtype
+from normwatch.measure.reductions import runs, summed_dtype
 from normwatch.measure.sharding import local
 from normwatch.records import UpdateStats
 
@@ -52,13 +56,14 @@ EXACT_BELOW = 16 * SAMPLE_STRIDE * BLOCK
 
 
 def sample(t: torch.Tensor) -> torch.Tensor:
-    """The elements of ``t`` the update is measured on: every :data:`SAMPLE_STRIDE`-th
+    """The elements of ``t`` the norms are measured on: every :data:`SAMPLE_STRIDE`-th
     block of :data:`BLOCK` (a view, no copy; the last partial block left out), or all of
     them (flattened)."""
     n = t.numel()
     if n < EXACT_BELOW or not t.is_contiguous():
         return t.reshape(-1)
-    return t.view(-1)[:n - n % BLOCK].view(-1, BLOCK)[::SAMPLE_STRIDE]
+    blocks = -(-(n // BLOCK) // SAMPLE_STRIDE)
+    return t.as_strided((blocks, BLOCK), (SAMPLE_STRIDE * BLOCK, 1))
 
 
 def unwrap(optimizer: object) -> torch.optim.Optimizer:
@@ -73,33 +78,125 @@ def unwrap(optimizer: object) -> torch.optim.Optimizer:
     return inner
 
 
-def sumsq(tensors: Iterable[torch.Tensor], weights: Sequence[float] | None = None
-          ) -> dict[torch.device, torch.Tensor]:
-    """The float64 sum of squares of ``tensors`` per device (0-d tensors, no sync), each
-    tensor's counted ``weights[i]`` times (default once)."""
-    groups: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, float]]] = {}
-    for i, t in enumerate(tensors):
-        if t.is_sparse:  # an embedding's sparse gradient: its stored values
-            t = t.coalesce().values()
-        groups.setdefault((t.device, t.dtype), []).append((t, 1.0 if weights is None
-                                                           else weights[i]))
-    out: dict[torch.device, torch.Tensor] = {}
-    for (device, dtype), group in groups.items():
-        norms = torch._foreach_norm([t for t, _ in group], 2, dtype=summed_dtype(dtype))
-        squares = torch.stack(norms).to(torch.float64).square()
-        scale = tuple(w for _, w in group)
-        if any(w != 1.0 for w in scale):
-            squares = squares * _scales(device, scale)
-        total = squares.sum()
-        out[device] = out[device] + total if device in out else total
-    return out
+def sumsq(tensors: Sequence[torch.Tensor], weights: torch.Tensor | None = None
+          ) -> torch.Tensor:
+    """The weighted float64 sums of squares of ``tensors`` (one device, no sync; tensors of
+    one dtype next to each other): ``weights`` ``(k, len(tensors))`` float64 gives ``k``
+    sums (default: one, each tensor once). One norm call per dtype and one product,
+    whatever the number of tensors."""
+    parts: list[torch.Tensor] = []
+    start = 0
+    for end in range(1, len(tensors) + 1):
+        if end == len(tensors) or tensors[end].dtype != tensors[start].dtype:
+            parts += torch._foreach_norm(list(tensors[start:end]), 2,
+                                         dtype=summed_dtype(tensors[start].dtype))
+            start = end
+    squares = torch.stack(parts).to(torch.float64).square()
+    return squares.sum() if weights is None else weights @ squares
 
 
 @functools.lru_cache(maxsize=64)
-def _scales(device: torch.device, scale: tuple[float, ...]) -> torch.Tensor:
-    """``scale`` as a float64 vector on ``device``, made once (by fill kernels: no
-    host-to-device copy) for a parameter list."""
-    return torch.cat([torch.full((1,), w, dtype=torch.float64, device=device) for w in scale])
+def _weights(device: torch.device, columns: tuple[tuple[int, float], ...]) -> torch.Tensor:
+    """A ``(WIDTH, n)`` float64 weighting on ``device`` (row ``k`` of column ``i`` holds
+    ``columns[i] = (k, weight)``), made once per parameter list by fill kernels (no
+    host-to-device copy)."""
+    out = torch.zeros(WIDTH, len(columns), dtype=torch.float64, device=device)
+    for k in range(WIDTH):
+        row = [w if r == k else 0.0 for r, w in columns]
+        if any(row):
+            out[k] = torch.cat([torch.full((1,), w, dtype=torch.float64, device=device)
+                                for w in row])
+    return out
+
+
+class _Pack:
+    """The samples of one device and dtype laid end to end in one buffer (one op to fill,
+    one to reduce, whatever the number of tensors): the sampled tensors' blocks as
+    ``(rows, BLOCK)``, the small tensors flat; each block row weighted by its tensor's
+    elements per sampled element (the small ones are whole: weight 1)."""
+
+    def __init__(self, samples: list[torch.Tensor], scales: list[float]) -> None:
+        self.blocked = [i for i, s in enumerate(samples) if s.dim() == 2]
+        self.flat = [i for i, s in enumerate(samples) if s.dim() != 2]
+        first = samples[0]
+        counts = [samples[i].shape[0] for i in self.blocked]
+        self.weights = runs([scales[i] for i in self.blocked], counts, torch.float64,
+                            first.device)
+        self.summed = summed_dtype(first.dtype)
+        self.roots: torch.Tensor | None = None
+        """Full precision: the square roots of the row weights, ``(rows, 1)``, to scale the
+        buffer by in place (no per-row vector of sums is ever allocated)."""
+        if self.summed is None and self.blocked:
+            self.roots = runs([math.sqrt(scales[i]) for i in self.blocked], counts,
+                              first.dtype, first.device)[:, None]
+        self.buffers: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        self.views: list[torch.Tensor] = []
+        """Views of :attr:`buffers`, one per sample, in sample order."""
+
+    def fill(self, tensors: list[torch.Tensor], keep: bool) -> None:
+        """Copy ``tensors`` (laid out like the samples) into the buffers: into the kept
+        ones (``keep``), else into new ones."""
+        kept = self.buffers if keep else (None, None)
+        parts = []
+        for index, buffer in zip((self.blocked, self.flat), kept, strict=True):
+            picked = [tensors[i] for i in index]
+            parts.append(None if not picked else torch.cat(picked) if buffer is None
+                         else torch.cat(picked, out=buffer))
+        self.buffers = (parts[0], parts[1])
+        if not keep or not self.views:
+            self.views = [None] * (len(self.blocked) + len(self.flat))  # type: ignore[list-item]
+            for index, buffer, dim in ((self.blocked, parts[0], 0), (self.flat, parts[1], 0)):
+                if buffer is not None:
+                    sizes = [tensors[i].shape[0] for i in index]
+                    for i, view in zip(index, torch.split(buffer, sizes, dim), strict=True):
+                        self.views[i] = view
+
+    def sumsq(self) -> torch.Tensor:
+        """The buffers' weighted float64 sum of squares (0-d, on their device); full
+        precision buffers are scaled in place on the way (refill before reuse)."""
+        blocked, flat = self.buffers
+        total = torch.zeros((), dtype=torch.float64, device=self.weights.device)
+        if blocked is not None and self.roots is not None:
+            total = torch.linalg.vector_norm(blocked.mul_(self.roots)).double().square()
+        elif blocked is not None:  # half precision: weighted per row, summed in fp32
+            rows = torch.linalg.vector_norm(blocked, dim=1, dtype=self.summed)
+            total = rows.double().square() @ self.weights
+        if flat is not None:
+            total = total + torch.linalg.vector_norm(flat, dtype=self.summed).double().square()
+        return total
+
+    def release(self) -> None:
+        self.buffers, self.views = (None, None), []
+
+
+class _Sampled:
+    """An optimizer's trainable parameters as last seen: their samples (views), each
+    tensor's elements per sampled element, and per device and dtype the :class:`_Pack`
+    the sums are taken on."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+        self.addresses = [p.data_ptr() for p in params]
+        self.samples = [sample(local(p).detach()) for p in params]
+        self.scales = [_scale(p, s) for p, s in zip(params, self.samples, strict=True)]
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, s in enumerate(self.samples):
+            groups.setdefault((s.device, s.dtype), []).append(i)
+        self.packs = [(index, _Pack([self.samples[i] for i in index],
+                                    [self.scales[i] for i in index]))
+                      for index in groups.values()]
+        self.keep = {id(pack): pack.weights.device.type in KEEP_ON for _, pack in self.packs}
+
+    def fits(self, params: list[torch.Tensor]) -> bool:
+        """Whether ``params`` are these, in place (no parameter replaced or re-allocated)."""
+        return len(params) == len(self.params) and all(
+            a is b and a.data_ptr() == address
+            for a, b, address in zip(params, self.params, self.addresses, strict=True))
+
+
+def _scale(t: torch.Tensor, s: torch.Tensor) -> float:
+    """Elements of ``t`` per element of its sample ``s``."""
+    return t.numel() / s.numel() if s.numel() else 1.0
 
 
 class UpdateMonitor:
@@ -110,8 +207,9 @@ class UpdateMonitor:
         self._step = step
         self._handles: list[RemovableHandle] = []
         self._attached: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self._before: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        self._kept: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._sampled: dict[int, _Sampled] = {}
+        self._pending: set[int] = set()
+        """Optimizers whose step is under way (the pre-hook filled their buffers)."""
         self._rows: list[tuple[int, torch.device, torch.Tensor]] = []
         self._lrs: dict[int, float | None] = {}
         self.failed: str | None = None
@@ -130,52 +228,51 @@ class UpdateMonitor:
             with torch.no_grad():
                 params = [p for g in optimizer.param_groups for p in g["params"]
                           if p.requires_grad]
-                self._before[id(optimizer)] = (params, self._copy(optimizer, params))
+                sampled = self._sampled.get(id(optimizer))
+                if sampled is None or not sampled.fits(params):
+                    sampled = self._sampled[id(optimizer)] = _Sampled(params)
+                for index, pack in sampled.packs:  # the samples' values before the step
+                    pack.fill([sampled.samples[i] for i in index], sampled.keep[id(pack)])
+                self._pending.add(id(optimizer))
         except Exception as exc:  # never take the training run down
             self._fail(exc)
 
-    def _copy(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]
-              ) -> list[torch.Tensor]:
-        """The parameters' values before the step. CPU copies are kept between steps and
-        overwritten (a fresh large CPU allocation page-faults: it cost more than AdamW's
-        step); on accelerators the caching allocator makes a transient copy cheap."""
-        values = [sample(local(p).detach()) for p in params]
-        keep = [v.device.type in KEEP_ON for v in values]
-        if not any(keep):
-            return [v.clone() for v in values]
-        kept = self._kept.get(id(optimizer))
-        if kept is None or len(kept[0]) != len(params) or \
-                any(a is not b for a, b in zip(kept[0], params, strict=True)):
-            kept = (params, [v.clone() if k else v for v, k in zip(values, keep, strict=True)])
-            self._kept[id(optimizer)] = kept  # (the first step copies once more below)
-        out = [c if k else v.clone() for c, v, k in zip(kept[1], values, keep, strict=True)]
-        pairs = [(c, v) for c, v, k in zip(out, values, keep, strict=True) if k]
-        torch._foreach_copy_([c for c, _ in pairs], [v for _, v in pairs])
-        return out
-
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        before = self._before.pop(id(optimizer), None)
-        if before is None:
+        sampled = self._sampled.get(id(optimizer))
+        if id(optimizer) not in self._pending or sampled is None:
             return
+        self._pending.discard(id(optimizer))
         try:
             with torch.no_grad():
-                params, copies = before
-                now = [local(p).detach() for p in params]
-                samples = [sample(t) for t in now]
-                torch._foreach_sub_(copies, samples)  # the copies: -Δp
                 # the gradients are read after the step: a closure (LBFGS, Lightning)
                 # computes them inside step(), after the pre-hook
-                grads = sumsq(local(p.grad) for p in params if p.grad is not None)
-                # each tensor's elements per sampled element
-                weights = [t.numel() / s.numel() if s.numel() else 1.0
-                           for t, s in zip(now, samples, strict=True)]
-                changes, sizes = sumsq(copies, weights), sumsq(samples, weights)
+                grads = [None if p.grad is None else _values(local(p.grad)).detach()
+                         for p in sampled.params]
+                picked = [None if g is None else sample(g) for g in grads]
+                alike = all(g is not None and g.shape == s.shape and g.dtype == s.dtype
+                            for g, s in zip(picked, sampled.samples, strict=True))
+                rows: dict[torch.device, torch.Tensor] = {}
+                for index, pack in sampled.packs:
+                    samples = [sampled.samples[i] for i in index]
+                    torch._foreach_sub_(pack.views, samples)  # the buffers: -Δp
+                    change = pack.sumsq()
+                    keep = sampled.keep[id(pack)]
+                    pack.fill(samples, keep=True)
+                    size = pack.sumsq()
+                    if alike:  # the gradients' samples have the parameters' layout
+                        pack.fill([picked[i] for i in index], keep=True)  # type: ignore[misc]
+                        grad = pack.sumsq()
+                    else:  # missing or sparse gradients: one norm per tensor
+                        grad = _grad_sumsq([(grads[i], picked[i]) for i in index],
+                                           pack.weights.device)
+                    if not keep:
+                        pack.release()
+                    row = torch.stack([grad, change, size])
+                    device = row.device
+                    rows[device] = rows[device] + row if device in rows else row
                 step = self._step()
-                for device in dict.fromkeys([*grads, *changes]):
-                    zero = torch.zeros((), dtype=torch.float64, device=device)
-                    self._rows.append((step, device, torch.stack([
-                        grads.get(device, zero), changes.get(device, zero),
-                        sizes.get(device, zero)])))
+                for device, row in rows.items():
+                    self._rows.append((step, device, row))
                 lrs = [g["lr"] for g in optimizer.param_groups]
                 lr = max(lrs) if lrs and all(isinstance(v, float | int) for v in lrs) else None
                 old = self._lrs.get(step)
@@ -204,7 +301,7 @@ class UpdateMonitor:
 
     def _fail(self, exc: Exception) -> None:
         self.failed = f"{type(exc).__name__}: {exc}"
-        self._before.clear()
+        self._pending.clear()
         self.detach()
         warnings.warn(f"normwatch: measuring the optimizer step failed ({self.failed}); "
                       "gradient and update norms are no longer recorded, training continues",
@@ -215,4 +312,21 @@ class UpdateMonitor:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._kept.clear()
+        self._sampled.clear()
+
+
+def _grad_sumsq(grads: list[tuple[torch.Tensor | None, torch.Tensor | None]],
+                device: torch.device) -> torch.Tensor:
+    """``|g|²`` estimated tensor by tensor, for gradients not laid out like their
+    parameters (missing, sparse): ``(gradient, its sample)`` pairs on ``device``."""
+    present = [(g, s) for g, s in grads if g is not None and s is not None]
+    if not present:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    order = sorted(range(len(present)), key=lambda i: str(present[i][1].dtype))
+    weights = _weights(device, tuple((0, _scale(*present[i])) for i in order))
+    return sumsq([present[i][1] for i in order], weights)[0]
+
+
+def _values(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or for a sparse gradient (an embedding's) its stored values."""
+    return t.coalesce().values() if t.is_sparse else t

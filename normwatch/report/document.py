@@ -30,6 +30,7 @@ from normwatch.catalog import TABLE
 from normwatch.errors import ConfigError
 from normwatch.judge.depth import depth_profile
 from normwatch.judge.history import Record, first_nonfinite
+from normwatch.judge.incidents import Incident
 from normwatch.judge.spikes import Spike
 from normwatch.records import Alarm, Limits, NormLayer, UpdateStats, Verdict
 
@@ -59,9 +60,11 @@ def build_report(
     limits: Limits | None = None,
     updates: Sequence[UpdateStats] = (),
     placement: Mapping[str, str] | None = None,
+    incident: Incident | None = None,
 ) -> dict[str, Any]:
     """The report document as plain JSON-able data (pure: no I/O). ``placement``: the
-    norms' stated placements (glob → ``pre``/``post``) for the gradient depth profile."""
+    norms' stated placements (glob → ``pre``/``post``) for the gradient depth profile;
+    ``incident``: the incident reported (its timeline)."""
     first = first_nonfinite(records)
     position = {name: i for i, name in enumerate(order)}
     ordered = sorted(layers, key=lambda x: position.get(x.name, len(order) + layers.index(x)))
@@ -74,6 +77,11 @@ def build_report(
         "rank": rank,
         "limits": dataclasses.asdict(limits or Limits()),
         "verdict": None if verdict is None else _clean(dataclasses.asdict(verdict)),
+        "incident": None if incident is None else {
+            "number": incident.number, "first_step": incident.first_step,
+            "last_step": incident.events[-1].step, "closed": incident.closed,
+            "timeline": [{"trigger": e.trigger, "step": e.step, "note": e.note,
+                          "what": e.what} for e in incident.events]},
         "first_nonfinite": None if first is None else dataclasses.asdict(first),
         "layers": [_layer(layer, position.get(layer.name), records) for layer in ordered],
         "alarms": [_clean({k: v for k, v in dataclasses.asdict(a).items() if k != "tag"})
@@ -134,9 +142,15 @@ def environment(records: Sequence[Record] = ()) -> dict[str, Any]:
 
 
 def write_report(report: Mapping[str, Any], report_dir: str | Path,
-                 html: str | None = None) -> Path:
+                 html: str | None = None, folder: Path | None = None) -> Path:
     """Write ``report.json`` (and ``report.html`` if given) into a new folder under
-    ``report_dir``; returns the folder."""
+    ``report_dir``, or over the files of ``folder`` (an incident's report rewritten: each
+    file replaced whole, never left half-written); returns the folder."""
+    if folder is not None:
+        _replace(folder / "report.json", json.dumps(report, indent=1, allow_nan=False) + "\n")
+        if html is not None:
+            _replace(folder / "report.html", html)
+        return folder
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
     rank = f"-rank{report['rank']}" if report.get("rank") is not None else ""
     base = f"{stamp}-step{report['step']}-{_slug(str(report['trigger']))}{rank}"
@@ -153,6 +167,13 @@ def write_report(report: Mapping[str, Any], report_dir: str | Path,
     if html is not None:
         (folder / "report.html").write_text(html, encoding="utf-8")
     return folder
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file renamed over it."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(text, encoding="utf-8")
+    os.replace(temporary, path)
 
 
 def prepare_report_dir(path: str | os.PathLike[str]) -> Path:

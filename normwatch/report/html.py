@@ -44,6 +44,7 @@ def render_html(report: dict[str, Any]) -> str:
     layers = report.get("layers") or []
     limit = report_limits(report).fp16_limit
     span = step_span(report)
+    band = incident_steps(report)
     parts = [
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
         "<meta name='viewport' content='width=device-width,initial-scale=1'>",
@@ -59,14 +60,14 @@ def render_html(report: dict[str, Any]) -> str:
         f"<h2>max |x| per layer over steps (heatmap, x / {limit:g})</h2>",
         heatmap(layers, limit, steps=span),
         "<h2>max |x| per layer against the fp16 limit</h2>",
-        absmax_lines(layers, limit, steps=span),
+        absmax_lines(layers, limit, steps=span, band=band),
         "<h2>loss</h2>", loss_chart(report.get("loss_history") or [], report.get("spikes") or [],
-                                    steps=span),
+                                    steps=span, band=band),
         "<h2>depth profile: RMS across layers (last finite flush)</h2>", depth_profile(layers),
         "<h2>gradient depth profile: hidden-state gradient RMS across layers</h2>",
         gradient_depth(report.get("gradient_depth")),
         "<h2>optimizer steps: gradient and update norms</h2>",
-        update_chart(report.get("update_history") or [], steps=span),
+        update_chart(report.get("update_history") or [], steps=span, band=band),
         "<h2>eps dominance per layer (max eps / (s + eps))</h2>", eps_bars(layers),
         "<h2>alarms</h2>", _alarms(report.get("alarms") or []),
         "<h2>environment</h2>", _environment(report.get("environment") or {}),
@@ -133,7 +134,12 @@ def events(report: dict[str, Any]) -> list[tuple[int, str, str]]:
         found.append((min(bad), "loss became non-finite", ""))
     step = report.get("step")
     if isinstance(step, int):
-        found.append((step, f"report: {report.get('trigger')}", ""))
+        found.append((step, f"incident opened: {report.get('trigger')}", ""))
+    incident = report.get("incident")
+    for entry in (incident.get("timeline") or [])[1:] if isinstance(incident, dict) else []:
+        if isinstance(entry.get("step"), int):
+            found.append((entry["step"], f"joined the incident: {entry.get('trigger')}",
+                          str(entry.get("what") or "")))
     return sorted(found, key=lambda e: e[0])
 
 
@@ -148,13 +154,23 @@ def timeline(report: dict[str, Any]) -> str:
     return f"<ol class='timeline'>{items}</ol>"
 
 
+def incident_steps(report: dict[str, Any]) -> tuple[int, int] | None:
+    """The first and last step of the report's incident (``None``: none recorded)."""
+    incident = report.get("incident")
+    if not isinstance(incident, dict):
+        return None
+    first, last = incident.get("first_step"), incident.get("last_step")
+    return (first, last) if isinstance(first, int) and isinstance(last, int) else None
+
+
 def step_span(report: dict[str, Any]) -> tuple[int, int] | None:
     """The steps every plot over steps shares: from the first to the last step any
-    layer history or loss covers (the heatmap's last 120 flushes at most)."""
+    layer history or loss covers (the heatmap's last 120 flushes at most), the incident's
+    steps always included."""
     steps = sorted({h["step"] for layer in report.get("layers") or []
                     for h in layer.get("history") or [] if isinstance(h.get("step"), int)})
     losses = [int(st) for st, _ in report.get("loss_history") or []]
-    every = steps[-120:] + losses
+    every = steps[-120:] + losses + list(incident_steps(report) or ())
     return (min(every), max(every)) if every else None
 
 
@@ -206,23 +222,28 @@ def _typical_gap(steps: Sequence[int]) -> int:
 
 
 def absmax_lines(layers: Sequence[dict[str, Any]], limit: float = Limits.fp16_limit,
-                 steps: tuple[int, int] | None = None) -> str:
+                 steps: tuple[int, int] | None = None, band: tuple[int, int] | None = None
+                 ) -> str:
     """Max |x| per layer over steps (log scale) with the fp16 limit's line."""
     series = {str(layer.get("name")): [(h["step"], number(h.get("absmax")))
                                        for h in layer.get("history", [])] for layer in layers}
-    return line_chart(series, log_y=True, hline=(limit, f"fp16 limit {limit:g}"), x_range=steps)
+    return line_chart(series, log_y=True, hline=(limit, f"fp16 limit {limit:g}"), x_range=steps,
+                      band=band)
 
 
 def loss_chart(losses: Sequence[Sequence[Any]], spikes: Sequence[dict[str, Any]],
-               steps: tuple[int, int] | None = None) -> str:
-    """The loss with spike (orange) and non-finite (red, at the top) markers."""
+               steps: tuple[int, int] | None = None, band: tuple[int, int] | None = None
+               ) -> str:
+    """The loss with spike (orange; a run of spikes as one range) and non-finite (red, at
+    the top) markers."""
     points = [(int(s), number(v)) for s, v in losses]
     finite: list[tuple[int, float | None]] = [
         (s, v) for s, v in points if v is not None and math.isfinite(v)]
     nonfinite = [s for s, v in points if v is None or not math.isfinite(v)]
     spike_steps = {int(s["step"]) for s in spikes}
     marks = [(s, v, "spike") for s, v in finite if s in spike_steps and v is not None]
-    return line_chart({"loss": finite}, markers=marks, top_markers=nonfinite, x_range=steps)
+    return line_chart({"loss": finite}, markers=marks, top_markers=nonfinite, x_range=steps,
+                      band=band)
 
 
 def depth_profile(layers: Sequence[dict[str, Any]]) -> str:
@@ -255,13 +276,14 @@ def gradient_depth(depth: dict[str, Any] | None) -> str:
             + line_chart(series, log_y=True, x_labels=[str(p.get("layer")) for p in points]))
 
 
-def update_chart(updates: Sequence[dict[str, Any]], steps: tuple[int, int] | None = None
-                 ) -> str:
+def update_chart(updates: Sequence[dict[str, Any]], steps: tuple[int, int] | None = None,
+                 band: tuple[int, int] | None = None) -> str:
     """Per optimizer step: the global gradient norm and the update norm (log scale)."""
     if not updates:
         return "<p class='muted'>no optimizer attached (normwatch.watch(model, optimizer))</p>"
     return line_chart({name: [(int(u["step"]), number(u.get(name))) for u in updates]
-                       for name in ("grad_norm", "update_norm")}, log_y=True, x_range=steps)
+                       for name in ("grad_norm", "update_norm")}, log_y=True, x_range=steps,
+                      band=band)
 
 
 def eps_bars(layers: Sequence[dict[str, Any]], width: int = 1040) -> str:
@@ -301,11 +323,13 @@ def line_chart(
     top_markers: Sequence[int] = (),
     x_labels: Sequence[str] | None = None,
     x_range: tuple[int, int] | None = None,
+    band: tuple[int, int] | None = None,
     width: int = 1040,
     height: int = 260,
 ) -> str:
     """A small SVG line chart; non-finite and (for log scale) non-positive values skipped.
-    ``x_range``: the step axis shared with the other plots over steps."""
+    ``x_range``: the step axis shared with the other plots over steps; ``band``: steps to
+    shade (the incident's)."""
     clean = {k: [(x, y) for x, y in v if y is not None and math.isfinite(y)
                  and (y > 0 or not log_y)] for k, v in series.items()}
     xs = [x for v in clean.values() for x, _ in v] + list(top_markers)
@@ -342,11 +366,17 @@ def line_chart(
         for i, label in enumerate(x_labels):
             out.append(f"<text x='{px(i):.1f}' y='{height - bottom + 14}' text-anchor='middle'"
                        f" font-size='9'>{escape(label[-22:])}</text>")
-    if hline:
+    if band is not None:  # the incident's steps
+        a, b = px(band[0]), px(band[1])
+        out.append(f"<rect class='incident' x='{a:.1f}' y='{top}' width='{max(b - a, 2.0):.1f}' "
+                   f"height='{height - top - bottom}' fill='#c62828' fill-opacity='0.07'>"
+                   f"<title>incident, steps {band[0]}-{band[1]}</title></rect>")
+    if hline:  # its label inside the plot, above the line: the legend column stays clear
         y = py(hline[0])
         out.append(f"<line x1='{left}' x2='{width - right}' y1='{y:.1f}' y2='{y:.1f}' "
-                   f"stroke='#c62828' stroke-dasharray='6 4'/><text x='{width - right + 4}' "
-                   f"y='{y + 4:.1f}' fill='#c62828'>{escape(hline[1])}</text>")
+                   f"stroke='#c62828' stroke-dasharray='6 4'/><text class='hline' "
+                   f"x='{width - right - 4}' y='{y - 4:.1f}' text-anchor='end' "
+                   f"fill='#c62828'>{escape(hline[1])}</text>")
     for i, (name, points) in enumerate(clean.items()):
         colour = PALETTE[i % len(PALETTE)]
         if points:
@@ -358,15 +388,39 @@ def line_chart(
                         for x, y in points]
         out.append(f"<text x='{width - right + 8}' y='{top + 14 + 14 * (i % 16)}' "
                    f"fill='{colour}'>{escape(name[-24:])}</text>")
-    for x, y, label in markers:
+    for run in clusters(markers):  # a run of spikes is one range, marked at its peak
+        (first, _, label), (last, _, _) = run[0], run[-1]
+        x, y, _ = max(run, key=lambda m: m[1])
+        what = f"{escape(label)} at step {x}" if len(run) == 1 else \
+            f"{len(run)} {escape(label)}s, steps {first}-{last}"
+        if len(run) > 1:
+            out.append(f"<rect class='spikes' x='{px(first):.1f}' y='{top}' "
+                       f"width='{max(px(last) - px(first), 2.0):.1f}' "
+                       f"height='{height - top - bottom}' fill='#ef6c00' fill-opacity='0.12'>"
+                       f"<title>{what}</title></rect>")
         out.append(f"<circle cx='{px(x):.1f}' cy='{py(y):.1f}' r='5' fill='none' "
-                   f"stroke='#ef6c00' stroke-width='2'><title>{escape(label)} at step {x}"
-                   "</title></circle>")
+                   f"stroke='#ef6c00' stroke-width='2'><title>{what}</title></circle>")
     for x in top_markers:
         out.append(f"<path d='M{px(x) - 5:.1f},{top + 2} h10 l-5,9 z' fill='#c62828'>"
                    f"<title>non-finite loss at step {x}</title></path>")
     out.append("</svg>")
     return "".join(out)
+
+
+def clusters(markers: Sequence[tuple[int, float, str]]) -> list[list[tuple[int, float, str]]]:
+    """Markers in runs: consecutive ones no further apart than twice the typical gap
+    between markers (at least 2 steps) are one run."""
+    ordered = sorted(markers)
+    if not ordered:
+        return []
+    gap = max(2, 2 * _typical_gap([m[0] for m in ordered]))
+    runs = [[ordered[0]]]
+    for m in ordered[1:]:
+        if m[0] - runs[-1][-1][0] <= gap:
+            runs[-1].append(m)
+        else:
+            runs.append([m])
+    return runs
 
 
 def log_ticks(lo: float, hi: float, extra: float | None = None) -> list[float]:

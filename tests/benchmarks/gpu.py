@@ -10,7 +10,10 @@
     step, interleaved with an unmonitored copy of the model (target: <= 1 %), eager,
     compiled, and compiled with ``mode="reduce-overhead"`` (CUDA graphs; skips counted);
 (c) ``torch.cuda.set_sync_debug_mode("error")`` over 50 monitored steps raises nothing,
-    eager and compiled.
+    eager and compiled;
+(d) the optimizer watched (``watch(model, optimizer)``): step ratio against an unmonitored
+    copy and the peak memory of a step (``max_memory_allocated``) with and without the
+    watch, against 1/16 of the parameters' bytes.
 """
 
 from __future__ import annotations
@@ -57,14 +60,13 @@ def bandwidth() -> str:
 
 def per_call_statistics(x: torch.Tensor) -> str:
     """One norm call's statistics, reductions and fold: fused kernel vs inductor."""
-    from normwatch.measure.reductions import fold_calls, fold_plan, reduce_call, rows_from_fused
+    from normwatch.measure.reductions import fold_calls, fold_plan, fused_call, reduce_call
     from normwatch.records import Limits
 
     plan = fold_plan([reduce_call(x, x, "rmsnorm", 1e-6, True, 0, 0.0)], Limits())
 
     def fused() -> torch.Tensor:
-        call = rows_from_fused(row_stats_triton(x, x), "rmsnorm", 1e-6, x.shape[1], True, 0,
-                               0.0)
+        call = fused_call(row_stats_triton(x, x), "rmsnorm", 1e-6, x.shape[1], True, 0, 0.0)
         return fold_calls([call], plan)
 
     def torch_path(x: torch.Tensor) -> torch.Tensor:
@@ -162,6 +164,50 @@ def sync_free(steps: int = 50, compiled: bool = False) -> str:
             f"{' (compiled)' if compiled else ''}: no sync raised")
 
 
+def optimizer_watch(rounds: int = 10, steps: int = 5) -> str:
+    """(d): each model steps alone between peak-memory resets, so each peak is its own."""
+    torch.manual_seed(0)
+    base = llama_125m()
+    plain, watched = base, copy.deepcopy(base)
+    opts = {id(m): torch.optim.AdamW(m.parameters(), lr=1e-5) for m in (plain, watched)}
+    w = normwatch.watch(watched, opts[id(watched)], report_dir=None)
+    tokens = torch.randint(0, 32000, (8, 1024), device="cuda")
+    peaks: dict[int, list[int]] = {id(plain): [], id(watched): []}
+
+    def run(model: torch.nn.Module) -> float:
+        def body() -> None:
+            for _ in range(steps):
+                loss = model(tokens, labels=tokens).loss
+                loss.backward()
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+                opts[id(model)].step()  # the monitor's copy lives inside step()
+                torch.cuda.synchronize()
+                peaks[id(model)].append(torch.cuda.max_memory_allocated() - before)
+                opts[id(model)].zero_grad(set_to_none=True)
+                if model is watched:
+                    w.step(loss)
+        return time_cuda(body, repeat=1) / steps
+
+    ratios = []
+    for r in range(rounds + 1):
+        order = (plain, watched) if r % 2 else (watched, plain)
+        got = {id(m): run(m) for m in order}
+        if r:
+            ratios.append(got[id(watched)] / got[id(plain)])
+    w.close()
+    nbytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    extra = statistics.median(peaks[id(watched)][steps:]) - \
+        statistics.median(peaks[id(plain)][steps:])
+    return (f"| (d) optimizer watched, Llama {nbytes / 2e6:.0f}M bf16 | |\n|---|---:|\n"
+            f"| median paired step ratio | {statistics.median(ratios):.4f}x |\n"
+            f"| optimizer step peak, unmonitored (MiB) | "
+            f"{statistics.median(peaks[id(plain)][steps:]) / 2**20:.1f} |\n"
+            f"| what the watch adds to it (MiB) | {extra / 2**20:.1f} |\n"
+            f"| 1/16 of the parameters (MiB) | {nbytes / 16 / 2**20:.1f} |")
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
@@ -169,7 +215,7 @@ def main() -> int:
     print(torch.cuda.get_device_name(), torch.__version__)
     parts = (bandwidth, overhead, lambda: overhead("default", rounds=10),
              lambda: overhead("reduce-overhead", rounds=10), sync_free,
-             lambda: sync_free(compiled=True))
+             lambda: sync_free(compiled=True), optimizer_watch)
     for part in parts:
         print(part(), flush=True)
         print(flush=True)

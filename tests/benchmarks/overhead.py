@@ -28,8 +28,9 @@ import torch
 
 import normwatch
 
-Row = tuple[str, float, float, "tuple[int, int, int] | None"]
-"""``(mode, median step ms, median paired ratio, compiled: (graphs, breaks, recompiles))``"""
+Row = tuple[str, float, float, "tuple[int, int, int] | None", float]
+"""``(mode, median step ms, median paired ratio, compiled: (graphs, breaks, recompiles),
+median paired difference in ms)``"""
 
 
 @dataclass
@@ -143,10 +144,12 @@ def run(rounds: int, steps: int, hidden: int, layers: int, batch: int, seq: int,
     baselines = {m.compiled: m.times for m, *_ in runs if m.name in ("unmonitored", "compiled")}
     rows = []
     for mode, *_ in runs:
-        ratios = [t / b for t, b in zip(mode.times, baselines[mode.compiled], strict=True)]
+        base = baselines[mode.compiled]
+        ratios = [t / b for t, b in zip(mode.times, base, strict=True)]
+        diffs = [t - b for t, b in zip(mode.times, base, strict=True)]
         counts = (mode.graphs, mode.breaks, mode.recompiles) if mode.compiled else None
         rows.append((mode.name, statistics.median(mode.times) * 1e3, statistics.median(ratios),
-                     counts))
+                     counts, statistics.median(diffs) * 1e3))
     return rows
 
 
@@ -155,7 +158,108 @@ def table(rows: list[Row]) -> str:
              "|---|---:|---:|---:|"]
     lines += [f"| {name} | {ms:.1f} | {ratio:.3f}x | "
               f"{'' if counts is None else ' / '.join(map(str, counts))} |"
-              for name, ms, ratio, counts in rows]
+              for name, ms, ratio, counts, _ in rows]
+    return "\n".join(lines)
+
+
+SWEEP = ((128, 4, 8, 64), (256, 4, 4, 128), (512, 8, 4, 128), (1024, 4, 4, 128))
+"""``(hidden, layers, batch, seq)``: the model sizes of ``--sweep``."""
+SWEPT = ("normwatch (defaults)", "normwatch + optimizer", "normwatch stats_every=1")
+
+
+ENTRY_POINTS = (
+    ("normwatch.measure.hooks", "LayerHook", ("__call__", "_pre")),
+    ("normwatch.measure.gradients", "GradHooks", ("_out", "_in", "_hidden", "_weight_grad")),
+    ("normwatch.measure.gradients", "_Through", ("_part",)),
+    ("normwatch.measure.measurement", "Measurement", ("_forward_begins", "_forward_ends")),
+    ("normwatch.measure.updates", "UpdateMonitor", ("_pre", "_post")),
+    ("normwatch.watching", "Watch", ("step",)),
+)
+"""Everything normwatch runs during a training step: its hooks and ``watch.step``."""
+
+
+@contextlib.contextmanager
+def timed_entry_points(total: list[float]) -> Iterator[None]:
+    """Add the seconds spent inside :data:`ENTRY_POINTS` to ``total[0]`` (outermost
+    calls only: a hook running inside ``watch.step`` is counted once)."""
+    import importlib
+
+    depth = [0]
+    saved = []
+    for module, owner, names in ENTRY_POINTS:
+        cls = getattr(importlib.import_module(module), owner)
+        for name in names:
+            real = getattr(cls, name)
+
+            def timed(*args: object, _real: Callable[..., object] = real, **kw: object) -> object:
+                depth[0] += 1
+                start = time.perf_counter()
+                try:
+                    return _real(*args, **kw)
+                finally:
+                    depth[0] -= 1
+                    if depth[0] == 0:
+                        total[0] += time.perf_counter() - start
+            saved.append((cls, name, real))
+            setattr(cls, name, timed)
+    try:
+        yield
+    finally:
+        for cls, name, real in saved:
+            setattr(cls, name, real)
+
+
+def direct(hidden: int, layers: int, batch: int, seq: int, steps: int, mode: str
+           ) -> tuple[float, float]:
+    """``(ms per step inside normwatch, ms per step of the whole watched step)`` for a
+    :data:`SWEPT` ``mode``, timed around normwatch's own code (not noisy like a ratio of
+    two step times: it does not depend on the other process's luck)."""
+    attach = {m.name: m.attach for m in modes()}[mode]
+    torch.manual_seed(0)
+    model = tiny_llama(hidden, layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, 1024, (batch, seq), generator=torch.Generator().manual_seed(0))
+    total = [0.0]
+    with timed_entry_points(total):
+        watcher = attach(model, opt)
+        assert isinstance(watcher, normwatch.Watch)
+        for i in range(steps + 10):  # 10 warm-up steps
+            if i == 10:
+                total[0], start = 0.0, time.perf_counter()
+            loss = model(tokens, labels=tokens, use_cache=False).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            watcher.step(loss)
+        elapsed = time.perf_counter() - start
+        watcher.close()
+    return total[0] / steps * 1e3, elapsed / steps * 1e3
+
+
+def sweep(rounds: int, steps: int, sizes: tuple[tuple[int, int, int, int], ...] = SWEEP
+          ) -> str:
+    """Per model size, the paired ratio of each :data:`SWEPT` mode and what it adds per
+    norm per step (µs): a Llama has ``2 * layers + 1`` norms."""
+    head = " | ".join(f"{m.removeprefix('normwatch ')}" for m in SWEPT)
+    lines = [f"| model | unmonitored step (ms) | {head} |",
+             "|---|---:|" + "---:|" * len(SWEPT)]
+    for hidden, layers, batch, seq in sizes:
+        rows = {r[0]: r for r in run(rounds, steps, hidden, layers, batch, seq, list(SWEPT))}
+        norms = 2 * layers + 1
+        cells = [f"{rows[m][2]:.3f}x ({rows[m][4] * 1e3 / norms:.0f} µs)" for m in SWEPT]
+        lines.append(f"| d={hidden}, {layers} layers, {batch}x{seq} tokens | "
+                     f"{rows['unmonitored'][1]:.1f} | {' | '.join(cells)} |")
+    lines += ["", "Timed inside normwatch (its hooks and `watch.step`, flushes included; "
+              f"{4 * steps} steps per mode): share of the rest of the step, and µs per norm "
+              "per step", "", f"| model | {head} |", "|---|" + "---:|" * len(SWEPT)]
+    for hidden, layers, batch, seq in sizes:
+        cells = []
+        for mode in SWEPT:
+            inside, whole = direct(hidden, layers, batch, seq, 4 * steps, mode)
+            cells.append(f"{inside / (whole - inside):.2%} ({inside * 1e3 / (2 * layers + 1):.0f}"
+                         " µs)")
+        lines.append(f"| d={hidden}, {layers} layers, {batch}x{seq} tokens | "
+                     f"{' | '.join(cells)} |")
     return "\n".join(lines)
 
 
@@ -170,7 +274,16 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--only", nargs="*", help="mode names (the baselines always run)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="the size sweep: ratios and µs per norm per step of "
+                             "defaults, the optimizer watched and stats_every=1")
     args = parser.parse_args(argv)
+    if args.sweep:
+        text = (f"size sweep, {args.rounds} rounds x {args.steps} steps, torch "
+                f"{torch.__version__}, {torch.get_num_threads()} threads; in brackets what "
+                f"a mode adds per norm per step\n\n{sweep(args.rounds, args.steps)}")
+        print(text)
+        return text
     rows = run(args.rounds, args.steps, args.hidden, args.layers, args.batch, args.seq,
                args.only)
     text = (f"tiny Llama (hidden {args.hidden}, {args.layers} layers, batch {args.batch} x "

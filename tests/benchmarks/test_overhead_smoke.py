@@ -11,3 +11,9 @@ def test_overhead_benchmark_runs() -> None:
     for mode in ("unmonitored", "normwatch (defaults)", "DebugUnderflowOverflow",
                  "detect_anomaly"):
         assert f"| {mode} |" in text
+
+
+def test_size_sweep_runs() -> None:
+    text = overhead.sweep(1, 1, ((32, 1, 2, 8),))
+    assert text.count("| d=32, 1 layers, 2x8 tokens |") == 2 and text.count("µs)") == 6
+    assert "Timed inside normwatch" in text

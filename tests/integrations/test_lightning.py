@@ -96,6 +96,19 @@ def test_logs_through_the_trainer_logger_with_gradient_accumulation(tmp_path: Pa
     assert not t.optimizers[0]._optimizer_step_pre_hooks  # removed at teardown
 
 
+def test_the_steps_after_the_last_flush_are_judged_at_teardown(tmp_path: Path) -> None:
+    """7 steps, a flush every 5: teardown ends the run as every integration does
+    (``Watch.finish``), so steps 6-7 are read and judged, not dropped."""
+    callback = NormWatchCallback(report_dir=None)
+    t = trainer(tmp_path, callback, max_steps=7, logger=False)
+    t.fit(LitLM())
+    watch = callback.watch
+    assert watch is not None and watch.closed
+    snap = watch.last_snapshot
+    assert snap is not None and (snap.first_step, snap.step) == (6, 7)
+    assert snap.layers["model.norm"].calls == 2
+
+
 def test_checkpoint_resume_keeps_the_watch_state(tmp_path: Path) -> None:
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=10)
     first = NormWatchCallback(report_dir=None, flush_every=1)

@@ -62,8 +62,25 @@ def test_headroom_forecast_needs_growth_and_size() -> None:
     assert "steps to the fp16 limit 256" in alarms[0].message
     flat = [(step, growing[-1][1]) for step, _ in growing]
     assert fired(s, history={s.name: flat})[0] == set()
-    small = [(step, v / 10) for step, v in growing]  # under headroom_ratio x limit
-    assert fired(stats(absmax=small[-1][1]), history={s.name: small})[0] == set()
+    tiny = [(step, v / 100) for step, v in growing]  # under 1/64 of the limit: never
+    assert fired(stats(absmax=tiny[-1][1]), history={s.name: tiny})[0] == set()
+
+
+def test_steady_growth_is_forecast_early_and_noisy_growth_stays_quiet() -> None:
+    """Under ``headroom_ratio`` x the limit a forecast needs a steady trend: 8 flushes on
+    a line in log space (r² >= 0.97) warn from |x| = 4 (1/64 of 256); a healthy run whose
+    max |x| wanders upwards as much, but noisily, stays quiet until it is near."""
+    half = {"input_dtype": "float16", "weight_dtype": "float16", "output_dtype": "float16"}
+    steady = [(s, 4 * 1.01 ** s) for s in range(0, 80, 10)]  # 4 -> 8, 1 %/step
+    kinds, _ = fired(stats(absmax=steady[-1][1], **half), history={"blocks.0.norm": steady})
+    assert kinds == {("fp16_headroom", "warning", "")} and steady[-1][1] < 10
+    wobbles = [1.0, 1.6, 0.8, 1.5, 0.9, 1.7, 1.0, 1.3]  # the same rise, r² ~0.3
+    noisy = [(s, v * w) for (s, v), w in zip(steady, wobbles, strict=True)]
+    assert fired(stats(absmax=noisy[-1][1], **half), history={"blocks.0.norm": noisy})[0] \
+        == set()
+    short = steady[-5:]  # steady, but too few flushes to say so
+    assert fired(stats(absmax=short[-1][1], **half), history={"blocks.0.norm": short})[0] \
+        == set()
 
 
 @pytest.mark.parametrize("origin", ["input", "norm"])

@@ -16,8 +16,8 @@ from normwatch.catalog import COLUMNS
 from normwatch.measure.reductions import (
     fold_calls,
     fold_plan,
+    fused_call,
     reduce_call,
-    rows_from_fused,
 )
 from normwatch.measure.triton_kernel import ROW_COLUMNS, row_stats_torch, row_stats_triton
 from normwatch.records import Limits
@@ -83,17 +83,22 @@ def test_bad_shapes_are_rejected_clearly() -> None:
         row_stats_triton(torch.zeros(2, 4), torch.zeros(2, 5))
 
 
-@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
-def test_fused_and_torch_paths_fold_to_the_same_statistics(kind: str) -> None:
-    x = hard(6, 256, torch.bfloat16).to(DEVICE)
-    y = torch.randn(6, 256, device=DEVICE).to(torch.bfloat16)
-    y[5, 3] = float("inf")
-    plain = reduce_call(x, y, kind, 1e-5, True, 0, 42.0)  # type: ignore[arg-type]
-    fused = rows_from_fused(row_stats_triton(x, y), kind, 1e-5, x.shape[1], True,  # type: ignore[arg-type]
-                            0, 42.0)
-    a, b = (fold_calls([c], fold_plan([c], Limits()))[0] for c in (plain, fused))
-    for name, va, vb in zip(COLUMNS, a.tolist(), b.tolist(), strict=True):
-        assert va == pytest.approx(vb, rel=1e-4, abs=1e-6), name
+def test_fused_and_torch_paths_fold_to_the_same_statistics() -> None:
+    """The kernel's raw rows are converted at the fold, for every call at once: a layer
+    norm's and an RMS norm's calls folded together give what the torch path gives."""
+    calls = {"plain": [], "fused": []}
+    for i, kind in enumerate(["rmsnorm", "layernorm", "rmsnorm"]):
+        x = hard(6, 256, torch.bfloat16).to(DEVICE) * (i + 1)
+        y = torch.randn(6, 256, device=DEVICE).to(torch.bfloat16)
+        y[5, 3] = float("inf")
+        key = 42.0 + i
+        calls["plain"].append(reduce_call(x, y, kind, 1e-5, True, i, key))  # type: ignore[arg-type]
+        calls["fused"].append(fused_call(row_stats_triton(x, y), kind, 1e-5,  # type: ignore[arg-type]
+                                         x.shape[1], True, i, key))
+    a, b = (fold_calls(c, fold_plan(c, Limits())) for c in calls.values())
+    for i in range(3):
+        for name, va, vb in zip(COLUMNS, a[i].tolist(), b[i].tolist(), strict=True):
+            assert va == pytest.approx(vb, rel=1e-4, abs=1e-6), (i, name)
 
 
 def test_watch_with_the_fused_kernel_agrees_with_torch() -> None:

@@ -17,11 +17,10 @@ from normwatch.errors import ConfigError
 
 
 def reference(params: list[torch.nn.Parameter], before: list[torch.Tensor]
-              ) -> tuple[float, float, float, float]:
+              ) -> tuple[float, ...]:
     """Gradient, update and parameter L2 norms in float64, one parameter at a time, and
-    the update's and the parameters' norms estimated from every 17th block of 16 elements
-    of each tensor of 4352 or more (the documented sample), scaled by elements per sampled
-    element."""
+    the same three estimated from every 17th block of 16 elements of each tensor of 4352
+    or more (the documented sample), scaled by elements per sampled element."""
     def norm(ts: list[torch.Tensor]) -> float:
         return math.sqrt(sum(float(t.double().square().sum()) for t in ts))
 
@@ -34,6 +33,7 @@ def reference(params: list[torch.nn.Parameter], before: list[torch.Tensor]
     changes = [p.detach() - b[0] for p, b in with_grad]
     now = [p.detach() for p, _ in with_grad]
     return (norm([b[1] for _, b in with_grad]), norm(changes), norm(now),
+            math.sqrt(sum(sampled(b[1]) for _, b in with_grad)),
             math.sqrt(sum(sampled(c) for c in changes)),
             math.sqrt(sum(sampled(t) for t in now)))
 
@@ -71,17 +71,20 @@ def test_norms_match_a_float64_reference_with_two_optimizers_and_accumulation(
     got = [u for s in [w.flush()] for u in s.updates]
     snapshots = [u for u in w.postmortem.updates]
     assert [u.step for u in snapshots] == [1, 2, 3, 4, 5, 6] and got == []
-    for u, (g, d, p, update, size) in zip(snapshots, expected, strict=True):
-        assert u.grad_norm == pytest.approx(g, rel=1e-6)
-        assert u.update_norm == pytest.approx(update, rel=1e-5)  # the sample's arithmetic
+    for u, (g, d, p, grad, update, size) in zip(snapshots, expected, strict=True):
+        assert u.grad_norm == pytest.approx(grad, rel=1e-6)  # the sample's arithmetic
+        assert u.update_norm == pytest.approx(update, rel=1e-5)
         assert u.param_norm == pytest.approx(size, rel=1e-6)
-        assert u.update_norm == pytest.approx(d, rel=3e-2)  # estimates over ~20k elements
+        assert u.grad_norm == pytest.approx(g, rel=3e-2)  # estimates over ~20k elements
+        assert u.update_norm == pytest.approx(d, rel=3e-2)
         assert u.param_norm == pytest.approx(p, rel=3e-2)
         assert u.lr == 0.05 and u.update_ratio == pytest.approx(d / p, rel=3e-2)
-    assert w._updates._before == {}  # the step's references are dropped after each step
-    assert bool(w._updates._kept) == kept
+    assert w._updates._pending == set()
+    buffers = [b for s in w._updates._sampled.values() for _, pack in s.packs
+               for b in pack.buffers if b is not None]
+    assert bool(buffers) == kept  # on accelerators the copy lives for the step only
     w.close()
-    assert w._updates._kept == {}
+    assert w._updates._sampled == {}
     assert not adam._optimizer_step_pre_hooks and not sgd._optimizer_step_post_hooks
 
 
@@ -107,13 +110,48 @@ def test_the_update_copy_holds_a_sixteenth_of_the_parameters() -> None:
         exact.append(math.sqrt(sum(float((p.detach() - b).double().square().sum())
                                    for p, b in zip(params, before, strict=True))))
         w.step()
-    kept = sum(t.numel() for _, copies in w._updates._kept.values() for t in copies)
+    kept = sum(b.numel() for s in w._updates._sampled.values() for _, pack in s.packs
+               for b in pack.buffers if b is not None)
     total = sum(p.numel() for p in params)
     assert 0 < kept <= total / 16, (kept, total)
     got = [u.update_norm for u in w.flush().updates]
     assert got == pytest.approx(exact, rel=1e-2)
     assert max(got) == got[5]  # the spike stands out as it does exactly
     w.close()
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw foreach", "sgd"])
+def test_what_a_step_allocates_is_a_sixteenth_of_the_parameters(optimizer: str) -> None:
+    """Measured with the profiler, on the accelerator path (a copy per step): everything
+    the watched optimizer step allocates beyond the unwatched one's is at most 1/16 of the
+    parameters' bytes (every allocation counted, freed or not: a bound on the peak)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def allocated(watched: bool) -> tuple[int, int]:
+        torch.manual_seed(0)
+        model = TinyLM(dim=128, depth=2)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9) \
+            if optimizer == "sgd" else \
+            torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=optimizer.endswith("h"))
+        w = normwatch.watch(model, opt if watched else None, report_dir=None)
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(2):  # the second step: the optimizer's state exists
+            tokens = synthetic_batch(gen, batch=2, seq=8)
+            lm_loss(model(tokens), tokens).backward()
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                opt.step()
+            opt.zero_grad()
+            w.step()
+        w.close()
+        total = sum(e.self_cpu_memory_usage for e in prof.events()
+                    if e.self_cpu_memory_usage > 0)
+        return total, sum(p.numel() * p.element_size() for p in model.parameters())
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(normwatch.measure.updates, "KEEP_ON", frozenset())
+        plain, params = allocated(False)
+        watched, _ = allocated(True)
+    assert 0 < watched - plain <= params / 16, (watched - plain, params)
 
 
 def test_half_precision_gradients_sum_without_overflowing() -> None:
@@ -153,10 +191,10 @@ def test_a_failing_hook_warns_once_and_training_goes_on(monkeypatch: pytest.Monk
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     w = normwatch.watch(model, opt, report_dir=None)
 
-    def broken(tensors: object) -> dict[torch.device, torch.Tensor]:
+    def broken(*args: object) -> torch.Tensor:
         raise RuntimeError("no norms today")
 
-    monkeypatch.setattr(normwatch.measure.updates, "sumsq", broken)
+    monkeypatch.setattr(normwatch.measure.updates._Pack, "sumsq", broken)
     gen = torch.Generator().manual_seed(0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

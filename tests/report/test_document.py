@@ -190,3 +190,27 @@ def test_plots_over_steps_share_one_axis_and_log_ticks_read_plainly() -> None:
         ["1", "10", "100", "256", "1e3", "1e4"]
     assert [tick_label(v) for v in (1e-3, 0.05, 1.5e5, 9050.0)] == ["1e-3", "0.05", "1.5e5",
                                                                      "9050"]
+
+
+def test_html_at_a_glance_label_clear_of_the_legend_spikes_as_ranges_incident_shaded() -> None:
+    """The fp16 limit's label sat on the first legend entry; 25 consecutive spikes drew 25
+    circles; the incident's steps were not marked."""
+    import re
+
+    from normwatch.report.html import PLOT_RIGHT, line_chart, loss_chart
+
+    width = 1040
+    chart = line_chart({"blocks.0.norm": [(s, 2.0 * s) for s in range(1, 50)],
+                        "blocks.1.norm": [(s, 3.0 * s) for s in range(1, 50)]},
+                       log_y=True, hline=(256.0, "fp16 limit 256"), width=width)
+    label = re.search(r"<text class='hline' x='([\d.]+)' y='([\d.]+)' text-anchor='end'", chart)
+    assert label is not None and float(label.group(1)) <= width - PLOT_RIGHT  # inside the plot
+    legend_x = [float(x) for x in re.findall(r"<text x='([\d.]+)' y='[\d.]+' fill='#", chart)]
+    assert legend_x and min(legend_x) > width - PLOT_RIGHT  # the legend's column, to its right
+    losses = [[s, 2.0 + (6.0 if 40 <= s < 65 else 0.0) + 0.01 * (s % 3)] for s in range(100)]
+    spikes = [{"step": s} for s in (*range(40, 65), 90)]
+    svg = loss_chart(losses, spikes, band=(40, 95))
+    assert svg.count("<circle") == 2  # one run of 25, one lone spike
+    assert svg.count("class='spikes'") == 1 and "25 spikes, steps 40-64" in svg
+    assert "spike at step 90" in svg
+    assert svg.count("class='incident'") == 1 and "incident, steps 40-95" in svg

@@ -1,0 +1,248 @@
+"""The aten ops each norm call and each gradient dispatches, counted (deterministic: a
+``TorchDispatchMode`` sees every op below autograd, so the count does not depend on the
+machine's noise).
+
+Run: ``python tests/benchmarks/opcount.py`` (``TRITON_INTERPRET=1`` adds the fused
+kernel's rows on a machine without a GPU).
+
+Per path the table gives the *kernels* (ops that compute or allocate: what costs a
+launch on a GPU and a dispatch on the CPU) and the *views* (metadata-only ops: reshape,
+detach, select). Forward rows are the ops a watched call adds to an unwatched one
+(``norm(x)`` watched minus unwatched); gradient rows are one hook's ops on one gradient;
+compiled rows are what the operators' bodies run at run time, plus the operator itself.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import normwatch
+from normwatch.measure.gradients import HIDDEN, IN, OUT
+
+LAUNCH = "triton launch"
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched while active, split into kernels and views."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels: Counter[str] = Counter()
+        self.views: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        (self.views if func.is_view or name in ("detach", "alias") else self.kernels)[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@dataclass(frozen=True)
+class Count:
+    kernels: Counter[str]
+    views: Counter[str]
+
+    def __sub__(self, other: Count) -> Count:
+        return Count(self.kernels - other.kernels, self.views - other.views)
+
+    @property
+    def n_kernels(self) -> int:
+        return sum(self.kernels.values())
+
+    @property
+    def n_views(self) -> int:
+        return sum(self.views.values())
+
+    def names(self) -> str:
+        return ", ".join(f"{k} ×{v}" if v > 1 else k for k, v in sorted(self.kernels.items()))
+
+
+@contextmanager
+def _one_launch() -> Iterator[None]:
+    """The fused kernel as the GPU runs it: one launch and its output (Triton's CPU
+    interpreter copies tensors around; those ops are not the kernel's)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from normwatch.measure import hooks
+
+    real = hooks.row_stats_triton
+
+    def counted(tokens: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        mode = torch.utils._python_dispatch._get_current_dispatch_mode()
+        with _disable_current_modes():
+            rows = real(tokens, out)
+        if isinstance(mode, OpCounter):
+            mode.kernels[LAUNCH] += 1
+            mode.kernels["empty"] += 1  # its output
+        return rows
+
+    hooks.row_stats_triton = counted  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        hooks.row_stats_triton = real  # type: ignore[assignment]
+
+
+def count(fn: Callable[[], object]) -> Count:
+    """The ops ``fn()`` dispatches."""
+    with _one_launch(), OpCounter() as c:
+        fn()
+    return Count(c.kernels, c.views)
+
+
+def _norm(kind: str, d: int) -> nn.Module:
+    return nn.RMSNorm(d) if kind == "rmsnorm" else nn.LayerNorm(d)
+
+
+@contextmanager
+def watched(module: nn.Module, **options: Any) -> Iterator[Any]:
+    """``module`` watched with ``options``; yields its one hook."""
+    watch = normwatch.watch(module, report_dir=None, early_warning=False, **options)
+    try:
+        yield watch._measure._hooks[0]
+    finally:
+        watch.close()
+
+
+def forward_call(kind: str = "rmsnorm", full: bool = False, dtype: torch.dtype = torch.float32,
+                 d: int = 256, tokens: int = 512, **options: Any) -> Count:
+    """The ops a watched forward call adds (training mode, input requiring grad)."""
+    norm = _norm(kind, d).to(dtype)
+    x = torch.randn(tokens // 8, 8, d, dtype=dtype, requires_grad=True)
+    plain = count(lambda: norm(x))
+    with watched(norm, **options) as hook:
+        hook.rt.update(full_stats=full, check_outputs=False)
+        norm(x)  # the first call records names once
+        hook.rt.update(calls_this_step=0)
+        return count(lambda: norm(x)) - plain
+
+
+def gradient(site: str, kind: str = "rmsnorm", dtype: torch.dtype = torch.float32,
+             d: int = 256, tokens: int = 512) -> Count:
+    """One gradient hook's ops on one gradient (full-tier step)."""
+    norm = _norm(kind, d).to(dtype)
+    g = torch.randn(tokens // 8, 8, d, dtype=dtype)
+    with watched(norm) as hook:
+        hook.rt.update(full_stats=True)
+        grads = hook.grads
+        if site == "weight":
+            w = torch.randn(d, dtype=dtype)
+            return count(lambda: grads._weight_grad(w))
+        index = {"grad_out": OUT, "grad_in": IN, "grad_hidden": HIDDEN}[site]
+        return count(lambda: grads._measure(index, g))
+
+
+_OPERATOR = Count(Counter({"operator": 1}), Counter())
+
+
+def compiled_call(kind: str = "rmsnorm", full: bool = False, d: int = 256,
+                  tokens: int = 512) -> Count:
+    """The run-time ops of one compiled call: the operator and its body (a dispatch mode
+    sees the operator, not what its body runs: the body is counted on its own)."""
+    norm = _norm(kind, d)
+    x = torch.randn(tokens // 8, 8, d)
+    y = norm(x).detach()
+    with watched(norm) as hook:
+        hook.rt.update(full_stats=full, check_outputs=False)
+        hook.compiled_call(x, y, True)
+        hook.rt.update(calls_this_step=0)
+        return _plus(count(lambda: hook.compiled_call(x, y, True)), _OPERATOR)
+
+
+def _plus(a: Count, b: Count) -> Count:
+    return Count(a.kernels + b.kernels, a.views + b.views)
+
+
+def compiled_grad(through: bool, kind: str = "rmsnorm", d: int = 256,
+                  tokens: int = 512) -> Count:
+    """The run-time ops of one compiled output gradient (with the gradient through the
+    norm from it, ``through``): the operator and its body."""
+    norm = _norm(kind, d)
+    x = torch.randn(tokens // 8, 8, d)
+    g = torch.randn_like(x)
+    with watched(norm) as hook:
+        hook.rt.update(full_stats=True)
+        return _plus(count(lambda: hook.compiled_grad(
+            "grad_out", g, x if through else None, norm.weight.detach() if through else None)),
+            _OPERATOR)
+
+
+def rows() -> list[tuple[str, Count]]:
+    """The table's rows (the fused kernel's where Triton can run here)."""
+    from normwatch.measure.triton_kernel import usable
+
+    out = [
+        ("eager forward, sentinel (RMSNorm fp32)", forward_call()),
+        ("eager forward, sentinel (LayerNorm bf16)",
+         forward_call("layernorm", dtype=torch.bfloat16)),
+        ("eager forward, full (RMSNorm fp32)", forward_call(full=True)),
+        ("eager forward, full (LayerNorm fp32)", forward_call("layernorm", full=True)),
+        ("eager forward, full (LayerNorm bf16)", forward_call("layernorm", True, torch.bfloat16)),
+        ("gradient grad_out (fp32)", gradient("grad_out")),
+        ("gradient grad_in (fp32)", gradient("grad_in")),
+        ("gradient grad_hidden (bf16)", gradient("grad_hidden", dtype=torch.bfloat16)),
+        ("gradient weight (fp32)", gradient("weight")),
+        ("compiled call, sentinel", compiled_call()),
+        ("compiled call, full", compiled_call(full=True)),
+        ("compiled gradient (grad_out)", compiled_grad(False)),
+        ("compiled gradient (grad_out + grad_in by formula)", compiled_grad(True)),
+    ]
+    if usable():
+        out += [("fused kernel forward, sentinel", forward_call(kernel="triton")),
+                ("fused kernel forward, full",
+                 forward_call(full=True, kernel="triton"))]
+    return out
+
+
+def host_us(full: bool, d: int = 64, tokens: int = 8, rounds: int = 15, calls: int = 400
+            ) -> tuple[float, float]:
+    """What a watched call adds to an unwatched one in µs, on an input small enough that
+    the host work is all there is (the Python glue and the dispatch of the ops above):
+    ``(unwatched call, added)``, medians of interleaved rounds."""
+    import statistics
+    import time
+
+    plain, norm = nn.RMSNorm(d), nn.RMSNorm(d)
+    x = torch.randn(tokens, d, requires_grad=True)
+    with watched(norm) as hook:
+        hook.rt.update(full_stats=full, check_outputs=False)
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(rounds):
+            for is_watched, module in ((False, plain), (True, norm)):
+                hook.rt.accumulator.reset()  # nothing staged piles up
+                start = time.perf_counter()
+                for _ in range(calls):
+                    module(x)
+                times[is_watched].append((time.perf_counter() - start) / calls * 1e6)
+    added = [b - a for a, b in zip(times[False], times[True], strict=True)]
+    return statistics.median(times[False]), statistics.median(added)
+
+
+def table(measured: list[tuple[str, Count]]) -> str:
+    lines = ["| path | kernels | views | kernels dispatched |", "|---|---:|---:|---|"]
+    lines += [f"| {name} | {c.n_kernels} | {c.n_views} | {c.names()} |" for name, c in measured]
+    return "\n".join(lines)
+
+
+def main() -> str:
+    text = table(rows())
+    for full in (False, True):
+        base, added = host_us(full)
+        text += (f"\n\nhost time of a call on 8 tokens x 64 ({'full' if full else 'sentinel'} "
+                 f"tier): unwatched {base:.1f} µs, the watch adds {added:.1f} µs")
+    print(f"torch {torch.__version__}, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')}"
+          f"\n\n{text}")
+    return text
+
+
+if __name__ == "__main__":
+    main()

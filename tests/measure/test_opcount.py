@@ -1,0 +1,65 @@
+"""The ops each norm call and each gradient dispatches stay within their budget (counted
+by a dispatch mode: deterministic, unlike a timing). A change that adds an op to a hot
+path fails here; ``docs/performance.md`` has the table (``tests/benchmarks/opcount.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from normwatch.measure.triton_kernel import usable
+from tests.benchmarks import opcount
+
+BUDGETS = {  # path: (kernels, views), as measured on 2026-12-01
+    "sentinel": ((lambda: opcount.forward_call()), (5, 2)),
+    "sentinel bf16 layernorm": ((lambda: opcount.forward_call("layernorm",
+                                                              dtype=torch.bfloat16)), (5, 2)),
+    "full rmsnorm": ((lambda: opcount.forward_call(full=True)), (7, 2)),
+    "full layernorm": ((lambda: opcount.forward_call("layernorm", full=True)), (10, 6)),
+    "full layernorm bf16": ((lambda: opcount.forward_call("layernorm", True, torch.bfloat16)),
+                            (11, 6)),
+    "grad_out": ((lambda: opcount.gradient("grad_out")), (2, 1)),
+    "grad_in": ((lambda: opcount.gradient("grad_in")), (2, 1)),
+    "grad_hidden bf16": ((lambda: opcount.gradient("grad_hidden", dtype=torch.bfloat16)),
+                         (2, 1)),
+    "weight gradient": ((lambda: opcount.gradient("weight")), (1, 1)),
+    "compiled sentinel": ((lambda: opcount.compiled_call()), (6, 0)),
+    "compiled full": ((lambda: opcount.compiled_call(full=True)), (8, 0)),
+    "compiled grad_out": ((lambda: opcount.compiled_grad(False)), (3, 1)),
+    "compiled grad_out + grad_in": ((lambda: opcount.compiled_grad(True)), (17, 7)),
+}
+
+
+@pytest.mark.parametrize("path", list(BUDGETS))
+def test_each_path_stays_within_its_op_budget(path: str) -> None:
+    measure, (kernels, views) = BUDGETS[path]
+    got = measure()
+    assert got.n_kernels <= kernels and got.n_views <= views, (got.names(), got.views)
+
+
+def test_the_sentinel_is_four_row_reductions_stacked_and_a_gradient_two() -> None:
+    """What the budgets are made of (the fastest CPU kernels: one-pass ``aminmax`` or an
+    inf-norm along rows run 5-8x slower there, docs/performance.md)."""
+    assert dict(opcount.forward_call().kernels) == {"amax": 2, "amin": 2, "stack": 1}
+    assert dict(opcount.gradient("grad_out").kernels) == {"aminmax": 1,
+                                                          "linalg_vector_norm": 1}
+
+
+@pytest.mark.skipif(not usable(), reason="Triton cannot run here")
+@pytest.mark.parametrize("full", [False, True])
+def test_the_fused_kernel_is_one_launch_per_call(full: bool) -> None:
+    got = opcount.forward_call(full=full, kernel="triton")
+    assert dict(got.kernels) == {opcount.LAUNCH: 1, "empty": 1}, got.names()
+
+
+def test_the_counter_sees_an_added_op() -> None:
+    """The counter itself: a hook that adds one reduction shows one more kernel."""
+    norm = torch.nn.RMSNorm(8)
+    x = torch.randn(4, 8)
+    plain = opcount.count(lambda: norm(x))
+    handle = norm.register_forward_hook(lambda m, a, y: y.sum())
+    try:
+        hooked = opcount.count(lambda: norm(x))
+    finally:
+        handle.remove()
+    assert (hooked - plain).n_kernels == 1 and dict((hooked - plain).kernels) == {"sum": 1}
