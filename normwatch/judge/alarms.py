@@ -125,6 +125,7 @@ def fp16_alarms(stats: LayerStats, layer: NormLayer, step: int, ctx: RuleContext
         out.append(Alarm("fp16_overflow", sev, name, step, stats.absmax, limit, msg, tag="abs"))
     elif stats.sumsq_max is not None and stats.sumsq_max > FP16_MAX and fp16:
         unsafe = probe is not None and probe.sum_safe is False
+        squares = probe is not None and probe.element_safe is False
         msg = (
             f"{name}: a token's sum of squares reaches {stats.sumsq_max:.4g} > 65504 "
             f"(max |x| {stats.absmax:.4g}, RMS up to {stats.rms_max:.4g})."
@@ -132,10 +133,17 @@ def fp16_alarms(stats: LayerStats, layer: NormLayer, step: int, ctx: RuleContext
         if unsafe:
             msg += (" This layer sums squares in fp16 (probe failed), so that sum is inf and "
                     "the output collapses. Accumulate the reduction in fp32.")
+        elif squares:  # the probe's finding, the same words as past the limit
+            msg += (f" Its sum does not overflow, but this layer squares its input in fp16 "
+                    f"(probe: x=300 gave a wrong output): it fails once max |x| passes "
+                    f"{limit:g}. Compute the reduction in fp32.")
+        elif probe is not None:
+            msg += " This norm accumulates safely (probed); a kernel summing squares in fp16 " \
+                   "would not."
         else:
-            msg += " This norm accumulates safely; a kernel summing squares in fp16 would not."
-        out.append(Alarm("fp16_overflow", "critical" if unsafe else "info", name, step,
-                         stats.sumsq_max, FP16_MAX, msg, tag="sumsq"))
+            msg += " A kernel summing squares in fp16 would overflow here."
+        out.append(Alarm("fp16_overflow", "critical" if unsafe else "warning" if squares
+                         else "info", name, step, stats.sumsq_max, FP16_MAX, msg, tag="sumsq"))
     if not out:
         out += _headroom(stats, step, ctx, fp16)
     return out

@@ -53,6 +53,20 @@ def test_sum_of_squares_overflow_in_an_fp16_reduction() -> None:
     assert fired(stats(absmax=200.0, sumsq_max=70000.0))[0] == set()  # fp32: no fp16 sums
 
 
+def test_the_sum_of_squares_alarm_says_what_the_probe_found() -> None:
+    """The demo's norm was "accumulates safely" at step 47 and "squares its input in
+    fp16" at step 63: the probe's finding is said the same way in both."""
+    half = {"input_dtype": "float16", "weight_dtype": "float16", "output_dtype": "float16"}
+    s = stats(absmax=200.0, sumsq_max=70000.0, rms_max=40.0, **half)
+    squares = ProbeResult("float16", element_safe=False, sum_safe=True)
+    kinds, alarms = fired(s, probes={s.name: squares})
+    assert kinds == {("fp16_overflow", "warning", "sumsq")}
+    assert "squares its input in fp16" in alarms[0].message
+    assert "safely" not in alarms[0].message
+    kinds, alarms = fired(s)  # not probed: no claim either way
+    assert kinds == {("fp16_overflow", "info", "sumsq")} and "safely" not in alarms[0].message
+
+
 def test_headroom_forecast_needs_growth_and_size() -> None:
     growing = [(s, 30 * 1.05 ** s) for s in range(0, 40, 5)]
     s = stats(absmax=growing[-1][1], input_dtype="float16", weight_dtype="float16",
