@@ -65,6 +65,7 @@ def check_blow_up(result: subprocess.CompletedProcess[str], tmp_path: Path) -> N
     err = check_watched(result)
     verdicts = re.findall(r"^normwatch VERDICT .*", err, re.M)
     assert verdicts and "cause optimizer" in verdicts[0], err[-4000:]
+    assert len(verdicts) == 1, verdicts  # one incident: what follows the blow-up joins it
     found = reports(tmp_path)
     if verdicts[0].startswith("normwatch VERDICT loss spike"):
         assert found == []  # a finite spike gets its verdict, not a post-mortem
