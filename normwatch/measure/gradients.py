@@ -12,9 +12,9 @@ Hooks registered in the forward (on full-tier steps) fire in the backward with
 parts summed; :func:`through_nodes`) and ``dL/dx`` in total (``grad_hidden``, a tensor
 hook on the input itself: the residual stream of a pre-norm block). None of them puts a
 node into the model's graph, so the order in which autograd sums the hidden state's
-gradient, and every trained bit, stays as unwatched. Eager hooks reduce each to
-three floats per token (:func:`token_rows`) and stage them; the accumulator folds every
-staged gradient at once when the step ends (:func:`fold_grads`).
+gradient, and every trained bit, stays as unwatched. Eager hooks reduce each to its
+tokens' L2 norms and its min and max (:func:`token_rows`: two reductions) and stage them;
+the accumulator folds every staged gradient at once when the step ends (:func:`fold_grads`).
 Compiled code taps the output with :class:`_Tap` instead (an autograd function traced
 into the backward graph), whose backward hands ``dL/dy`` to one opaque operator
 (``normwatch::observe_grad``, :mod:`~normwatch.measure.opaque`) whose body, at run time,

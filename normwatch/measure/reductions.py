@@ -6,12 +6,13 @@ one group of a GroupNorm, one channel of a BatchNorm, one (sample, channel) of a
 InstanceNorm. All arithmetic is fp32 (or wider) whatever the input dtype.
 
 Two stages keep the hook cheap. In the hook, :func:`reduce_call` reads the activation
-with a few row reductions and keeps a few floats per token (:class:`CallRows`). Once per
-step, :func:`fold_calls` turns the rows of every call into one float64 vector per call,
+with a few row reductions and keeps a few floats per token, stacked into one tensor
+(:class:`CallRows`). At the flush (every step where the early warning peeks),
+:func:`fold_calls` turns the rows of every call into one float64 vector per call,
 the device columns of :mod:`normwatch.catalog` (:data:`~normwatch.catalog.COLUMNS`),
 which :mod:`normwatch.measure.accumulator` folds into the per-layer state.
-The per-token arithmetic thus runs once per step over all calls together, not once per
-call: on the CPU each tensor op costs microseconds whatever its size.
+The per-token arithmetic thus runs once over all calls together, not once per call: on
+the CPU each tensor op costs microseconds whatever its size.
 """
 
 from __future__ import annotations

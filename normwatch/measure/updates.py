@@ -9,16 +9,18 @@ The pre-hook copies a fixed sample of each trainable parameter: every
 :data:`SAMPLE_STRIDE`-th block of :data:`BLOCK` elements (17, prime: it walks across the
 columns of any power-of-two width instead of always reading the same ones), tensors
 smaller than :data:`EXACT_BELOW` whole; the samples are views made once per parameter
-list. The post-hook sums the squares of the same sample of the gradients the step used,
-of the change and of the values, each scaled up by its tensor's elements per sampled
-element (an estimate of each sum of squares where the values are spread like the tensor;
-the relative error of a norm is about ``sqrt(SAMPLE_STRIDE / (2 n))`` for ``n`` elements
-of similar size: 0.3 % at 1M elements): one norm call per device and dtype and one
-product, whatever the number of tensors, reading 1/17 of the parameters and gradients.
+list, packed per device and dtype end to end into one buffer by one copy
+(:class:`_Pack`). The post-hook reuses that buffer three times, for the change, the
+values and the same sample of the gradients the step used, and reduces each with one
+norm, every tensor scaled by its elements per sampled element (an estimate of each sum
+of squares where the values are spread like the tensor; the relative error of a norm is
+about ``sqrt(SAMPLE_STRIDE / (2 n))`` for ``n`` elements of similar size: 0.3 % at 1M
+elements): a few ops per step whatever the number of tensors, reading 1/17 of the
+parameters and gradients.
 A non-finite gradient element outside the sample is not seen here (the norms' gradient
 hooks and the loss see it). The copy costs 1/17 of the optimizer's local parameters (a
 shard under FSDP2) in memory: for the duration of ``step()`` on accelerators, kept
-between steps on the CPU (:meth:`UpdateMonitor._copy`). Everything stays on the
+between steps on the CPU (:meth:`_Pack.fill`). Everything stays on the
 parameters' devices (no host sync) until the flush copies the rows along with the
 statistics. Several optimizers stepping in one training step add up into one row. A
 failure in a hook detaches the monitor with one warning; training goes on.
@@ -43,7 +45,7 @@ from normwatch.measure.sharding import local
 from normwatch.records import UpdateStats
 
 KEEP_ON = frozenset({"cpu"})
-"""Device types whose parameter copies are kept between steps (:meth:`UpdateMonitor._copy`)."""
+"""Device types whose parameter copies are kept between steps (:meth:`_Pack.fill`)."""
 WIDTH = 3
 """Values per device row: gradient, update and parameter sums of squares."""
 SAMPLE_STRIDE = 17
