@@ -59,7 +59,12 @@ class Incident:
     @property
     def explained(self) -> bool:
         """Whether the verdict names a cause (else a later one may refine it)."""
-        return self.verdict.blame != "inconclusive" and self.verdict.cause is not None
+        return explains(self.verdict)
+
+
+def explains(verdict: Verdict) -> bool:
+    """Whether ``verdict`` names a cause: not ``inconclusive``, and a ``cause``."""
+    return verdict.blame != "inconclusive" and verdict.cause is not None
 
 
 @dataclass(frozen=True)
@@ -132,8 +137,7 @@ class Incidents:
                verdict: Verdict | None = None) -> bool:
         """Add joined ``events``; ``verdict`` (judged at the last of them) replaces the
         incident's when that explained nothing and this one does. ``True``: replaced."""
-        refined = verdict is not None and not incident.explained and \
-            verdict.blame != "inconclusive" and verdict.cause is not None
+        refined = verdict is not None and not incident.explained and explains(verdict)
         notes = [_note(e, incident) for e in events]
         incident.events += [Event(e.trigger, e.step, n, e.what)
                             for e, n in zip(events, notes, strict=True)]

@@ -39,6 +39,7 @@ from normwatch.measure.reductions import (
     checked_rows,
     fused_call,
     mismatch,
+    out_rows,
     reduce_call,
     token_view,
 )
@@ -407,7 +408,7 @@ class LayerHook:
         call = fused_call(row_stats_triton(tokens, out_tokens if same else None), kind, eps,
                           tokens.shape[1], same, self.row, key)
         if out_tokens is not None and not same:
-            call = call._replace(out=torch.stack([out_tokens.amax(1), out_tokens.amin(1)]))
+            call = call._replace(out=out_rows(out_tokens))
         return call
 
     def _record_dtypes(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None) -> None:

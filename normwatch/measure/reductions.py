@@ -152,12 +152,15 @@ def reduce_call(tokens: torch.Tensor, out: torch.Tensor | None, kind: Kind, eps:
         rows += [out.amax(-1), out.amin(-1)]  # type: ignore[union-attr]
     if full:
         rows += _moments(x, centred)
-    spare = None
-    if out is not None and not lined_up and out.numel():
-        spare = torch.stack([out.amax(1), out.amin(1)])
-    n = x.numel() // x.shape[-1] if x.shape[-1] else x.shape[:-1].numel()
-    return CallRows(row, key, x.shape[-1], eps, torch.stack(rows), n, lined_up, full,
-                    centred=centred, out=spare)
+    spare = out_rows(out) if out is not None and not lined_up and out.numel() else None
+    return CallRows(row, key, x.shape[-1], eps, torch.stack(rows), x.shape[:-1].numel(),
+                    lined_up, full, centred=centred, out=spare)
+
+
+def out_rows(out: torch.Tensor) -> torch.Tensor:
+    """:attr:`CallRows.out` of an output that does not line up with its input, given as
+    ``(tokens, elements)``: each token's max and min."""
+    return torch.stack([out.amax(1), out.amin(1)])
 
 
 def _moments(x: torch.Tensor, centred: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -387,9 +390,9 @@ def gathered(calls: Sequence[CallRows], plan: FoldPlan) -> torch.Tensor:
         v = torch.stack([c.v for c in calls], 1).view(first.shape[0], -1)
     elif plan.aligned or all(not c.lined_up for c in calls):
         v = torch.cat([c.v.reshape(c.v.shape[0], -1) for c in calls], 1)
-    else:  # some outputs line up, some do not: the inputs' rows only
-        v = torch.cat([c.rows()[[0, 1, *range(4 if c.lined_up else 2, len(c.v))]]
-                       for c in calls], 1)
+    else:  # some outputs line up, some do not: the inputs' rows only (no output rows)
+        v = torch.cat([torch.cat([r[:2], r[4:]]) if c.lined_up else r
+                       for c, r in ((c, c.rows()) for c in calls)], 1)
     return v.float()
 
 

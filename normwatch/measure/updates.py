@@ -28,11 +28,10 @@ failure in a hook detaches the monitor with one warning; training goes on.
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -80,37 +79,6 @@ def unwrap(optimizer: object) -> torch.optim.Optimizer:
     return inner
 
 
-def sumsq(tensors: Sequence[torch.Tensor], weights: torch.Tensor | None = None
-          ) -> torch.Tensor:
-    """The weighted float64 sums of squares of ``tensors`` (one device, no sync; tensors of
-    one dtype next to each other): ``weights`` ``(k, len(tensors))`` float64 gives ``k``
-    sums (default: one, each tensor once). One norm call per dtype and one product,
-    whatever the number of tensors."""
-    parts: list[torch.Tensor] = []
-    start = 0
-    for end in range(1, len(tensors) + 1):
-        if end == len(tensors) or tensors[end].dtype != tensors[start].dtype:
-            parts += torch._foreach_norm(list(tensors[start:end]), 2,
-                                         dtype=summed_dtype(tensors[start].dtype))
-            start = end
-    squares = torch.stack(parts).to(torch.float64).square()
-    return squares.sum() if weights is None else weights @ squares
-
-
-@functools.lru_cache(maxsize=64)
-def _weights(device: torch.device, columns: tuple[tuple[int, float], ...]) -> torch.Tensor:
-    """A ``(WIDTH, n)`` float64 weighting on ``device`` (row ``k`` of column ``i`` holds
-    ``columns[i] = (k, weight)``), made once per parameter list by fill kernels (no
-    host-to-device copy)."""
-    out = torch.zeros(WIDTH, len(columns), dtype=torch.float64, device=device)
-    for k in range(WIDTH):
-        row = [w if r == k else 0.0 for r, w in columns]
-        if any(row):
-            out[k] = torch.cat([torch.full((1,), w, dtype=torch.float64, device=device)
-                                for w in row])
-    return out
-
-
 class _Pack:
     """The samples of one device and dtype laid end to end in one buffer (one op to fill,
     one to reduce, whatever the number of tensors): the sampled tensors' blocks as
@@ -121,16 +89,22 @@ class _Pack:
         self.blocked = [i for i, s in enumerate(samples) if s.dim() == 2]
         self.flat = [i for i, s in enumerate(samples) if s.dim() != 2]
         first = samples[0]
+        self.device = first.device
+        self.keep = first.device.type in KEEP_ON
+        """Whether the buffers are kept between steps (else made for each step)."""
         counts = [samples[i].shape[0] for i in self.blocked]
-        self.weights = runs([scales[i] for i in self.blocked], counts, torch.float64,
-                            first.device)
         self.summed = summed_dtype(first.dtype)
+        self.weights: torch.Tensor | None = None
+        """Half precision: the row weights (float64), applied to per-row sums in fp32."""
         self.roots: torch.Tensor | None = None
         """Full precision: the square roots of the row weights, ``(rows, 1)``, to scale the
         buffer by in place (no per-row vector of sums is ever allocated)."""
-        if self.summed is None and self.blocked:
+        if self.blocked and self.summed is None:
             self.roots = runs([math.sqrt(scales[i]) for i in self.blocked], counts,
                               first.dtype, first.device)[:, None]
+        elif self.blocked:
+            self.weights = runs([scales[i] for i in self.blocked], counts, torch.float64,
+                                first.device)
         self.buffers: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         self.views: list[torch.Tensor] = []
         """Views of :attr:`buffers`, one per sample, in sample order."""
@@ -147,20 +121,20 @@ class _Pack:
         self.buffers = (parts[0], parts[1])
         if not keep or not self.views:
             self.views = [None] * (len(self.blocked) + len(self.flat))  # type: ignore[list-item]
-            for index, buffer, dim in ((self.blocked, parts[0], 0), (self.flat, parts[1], 0)):
+            for index, buffer in ((self.blocked, parts[0]), (self.flat, parts[1])):
                 if buffer is not None:
                     sizes = [tensors[i].shape[0] for i in index]
-                    for i, view in zip(index, torch.split(buffer, sizes, dim), strict=True):
+                    for i, view in zip(index, torch.split(buffer, sizes), strict=True):
                         self.views[i] = view
 
     def sumsq(self) -> torch.Tensor:
         """The buffers' weighted float64 sum of squares (0-d, on their device); full
         precision buffers are scaled in place on the way (refill before reuse)."""
         blocked, flat = self.buffers
-        total = torch.zeros((), dtype=torch.float64, device=self.weights.device)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         if blocked is not None and self.roots is not None:
             total = torch.linalg.vector_norm(blocked.mul_(self.roots)).double().square()
-        elif blocked is not None:  # half precision: weighted per row, summed in fp32
+        elif blocked is not None and self.weights is not None:  # half: per row, in fp32
             rows = torch.linalg.vector_norm(blocked, dim=1, dtype=self.summed)
             total = rows.double().square() @ self.weights
         if flat is not None:
@@ -187,7 +161,6 @@ class _Sampled:
         self.packs = [(index, _Pack([self.samples[i] for i in index],
                                     [self.scales[i] for i in index]))
                       for index in groups.values()]
-        self.keep = {id(pack): pack.weights.device.type in KEEP_ON for _, pack in self.packs}
 
     def fits(self, params: list[torch.Tensor]) -> bool:
         """Whether ``params`` are these, in place (no parameter replaced or re-allocated)."""
@@ -234,7 +207,7 @@ class UpdateMonitor:
                 if sampled is None or not sampled.fits(params):
                     sampled = self._sampled[id(optimizer)] = _Sampled(params)
                 for index, pack in sampled.packs:  # the samples' values before the step
-                    pack.fill([sampled.samples[i] for i in index], sampled.keep[id(pack)])
+                    pack.fill([sampled.samples[i] for i in index], pack.keep)
                 self._pending.add(id(optimizer))
         except Exception as exc:  # never take the training run down
             self._fail(exc)
@@ -258,7 +231,6 @@ class UpdateMonitor:
                     samples = [sampled.samples[i] for i in index]
                     torch._foreach_sub_(pack.views, samples)  # the buffers: -Δp
                     change = pack.sumsq()
-                    keep = sampled.keep[id(pack)]
                     pack.fill(samples, keep=True)
                     size = pack.sumsq()
                     if alike:  # the gradients' samples have the parameters' layout
@@ -266,8 +238,8 @@ class UpdateMonitor:
                         grad = pack.sumsq()
                     else:  # missing or sparse gradients: one norm per tensor
                         grad = _grad_sumsq([(grads[i], picked[i]) for i in index],
-                                           pack.weights.device)
-                    if not keep:
+                                           pack.device)
+                    if not pack.keep:
                         pack.release()
                     row = torch.stack([grad, change, size])
                     device = row.device
@@ -320,13 +292,19 @@ class UpdateMonitor:
 def _grad_sumsq(grads: list[tuple[torch.Tensor | None, torch.Tensor | None]],
                 device: torch.device) -> torch.Tensor:
     """``|g|²`` estimated tensor by tensor, for gradients not laid out like their
-    parameters (missing, sparse): ``(gradient, its sample)`` pairs on ``device``."""
-    present = [(g, s) for g, s in grads if g is not None and s is not None]
-    if not present:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    order = sorted(range(len(present)), key=lambda i: str(present[i][1].dtype))
-    weights = _weights(device, tuple((0, _scale(*present[i])) for i in order))
-    return sumsq([present[i][1] for i in order], weights)[0]
+    parameters (missing, sparse): ``(gradient, its sample)`` pairs on ``device``; one norm
+    call per dtype, each norm scaled by the square root of its tensor's elements per
+    sampled element."""
+    by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, float]]] = {}
+    for g, s in grads:
+        if g is not None and s is not None:
+            by_dtype.setdefault(s.dtype, []).append((s, math.sqrt(_scale(g, s))))
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for dtype, group in by_dtype.items():
+        norms = torch._foreach_norm([s for s, _ in group], 2, dtype=summed_dtype(dtype))
+        scaled = torch._foreach_mul(norms, [root for _, root in group])
+        total = total + torch.stack(scaled).double().square().sum()
+    return total
 
 
 def _values(t: torch.Tensor) -> torch.Tensor:

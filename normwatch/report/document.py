@@ -146,11 +146,16 @@ def write_report(report: Mapping[str, Any], report_dir: str | Path,
     """Write ``report.json`` (and ``report.html`` if given) into a new folder under
     ``report_dir``, or over the files of ``folder`` (an incident's report rewritten: each
     file replaced whole, never left half-written); returns the folder."""
-    if folder is not None:
-        _replace(folder / "report.json", json.dumps(report, indent=1, allow_nan=False) + "\n")
-        if html is not None:
-            _replace(folder / "report.html", html)
-        return folder
+    if folder is None:
+        folder = _new_folder(report, report_dir)
+    _replace(folder / "report.json", json.dumps(report, indent=1, allow_nan=False) + "\n")
+    if html is not None:
+        _replace(folder / "report.html", html)
+    return folder
+
+
+def _new_folder(report: Mapping[str, Any], report_dir: str | Path) -> Path:
+    """A new folder under ``report_dir`` named after the report's time, step and trigger."""
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
     rank = f"-rank{report['rank']}" if report.get("rank") is not None else ""
     base = f"{stamp}-step{report['step']}-{_slug(str(report['trigger']))}{rank}"
@@ -162,10 +167,6 @@ def write_report(report: Mapping[str, Any], report_dir: str | Path,
         n += 1
         folder = root / f"{base}-{n}"
     folder.mkdir()
-    text = json.dumps(report, indent=1, allow_nan=False)
-    (folder / "report.json").write_text(text + "\n", encoding="utf-8")
-    if html is not None:
-        (folder / "report.html").write_text(html, encoding="utf-8")
     return folder
 
 

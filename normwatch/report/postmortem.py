@@ -54,8 +54,6 @@ class PostMortem:
         self.incidents = Incidents(config.incident_quiet)
         self._folders: dict[int, Path] = {}
         """Incident number → its report folder."""
-        self._verdict_at: dict[int, int] = {}
-        """Incident number → its verdict's index in :attr:`verdicts`."""
 
     def on_flush(self, snapshot: Snapshot, findings: list[Alarm], passed: list[Alarm],
                  order: Sequence[str], conclude: bool = True) -> list[Verdict]:
@@ -116,8 +114,7 @@ class PostMortem:
               exc: BaseException | None = None, what: str = "") -> Verdict:
         verdict = self._judge(trigger, step, order)
         incident = self.incidents.start(verdict, what)
-        self._verdict_at[incident.number] = len(self.verdicts)
-        self.verdicts.append(verdict)
+        self.verdicts.append(verdict)  # one per incident: incident N's is verdicts[N - 1]
         self._logger.warning("[verdict] %s at step %d: %s%s. %s", trigger, step, verdict.blame,
                              f" ({verdict.layer})" if verdict.layer else "",
                              " ".join(verdict.evidence[:2]))
@@ -133,11 +130,12 @@ class PostMortem:
             self._judge(last.trigger, last.step, order)
         refined = Incidents.extend(incident, events, candidate)
         for event in incident.events[-len(events):]:
-            self._logger.warning("[incident %d] %s; the verdict of step %d stands%s",
-                                 incident.number, event.note, incident.verdict.step,
-                                 "" if not refined else " (refined)")
+            self._logger.warning("[incident %d] %s; %s", incident.number, event.note,
+                                 f"its verdict is now that of step {incident.verdict.step}"
+                                 if refined else
+                                 f"the verdict of step {incident.verdict.step} stands")
         if refined:
-            self.verdicts[self._verdict_at[incident.number]] = incident.verdict
+            self.verdicts[incident.number - 1] = incident.verdict
         self._report(incident, order, exc)
         return incident.verdict if refined else None
 
@@ -146,19 +144,19 @@ class PostMortem:
         """Write the incident's post-mortem, or rewrite it in its folder. A finite loss
         spike alone gets a verdict, not a post-mortem."""
         wanted = any(e.trigger != "loss_spike" for e in incident.events)
-        folder = self._folders.get(incident.number)
+        known = self._folders.get(incident.number)
         if not wanted or self.config.report_dir is None or \
-                (folder is None and len(self.reports) >= self.config.max_reports):
+                (known is None and len(self.reports) >= self.config.max_reports):
             return
-        self._write(incident, order, exc)
+        self._write(incident, order, exc, known)
 
     def _write(self, incident: Incident, order: Sequence[str],
-               exc: BaseException | None) -> None:
+               exc: BaseException | None, known: Path | None) -> None:
+        """Write the report into a new folder, or over ``known``, the incident's."""
         try:
             report = self.build(incident.verdict, order, exc, incident)
             from normwatch.report.html import render_html
 
-            known = self._folders.get(incident.number)
             folder = write_report(report, self.config.report_dir or ".", render_html(report),
                                   folder=known)
             if known is None:
