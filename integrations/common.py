@@ -1,7 +1,7 @@
 """What the framework callbacks share: options, flushes, failures (no framework imports).
 
     >>> config = trainer_config(options, flush_every=50, rank=0, world_size=2, local_rank=0)
-    >>> metrics = on_flush(watch, snapshot, exchange)   # logger metrics; verdicts shared
+    >>> add_trainer_sinks(watch, exchange, log)         # logger metrics; verdicts shared
     >>> on_training_error(watch, exc)                   # post-mortem, hooks removed
     >>> watch.finish()                                  # the end of a run: last steps judged
     >>> watch_optimizers(watch, trainer.optimizers)     # gradient and update norms
@@ -13,13 +13,12 @@ configuration fails at setup, never mid-run.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from normwatch.config import WatchConfig
 from normwatch.export.crossrank import VerdictExchange
-from normwatch.export.metrics import flat_metrics
-from normwatch.records import Snapshot
+from normwatch.export.metrics import LoggerMetrics
 from normwatch.watching import Watch
 
 
@@ -47,17 +46,13 @@ def trainer_config(options: Mapping[str, Any], *, flush_every: int, rank: int,
     return WatchConfig.from_options(**merged)
 
 
-def on_flush(watch: Watch, snapshot: Snapshot, exchange: VerdictExchange) -> dict[str, float]:
-    """After a flush: share new verdicts with the other ranks (at regular flushes only,
-    which every rank reaches together) and return the logger metrics, with the watch's
-    thresholds."""
-    if watch.step_count % watch.config.flush_every == 0:
-        exchange.exchange(watch.verdicts, watch.step_count)
-    metrics = flat_metrics(snapshot, watch.alarms, len(watch.verdicts),
-                           limits=watch.config.limits, per_layer=watch.config.log_layers,
-                           order=watch.forward_order)
-    metrics["normwatch/remote_verdicts"] = float(len(exchange.remote))
-    return metrics
+def add_trainer_sinks(watch: Watch, exchange: VerdictExchange,
+                      log: Callable[[dict[str, float]], None]) -> None:
+    """At each flush: share new verdicts with the other ranks (at regular flushes only,
+    which every rank reaches together), then ``log`` the logger metrics, with the
+    watch's thresholds."""
+    watch.add_sink(exchange)
+    watch.add_sink(LoggerMetrics(log, per_layer=watch.config.log_layers, exchange=exchange))
 
 
 def on_training_error(watch: Watch | None, exc: BaseException) -> None:

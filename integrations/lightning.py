@@ -24,7 +24,13 @@ from torch.utils.hooks import RemovableHandle
 from normwatch.export.crossrank import VerdictExchange
 from normwatch.watching import Watch
 
-from .common import on_flush, on_training_error, trainer_config, validate, watch_optimizers
+from .common import (
+    add_trainer_sinks,
+    on_training_error,
+    trainer_config,
+    validate,
+    watch_optimizers,
+)
 
 
 class NormWatchCallback(pl.Callback):
@@ -56,6 +62,12 @@ class NormWatchCallback(pl.Callback):
             local_rank=trainer.local_rank, quiet=_has_rich_bar(trainer))
         model = trainer.strategy.model if trainer.strategy.model is not None else pl_module
         self.watch = Watch(model, config)
+
+        def log(metrics: dict[str, float]) -> None:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+        add_trainer_sinks(self.watch, self._exchange, log)
         watch_optimizers(self.watch, trainer.optimizers)
         # 16-mixed: the precision plugin's GradScaler; the optimizer's step hook tells a
         # step it skipped (inf/NaN gradients) from one it took, without a sync
@@ -77,12 +89,7 @@ class NormWatchCallback(pl.Callback):
         self._last_global_step = trainer.global_step
         skipped = self._scaler is not None and not self._optimizer_steps
         self._optimizer_steps = 0
-        snapshot = watch.step(_loss(outputs), skipped=skipped)
-        if snapshot is None:
-            return
-        metrics = on_flush(watch, snapshot, self._exchange)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        watch.step(_loss(outputs), skipped=skipped)  # a flush logs through the loggers
 
     def _optimizer_stepped(self, optimizer: object, args: object, kwargs: object) -> None:
         self._optimizer_steps += 1

@@ -34,7 +34,13 @@ from transformers import (
 from normwatch.export.crossrank import VerdictExchange
 from normwatch.watching import Watch
 
-from .common import on_flush, on_training_error, trainer_config, validate, watch_optimizers
+from .common import (
+    add_trainer_sinks,
+    on_training_error,
+    trainer_config,
+    validate,
+    watch_optimizers,
+)
 
 
 class NormWatchTrainerCallback(TrainerCallback):
@@ -62,6 +68,12 @@ class NormWatchTrainerCallback(TrainerCallback):
             rank=args.process_index, world_size=args.world_size,
             local_rank=max(args.local_process_index, 0))
         self.watch = Watch(model, config)
+
+        def log(metrics: dict[str, float]) -> None:
+            state.log_history.append({**metrics, "step": state.global_step})
+            self._pending = metrics
+
+        add_trainer_sinks(self.watch, self._exchange, log)
         if kwargs.get("optimizer") is not None:
             watch_optimizers(self.watch, [kwargs["optimizer"]])
         self.watch.set_step(state.global_step)  # resuming: continue the step numbering
@@ -94,11 +106,7 @@ class NormWatchTrainerCallback(TrainerCallback):
                     control: TrainerControl, **kwargs: Any) -> None:
         if self.watch is None:
             return
-        snapshot = self.watch.step()
-        if snapshot is not None:
-            metrics = on_flush(self.watch, snapshot, self._exchange)
-            state.log_history.append({**metrics, "step": state.global_step})
-            self._pending = metrics
+        self.watch.step()  # a flush adds to the log history
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: dict[str, float] | None = None, **kwargs: Any) -> None:

@@ -7,22 +7,27 @@ A :class:`Stat` says how a statistic is made (``source``: measured on the device
 on the host, or derived from others), how it combines across calls, steps and ranks
 (``reduce``: sum, max or min; derived statistics are recomputed from their combined parts,
 never averaged), what the user sees (``public``: a :class:`~normwatch.records.LayerStats`
-field), its Prometheus family, whether logger metrics carry it and whether reports keep
-its history. The accumulator's columns, the cross-rank combine, :class:`LayerStats`, the
-logger metrics, the Prometheus collector and the report all iterate over :data:`STATS`.
+field), its Prometheus family, whether logger metrics carry it, whether reports keep its
+history, and its *tier* (when it is measured). The accumulator's columns, the cross-rank
+combine, :class:`LayerStats`, the logger metrics, the Prometheus collector and the report
+all iterate over :data:`STATS`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from normwatch.records import LayerStats, Limits
 
 Reduce = Literal["sum", "max", "min"]
 Source = Literal["device", "host", "derived"]
+Tier = Literal["sentinel", "full", "check", "gradient"]
+"""When a statistic is measured: ``sentinel`` every counted call, ``full`` on full-tier
+steps (``stats_every``), ``check`` at output checks (``output_check_every``),
+``gradient`` in the backward of full-tier steps."""
 IDENTITY: dict[Reduce, float] = {"sum": 0.0, "max": -math.inf, "min": math.inf}
 
 
@@ -56,6 +61,8 @@ class Stat:
     """In the flat ``normwatch/<layer>/<name>`` logger metrics."""
     history: bool = False
     """Kept per flush in ``report.json``."""
+    tier: Tier = "full"
+    """When it is measured (see :data:`Tier`); a derived statistic has its parts'."""
 
     def value(self, raw: Mapping[str, float], limits: Limits) -> float | int | None:
         """The user-facing value from a combined raw row: counts as ints, reduction
@@ -86,16 +93,17 @@ _NONFINITE = "Tokens holding NaN/inf in a layer's input or output."
 
 TABLE: tuple[Stat, ...] = (
     # device sums
-    Stat("calls", "Norm calls counted.", reduce="sum", integer=True),
+    Stat("calls", "Norm calls counted.", reduce="sum", integer=True, tier="sentinel"),
     Stat("tokens", "Tokens measured.", reduce="sum", integer=True,
-         metric=Metric("tokens", "counter", "Tokens measured per layer."), history=True),
-    Stat("finite_tokens", "Tokens without NaN/inf.", reduce="sum", integer=True),
+         metric=Metric("tokens", "counter", "Tokens measured per layer."), history=True,
+         tier="sentinel"),
+    Stat("finite_tokens", "Tokens without NaN/inf.", reduce="sum", integer=True, tier="sentinel"),
     Stat("stats_tokens", "Finite tokens measured with the full statistics.", reduce="sum",
          integer=True),
     Stat("fp16_overflow_tokens", "Tokens whose max |x| exceeds the fp16 limit.", reduce="sum",
          integer=True, logged=True,
          metric=Metric("fp16_limit_tokens", "counter",
-                       "Tokens whose max |x| exceeded the fp16 limit.")),
+                       "Tokens whose max |x| exceeded the fp16 limit."), tier="sentinel"),
     Stat("rms_sum", "Sum of per-token RMS (the numerator of rms_mean).", reduce="sum",
          public=False),
     Stat("eps_dominated_tokens", "Tokens where eps/(s + eps) exceeds eps_tol.", reduce="sum",
@@ -104,13 +112,15 @@ TABLE: tuple[Stat, ...] = (
          reduce="sum", integer=True),
     Stat("nonfinite", "Input tokens holding NaN/inf.", reduce="sum", integer=True, logged=True,
          history=True, metric=Metric("nonfinite_tokens", "counter", _NONFINITE,
-                                     (("where", "input"),))),
+                                     (("where", "input"),)), tier="sentinel"),
     Stat("out_nonfinite", "Output tokens holding NaN/inf.", reduce="sum", integer=True,
          logged=True, history=True,
-         metric=Metric("nonfinite_tokens", "counter", _NONFINITE, (("where", "output"),))),
+         metric=Metric("nonfinite_tokens", "counter", _NONFINITE, (("where", "output"),)),
+         tier="sentinel"),
     # device maxima
     Stat("absmax", "Max |x| of the input.", reduce="max", logged=True, history=True,
-         metric=_gauge("layer_absmax", "Max |x| of the layer's input over the last interval.")),
+         metric=_gauge("layer_absmax", "Max |x| of the layer's input over the last interval."),
+         tier="sentinel"),
     Stat("sumsq_max", "Max over tokens of the sum of squares.", reduce="max", history=True),
     Stat("rms_max", "Max over tokens of the input's RMS.", reduce="max", logged=True,
          history=True,
@@ -123,18 +133,18 @@ TABLE: tuple[Stat, ...] = (
          history=True,
          metric=_gauge("layer_common_mode_ratio", "Max over tokens of |mean| / RMS.")),
     Stat("out_absmax", "Max |y| of the output.", reduce="max", logged=True, history=True,
-         metric=_gauge("layer_output_absmax", "Max |y| of the layer's output.")),
+         metric=_gauge("layer_output_absmax", "Max |y| of the layer's output."), tier="sentinel"),
     Stat("output_mismatch", "Max relative error of the output against the fp32 formula, "
          "over the checked tokens (layer/RMS norms: per call, those of largest |x| and of "
          "smallest range and a few spread evenly; other kinds: every token).",
-         reduce="max", history=True),
+         reduce="max", history=True, tier="check"),
     Stat("output_eps", "Precision the output carries: the eps of the coarsest format "
          "holding every checked output value exactly (bf16, fp16, else its own dtype).",
-         reduce="max"),
+         reduce="max", tier="check"),
     Stat("first_arrived_score", "First call whose input held NaN/inf (see KEY_STRIDE).",
-         reduce="max", public=False),
+         reduce="max", public=False, tier="sentinel"),
     Stat("first_born_score", "First call whose output, not input, held NaN/inf.",
-         reduce="max", public=False),
+         reduce="max", public=False, tier="sentinel"),
     # device minima
     Stat("rms_min", "Min over tokens of the input's RMS.", reduce="min", history=True),
     # derived from the combined parts
@@ -142,7 +152,7 @@ TABLE: tuple[Stat, ...] = (
          logged=True, history=True,
          metric=_gauge("layer_rms_mean", "Mean over tokens of the input's per-token RMS.")),
     Stat("fp16_headroom", "fp16 limit / max |x| (below 1: overflow).", "derived",
-         derive=_headroom, public=False, logged=True, metric=_gauge(
+         derive=_headroom, public=False, logged=True, tier="sentinel", metric=_gauge(
              "layer_fp16_headroom_ratio",
              "fp16 limit / max |x|: below 1 the layer's input overflows x^2 in fp16.")),
 )
@@ -219,7 +229,7 @@ GRADIENTS: tuple[Stat, ...] = (
          metric=_gauge("layer_weight_gradient_norm",
                        "Norm of the norm layer's weight gradient (per backward, local).")),
 )
-TABLE = TABLE + GRADIENTS
+TABLE = TABLE + tuple(replace(s, tier="gradient") for s in GRADIENTS)
 STATS: dict[str, Stat] = {s.name: s for s in TABLE}
 
 

@@ -47,18 +47,12 @@ class WatchConfig:
     kernel: Literal["auto", "torch", "triton"] = "auto"
     """Reduction backend: ``auto`` uses the fused Triton kernel for CUDA tensors when
     Triton imports, torch otherwise."""
-    fp16_limit: float = 256.0
-    """|x| above this overflows x² in fp16 (256² = 65536 > 65504)."""
-    eps_tol: float = 0.01
-    """A token is eps-dominated when eps/(s + eps) exceeds this."""
-    common_mode_tol: float = 0.9
-    """A token has a common mode when |mean|/RMS exceeds this."""
-    common_mode_fraction: float = 0.1
-    """``common_mode`` fires when more than this fraction of tokens has one."""
+    limits: Limits = dataclasses.field(default_factory=Limits)
+    """The thresholds measurements are judged against. As options they are given by name
+    (:data:`LIMIT_OPTIONS`: ``fp16_limit``, ``eps_tol``, ``common_mode_tol``,
+    ``common_mode_fraction``, ``output_tol``; see :class:`~normwatch.records.Limits`)."""
     output_check_every: int = 10
     """Compare outputs with an fp32 recomputation every this many flushes (0: never)."""
-    output_tol: float | None = None
-    """Relative error that counts as an output mismatch (default: from the output dtype)."""
     headroom_ratio: float = 0.25
     """Forecast overflow only once max |x| exceeds this fraction of ``fp16_limit``."""
     headroom_horizon: int = 1000
@@ -118,16 +112,11 @@ class WatchConfig:
     prometheus_aggregate: bool = False
     """Across ranks: export the max/sum over all ranks (one collective per flush)."""
 
-    @property
-    def limits(self) -> Limits:
-        """The thresholds measurements are judged against."""
-        return Limits(self.fp16_limit, self.eps_tol, self.common_mode_tol,
-                      self.common_mode_fraction, self.output_tol)
-
     @classmethod
     def from_options(cls, **options: Any) -> WatchConfig:
-        """Validate keyword options into a config; unknown names are errors."""
-        names = [f.name for f in dataclasses.fields(cls)]
+        """Validate keyword options into a config (the limits by name, see
+        :data:`LIMIT_OPTIONS`); unknown names are errors."""
+        names = list(option_defaults())
         for key in options:
             if key not in names:
                 near = difflib.get_close_matches(key, names, n=1)
@@ -136,7 +125,8 @@ class WatchConfig:
         for key in ("include", "exclude", "sinks"):
             if key in options:
                 options[key] = _as_tuple(key, options[key])
-        config = cls(**options)
+        limits = {k: options.pop(k) for k in LIMIT_OPTIONS if k in options}
+        config = cls(**options, limits=Limits(**limits))
         config.validate()
         return config
 
@@ -182,14 +172,17 @@ class WatchConfig:
             raise ConfigError(f"'console' must be None, 'lines' or 'live': got {self.console!r}")
         if not isinstance(self.report_console, bool):
             raise ConfigError(f"'report_console' must be a bool: got {self.report_console!r}")
-        _number(self.fp16_limit, "fp16_limit", low=0.0, low_open=True)
-        _number(self.eps_tol, "eps_tol", low=0.0, high=1.0, low_open=True, high_open=True)
-        _number(self.common_mode_tol, "common_mode_tol", low=0.0, high=1.0, low_open=True)
-        _number(self.common_mode_fraction, "common_mode_fraction", low=0.0, high=1.0)
+        limits = self.limits
+        if not isinstance(limits, Limits):
+            raise ConfigError(f"'limits' must be a normwatch Limits: got {limits!r}")
+        _number(limits.fp16_limit, "fp16_limit", low=0.0, low_open=True)
+        _number(limits.eps_tol, "eps_tol", low=0.0, high=1.0, low_open=True, high_open=True)
+        _number(limits.common_mode_tol, "common_mode_tol", low=0.0, high=1.0, low_open=True)
+        _number(limits.common_mode_fraction, "common_mode_fraction", low=0.0, high=1.0)
         _number(self.headroom_ratio, "headroom_ratio", low=0.0, high=1.0, low_open=True,
                 high_open=True)
-        if self.output_tol is not None:
-            _number(self.output_tol, "output_tol", low=0.0, low_open=True)
+        if limits.output_tol is not None:
+            _number(limits.output_tol, "output_tol", low=0.0, low_open=True)
         for key in ("include", "exclude"):
             for pattern in getattr(self, key):
                 if not isinstance(pattern, str):
@@ -218,6 +211,22 @@ class WatchConfig:
                 raise ConfigError(f"'sinks' must hold callables: got {type(sink).__name__}")
         if not isinstance(self.logger, str) or not self.logger:
             raise ConfigError(f"'logger' must be a non-empty str: got {self.logger!r}")
+
+
+LIMIT_OPTIONS = tuple(f.name for f in dataclasses.fields(Limits))
+"""The options that make up :attr:`WatchConfig.limits`."""
+
+
+def option_defaults() -> dict[str, Any]:
+    """Every option name and its default, the limits' by name."""
+    limits = Limits()
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(WatchConfig):
+        if f.name == "limits":
+            out.update({name: getattr(limits, name) for name in LIMIT_OPTIONS})
+        else:
+            out[f.name] = getattr(WatchConfig(), f.name)
+    return out
 
 
 def _as_tuple(key: str, value: Any) -> tuple[Any, ...]:
@@ -263,17 +272,16 @@ def options_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]
     option's type (``NORMWATCH_FLUSH_EVERY=5``, ``NORMWATCH_REPORT_DIR=none``,
     ``NORMWATCH_INCLUDE=a.*,b.*``); unknown names are refused with the known ones."""
     environ = os.environ if environ is None else environ
-    fields = {f.name: f for f in dataclasses.fields(WatchConfig)}
-    defaults = WatchConfig()
+    defaults = option_defaults()
     options: dict[str, Any] = {}
     for key, text in environ.items():
         if not key.startswith(ENV_PREFIX) or key in (f"{ENV_PREFIX}RUN",):
             continue
         name = key[len(ENV_PREFIX):].lower()
-        if name not in fields:
+        if name not in defaults:
             raise ConfigError(f"environment variable {key!r} names no option; known: "
-                              + ", ".join(f"{ENV_PREFIX}{n.upper()}" for n in fields))
-        options[name] = _parse(name, text, getattr(defaults, name))
+                              + ", ".join(f"{ENV_PREFIX}{n.upper()}" for n in defaults))
+        options[name] = _parse(name, text, defaults[name])
     return options
 
 
@@ -288,7 +296,8 @@ def _parse(name: str, text: str, default: Any) -> Any:
         return tuple(p for p in text.split(",") if p)
     if isinstance(default, Mapping):  # NORMWATCH_PLACEMENT=blocks.*.norm=post,final=pre
         return dict(p.split("=", 1) for p in text.split(",") if "=" in p)
-    for kind in (int, float) if isinstance(default, int | float) else ():
+    numeric = default is None or isinstance(default, int | float)  # bools returned above
+    for kind in (int, float) if numeric else ():
         try:
             return kind(text)
         except ValueError:

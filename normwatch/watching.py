@@ -16,8 +16,7 @@ import os
 import time
 import warnings
 import weakref
-from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
@@ -30,7 +29,10 @@ from normwatch._version import __version__
 from normwatch.config import WatchConfig
 from normwatch.errors import ConfigError, NumericalHealthError
 from normwatch.judge.alarms import RuleContext, evaluate
-from normwatch.judge.depth import worst_fp16_gradient
+from normwatch.judge.court import Court, Ruling
+from normwatch.judge.dedup import Dedup, fatal
+from normwatch.judge.depth import DepthProfile, depth_profile
+from normwatch.judge.history import Trends
 from normwatch.measure.compiling import compiled_code, guard_hooks
 from normwatch.measure.discovery import iter_norm_modules
 from normwatch.measure.gradients import unscale
@@ -39,11 +41,12 @@ from normwatch.measure.measurement import Measurement
 from normwatch.measure.triton_kernel import available as triton_available
 from normwatch.measure.triton_kernel import usable as triton_usable
 from normwatch.measure.updates import UpdateMonitor
+from normwatch.pipeline import Flush, Sink, Sinks
 from normwatch.records import Alarm, NormLayer, Snapshot, Verdict
-from normwatch.report.dispatch import Dispatcher
+from normwatch.report.dispatch import AlarmLog
 from normwatch.report.document import prepare_report_dir
-from normwatch.report.lines import attach_line, exit_line, verdict_line
-from normwatch.report.postmortem import PostMortem
+from normwatch.report.lines import attach_line, exit_line
+from normwatch.report.postmortem import ReportWriter
 
 if TYPE_CHECKING:
     from normwatch.export.prometheus import MetricsEndpoint, NormwatchCollector
@@ -113,8 +116,13 @@ class Watch:
                                     gradients=c.gradients)
         self.layers: tuple[NormLayer, ...] = self._measure.layers
         self._by_name = {layer.name: layer for layer in self.layers}
-        self._dispatcher = Dispatcher(c)
-        self.postmortem = PostMortem(c, self.layers, self._dispatcher.history)
+        self._dedup = Dedup()
+        self.court = Court(c)
+        """Triggers, verdicts, incidents and the record they rest on."""
+        self._log = AlarmLog(c)
+        self._writer = ReportWriter(c, self.layers, self.court, self._dedup.history)
+        self._sinks = Sinks()
+        self._added: list[Sink] = []
         self.run_id = c.run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         self._collector: NormwatchCollector | None = None
         self.endpoint: MetricsEndpoint | None = None
@@ -129,18 +137,14 @@ class Watch:
             if endpoint.serve(c.prometheus_port, c.prometheus_addr, c.prometheus_certfile,
                               c.prometheus_keyfile):
                 self.endpoint = endpoint
-        self._absmax_history: dict[str, deque[tuple[int, float]]] = {
-            layer.name: deque(maxlen=HISTORY_POINTS) for layer in self.layers
-        }
-        self._grad_history: deque[tuple[int, float]] = deque(maxlen=HISTORY_POINTS)
+        self._trends = Trends([layer.name for layer in self.layers], HISTORY_POINTS)
         self._losses = LossBuffer()
         self._updates = UpdateMonitor(lambda: self.step_count + 1)
         self.step_count = 0
         self._interval_start = 1
         self.flushes = 0
-        self.last_snapshot: Snapshot | None = None
-        self.last_findings: list[Alarm] = []
-        """The rules' findings at the last flush, before de-duplication."""
+        self.last_flush: Flush | None = None
+        """What the last flush measured and decided."""
         self._last_check: list[Alarm] = []
         self.closed = False
         self._warned_closed = False
@@ -187,8 +191,9 @@ class Watch:
         early = self._early_check()
         self._measure.begin_step(self.step_count + 1,
                                  full=self.step_count % self.config.stats_every == 0)
-        if early or self.step_count % self.config.flush_every == 0:
-            return self.flush()
+        regular = self.step_count % self.config.flush_every == 0
+        if early or regular:
+            return self._flush(regular=regular).snapshot
         return None
 
     def _early_check(self) -> bool:
@@ -202,7 +207,7 @@ class Watch:
         if self._early is None:
             from normwatch.measure.early import EarlyWarning
 
-            self._early = EarlyWarning(self.config.fp16_limit)
+            self._early = EarlyWarning(self.config.limits.fp16_limit)
         trouble = self._early.poll()
         self._early.launch(blocks)
         return bool(trouble)
@@ -211,20 +216,43 @@ class Watch:
         """Copy the interval's statistics to the host (the only sync), reset, run alarms."""
         if self._closed_use("flush"):
             return Snapshot(self.step_count, self._interval_start, {})
-        return self._flush()[0]
+        return self._flush().snapshot
 
     @property
     def unflushed(self) -> bool:
         """Whether steps or norm calls were measured since the last flush."""
         return self.step_count >= self._interval_start or self._measure.pending
 
-    def _flush(self, conclude: bool = True, fatal: bool = True
-               ) -> tuple[Snapshot, list[Verdict]]:
-        """:meth:`flush`; ``conclude``: judge triggers (else only record the interval);
-        ``fatal``: raise per ``raise_on``. Returns the snapshot and its new verdicts."""
+    def _flush(self, *, regular: bool = False, last: bool = False,
+               conclude: bool = True) -> Flush:
+        """Read, judge, hand the :class:`~normwatch.pipeline.Flush` to the sinks, raise
+        per ``raise_on``. ``regular``: at the ``flush_every`` cadence (every rank is
+        here); ``last``: the run's end or crash (no raising); ``conclude``: judge the
+        triggers (else only record the interval)."""
+        checked = self._measure.checking_outputs
+        snapshot, rows = self._read()  # the only device -> host copy
+        self._trends.record(snapshot)
+        profile = depth_profile(snapshot, self.forward_order, self.config.placement)
+        findings = evaluate(snapshot, self._context(snapshot, profile))
+        if checked:
+            self._last_check = [a for a in findings if a.kind == "output_mismatch"]
+        passed, lines = self._dedup.sift(findings, self.forward_order)
+        ruling = self.court.hear(snapshot, findings, passed, self.forward_order, profile,
+                                 conclude)
+        flush = self.last_flush = self._record(snapshot, ruling, findings, passed, lines,
+                                               profile, rows, regular=regular, last=last)
+        self._sinks.flush(self.sinks, flush)
+        if not last:
+            self._warn_if_idle(snapshot)
+            if stop := fatal(passed, self.config.raise_on):
+                raise NumericalHealthError(stop)
+        return flush
+
+    def _read(self) -> tuple[Snapshot, list[dict[str, float]]]:
+        """The interval's snapshot (and each layer's raw row) from one copy per device
+        (losses, optimizer steps and the loss scale ride along); then a new interval."""
         if self._early is not None:
             self._early.reset()
-        checked = self._measure.checking_outputs
         scale = getattr(self._scaler, "_scale", None)
         scale = scale if isinstance(scale, torch.Tensor) else None
         scales = {} if scale is None else {scale.device: scale}
@@ -244,53 +272,57 @@ class Watch:
         self._measure.reset(check_outputs=every > 0 and self.flushes % every == 0)
         self._losses.clear()
         self._interval_start = self.step_count + 1
-        self.last_snapshot = snapshot
-        for name, stats in snapshot.layers.items():
-            if stats.absmax is not None:
-                self._absmax_history[name].append((snapshot.step, stats.absmax))
-        worst = worst_fp16_gradient(snapshot)
-        if worst is not None and worst.grad_out_absmax is not None:
-            self._grad_history.append((snapshot.step, worst.grad_out_absmax))
-        context = RuleContext(self.config, self._by_name, self._measure.probes(snapshot),
-                              {k: tuple(v) for k, v in self._absmax_history.items()},
-                              self.forward_order, tuple(self._grad_history))
-        self.last_findings = evaluate(snapshot, context)
-        if checked:
-            self._last_check = [a for a in self.last_findings if a.kind == "output_mismatch"]
-        passed = self._dispatcher.deliver(self.last_findings, self.forward_order)
-        if self.view is not None:
-            for line in self._dispatcher.last_lines:
-                self.view.alarm(line)
-            self.view.update(snapshot, self.health_findings, self.config.fp16_limit,
-                             {k: tuple(a for _, a in v) for k, v in self._absmax_history.items()})
-        verdicts = self.postmortem.on_flush(snapshot, self.last_findings, passed,
-                                            self.forward_order, conclude=conclude)
-        self._show(verdicts)
-        if fatal and not self._idle_checked:  # a regular flush (not a crash's last read)
-            self._idle_checked = True
-            self._warn_if_idle(snapshot)
-        if self._collector is not None:
-            shared = snapshot
-            # only at the regular flushes every rank reaches (an early flush is one rank's)
-            if self.config.prometheus_aggregate and \
-                    self.step_count % self.config.flush_every == 0:
-                from normwatch.export.crossrank import combine_ranks
+        return snapshot, rows
 
-                shared = self._measure.snapshot(combine_ranks(rows), snapshot.step,
-                                                snapshot.first_step, losses, updates)
-            self._collector.update(shared, passed, verdicts, self.forward_order,
-                                   self.config.placement)
-        if fatal:
-            self._dispatcher.raise_if_fatal(passed)
-        return snapshot, verdicts
+    def _context(self, snapshot: Snapshot, profile: DepthProfile | None) -> RuleContext:
+        return RuleContext(self.config, self._by_name, self._measure.probes(snapshot),
+                           self._trends.absmax_points(), self.forward_order,
+                           tuple(self._trends.gradients), profile)
 
-    def _show(self, verdicts: list[Verdict]) -> None:
-        if self.view is not None:
-            for verdict in verdicts:
-                self.view.note(verdict_line(verdict), style="bold red")
+    def _record(self, snapshot: Snapshot, ruling: Ruling | None,
+                findings: Sequence[Alarm] = (), passed: Sequence[Alarm] = (),
+                lines: Sequence[Alarm] = (), profile: DepthProfile | None = None,
+                rows: Sequence[Mapping[str, float]] = (), *, regular: bool = False,
+                last: bool = False) -> Flush:
+        current = {(a.kind, a.layer) for a in findings}
+        health = [*findings, *(a for a in self._last_check if (a.kind, a.layer) not in current)]
+        return Flush(snapshot, tuple(findings), tuple(passed), tuple(lines), ruling,
+                     tuple(self.alarms), tuple(self.verdicts), tuple(health),
+                     tuple(self.forward_order), self.config.placement, self.config.limits,
+                     profile, self._trends.sparklines(), tuple(rows), regular, last)
+
+    def _across_ranks(self, flush: Flush) -> Flush:
+        """``flush`` with every rank's raw rows combined (one collective)."""
+        from normwatch.export.crossrank import combine_ranks
+
+        s = flush.snapshot
+        shared = self._measure.snapshot(combine_ranks(flush.rows), s.step, s.first_step,
+                                        s.losses, s.updates)
+        return dataclasses.replace(flush, snapshot=shared, profile=depth_profile(
+            shared, flush.order, flush.placement))
+
+    @property
+    def sinks(self) -> list[Sink]:
+        """Where each flush goes, in order: the log, the console, the post-mortem writer,
+        the Prometheus collector (once made), then those added with :meth:`add_sink`."""
+        view: list[Sink] = [] if self.view is None else [self.view]
+        collector: list[Sink] = [] if self._collector is None else [self._collector]
+        return [self._log, *view, self._writer, *collector, *self._added]
+
+    def add_sink(self, sink: Sink) -> None:
+        """Hand every later flush to ``sink`` too (``on_flush``, ``on_exception``,
+        ``close``: :class:`normwatch.pipeline.Sink`); a sink that raises is switched off
+        with one warning."""
+        if not isinstance(sink, Sink):
+            raise ConfigError(f"'sink' must have on_flush, on_exception and close methods "
+                              f"(normwatch.pipeline.Sink): got {type(sink).__name__}")
+        self._added.append(sink)
 
     def _warn_if_idle(self, snapshot: Snapshot) -> None:
         """After the first flush: one warning if no norm call was measured, saying why."""
+        if self._idle_checked:
+            return
+        self._idle_checked = True
         if not self.layers or any(s.calls for s in snapshot.layers.values()):
             return
         eval_calls, no_grad = self._measure.uncounted()
@@ -307,13 +339,21 @@ class Watch:
                       f"{why}", RuntimeWarning, stacklevel=4)
 
     @property
+    def last_snapshot(self) -> Snapshot | None:
+        """The last flush's snapshot."""
+        return None if self.last_flush is None else self.last_flush.snapshot
+
+    @property
+    def last_findings(self) -> list[Alarm]:
+        """The rules' findings at the last flush, before de-duplication."""
+        return [] if self.last_flush is None else list(self.last_flush.findings)
+
+    @property
     def health_findings(self) -> list[Alarm]:
         """The last flush's findings and, when that flush did not check outputs (every
         ``output_check_every`` flushes), the last output check's: what a layer's health
         rests on."""
-        current = {(a.kind, a.layer) for a in self.last_findings}
-        return self.last_findings + [a for a in self._last_check
-                                     if (a.kind, a.layer) not in current]
+        return [] if self.last_flush is None else list(self.last_flush.health)
 
     @property
     def collector(self) -> NormwatchCollector:
@@ -327,12 +367,13 @@ class Watch:
 
             collector = NormwatchCollector(self.layers, self.run_id, self.config.rank,
                                            self.config.limits, __version__)
-            records = self.postmortem.history.records()
+            records = self.court.history.records()
             for i, record in enumerate(records):
                 last = i == len(records) - 1
                 collector.update(record.snapshot, self.alarms if last else [],
-                                 self.verdicts if last else [], self.forward_order,
-                                 self.config.placement)
+                                 self.verdicts if last else [], record.profile)
+            if self.config.prometheus_aggregate:
+                collector.across_ranks = self._across_ranks
             self._collector = collector
         return self._collector
 
@@ -352,12 +393,12 @@ class Watch:
     @property
     def verdicts(self) -> list[Verdict]:
         """Every verdict so far (loss spikes, non-finite values, critical alarms)."""
-        return self.postmortem.verdicts
+        return self.court.verdicts
 
     @property
     def reports(self) -> list[Path]:
         """Folders of the post-mortem reports written so far."""
-        return self.postmortem.reports
+        return self._writer.reports
 
     def report_exception(self, exc: BaseException) -> Verdict | None:
         """Judge and report an exception that ended (or interrupted) training.
@@ -370,18 +411,20 @@ class Watch:
         the watch calls it when the ``with`` block raises.
         """
         interrupt = isinstance(exc, KeyboardInterrupt | SystemExit)
-        verdicts: list[Verdict] = []
+        verdicts: tuple[Verdict, ...] = ()
         if self.unflushed:
             try:
-                verdicts = self._flush(conclude=interrupt, fatal=False)[1]
+                verdicts = self._flush(last=True, conclude=interrupt).new_verdicts
             except Exception as failure:  # the report must still be written
                 warnings.warn(f"normwatch: reading the last interval failed "
                               f"({type(failure).__name__}: {failure}); judging on the flushes "
                               "before it", RuntimeWarning, stacklevel=2)
         if not interrupt:
-            verdict = self.postmortem.on_exception(exc, self.step_count, self.forward_order)
-            self._show([verdict])
-            return verdict
+            ruling = self.court.hear_exception(exc, self.step_count, self.forward_order)
+            snapshot = self.last_snapshot or Snapshot(self.step_count, self._interval_start, {})
+            self._sinks.exception(self.sinks, self._record(snapshot, ruling, last=True), exc)
+            assert ruling.incident is not None
+            return ruling.incident.verdict
         if not verdicts:
             logging.getLogger(self.config.logger).warning(
                 "[interrupted] %s at step %d: nothing abnormal in the norms since the last "
@@ -399,7 +442,7 @@ class Watch:
         try:
             if exc is not None:
                 return self.report_exception(exc)
-            verdicts = self._flush(fatal=False)[1] if self.unflushed else []
+            verdicts = self._flush(last=True).new_verdicts if self.unflushed else ()
             return verdicts[-1] if verdicts else None
         finally:
             self.close()
@@ -417,7 +460,7 @@ class Watch:
     def state_dict(self) -> dict[str, Any]:
         """Plain state for checkpoints: step count and the loss baseline."""
         return {"version": 1, "step_count": self.step_count,
-                "postmortem": self.postmortem.state_dict()}
+                "postmortem": self.court.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (e.g. when resuming from a checkpoint)."""
@@ -425,7 +468,7 @@ class Watch:
             raise ConfigError(f"'state' must be a normwatch state dict (version 1): "
                               f"got {state!r:.80}")
         self.set_step(int(state["step_count"]))
-        self.postmortem.load_state_dict(state["postmortem"])
+        self.court.load_state_dict(state["postmortem"])
 
     def set_step(self, step: int) -> None:
         """Continue the step numbering from ``step`` completed steps (e.g. on resume)."""
@@ -457,7 +500,7 @@ class Watch:
     @property
     def alarms(self) -> list[Alarm]:
         """Every alarm emitted so far (after de-duplication), oldest first."""
-        return self._dispatcher.history
+        return self._dedup.history
 
     @property
     def disabled(self) -> dict[str, str]:
@@ -480,8 +523,8 @@ class Watch:
                                      self.verdicts, self.reports, self.skipped_steps))
         self._measure.close()
         self._updates.detach()
-        if self.view is not None:
-            self.view.close()
+        if not self.closed:
+            self._sinks.close(self.sinks)
         if self.endpoint is not None:
             self.endpoint.close()
         self.closed = True

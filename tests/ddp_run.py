@@ -29,7 +29,7 @@ def main(out: Path) -> None:
     trainer.fit(LitLM(nan_at=6, nan_rank=1))
     watch = callback.watch
     assert watch is not None and watch.last_snapshot is not None
-    first = next(r.snapshot for r in watch.postmortem.history)
+    first = next(r.snapshot for r in watch.court.history)
     summary = {
         "rank": trainer.global_rank, "world_size": trainer.world_size,
         "step_count": watch.step_count,

@@ -75,6 +75,7 @@ def test_the_stages_are_sub_packages() -> None:
     top = {n for n in MODULES if n.count(".") == 1 and not n.startswith("normwatch.integrations")}
     assert top <= {"normwatch._version", "normwatch.records", "normwatch.catalog",
                    "normwatch.config", "normwatch.errors", "normwatch.watching", "normwatch.cli",
+                   "normwatch.pipeline", "normwatch.guarded",
                    "normwatch.__main__", "normwatch.measure", "normwatch.judge",
                    "normwatch.report", "normwatch.export", "normwatch.demos",
                    "normwatch.integrations"}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from normwatch.config import options_from_env
+from normwatch.config import WatchConfig, options_from_env
 from normwatch.errors import ConfigError
 
 SCRIPT = Path(sys.executable).parent / "normwatch"
@@ -134,6 +134,9 @@ def test_options_come_from_flags_or_the_environment(tmp_path: Path) -> None:
                               "NORMWATCH_FP16_LIMIT": "64", "OTHER": "x"}) == {
         "flush_every": 5, "report_dir": None, "include": ("a.*", "b.*"),
         "count_eval": True, "fp16_limit": 64.0}
+    tol = options_from_env({"NORMWATCH_OUTPUT_TOL": "0.02"})  # a limit whose default is None
+    assert tol == {"output_tol": 0.02}
+    assert WatchConfig.from_options(**tol).limits.output_tol == 0.02
     with pytest.raises(ConfigError, match="'NORMWATCH_FLUSH' names no option"):
         options_from_env({"NORMWATCH_FLUSH": "5"})
     bad = normwatch_run(tmp_path, "print('never')", "--console", "lines")

@@ -107,7 +107,7 @@ def run_demo(
 def _table(w: Watch, step: int) -> Group | HealthTable | str:
     if w.last_snapshot is None:
         return f"step {step}: waiting for the first flush"
-    return HealthTable(w.last_snapshot, w.health_findings, w.config.fp16_limit)
+    return HealthTable(w.last_snapshot, w.health_findings, w.config.limits.fp16_limit)
 
 
 def summary(result: DemoResult) -> str:

@@ -2,6 +2,7 @@
 
     >>> combined = combine_ranks(rows)          # every rank calls it at the same flush
     >>> remote = VerdictExchange().exchange(watch.verdicts, step)
+    >>> watch.add_sink(VerdictExchange())       # or: at each regular flush
 
 :func:`combine_ranks` gathers each layer's *raw* row (:data:`normwatch.catalog.RAW`) from
 every rank in one ``all_gather`` and combines it with each column's declared reduction;
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from normwatch.catalog import RAW, combine
+from normwatch.pipeline import Flush
 from normwatch.records import BLAMES, Verdict
 
 _log = logging.getLogger("normwatch")
@@ -57,6 +59,17 @@ class VerdictExchange:
         self.remote: list[tuple[int, str, int]] = []
         """``(rank, blame, step)`` of verdicts reached on other ranks."""
         self._seen = 0
+
+    def on_flush(self, flush: Flush) -> None:
+        """The watch's sink: exchange at regular flushes (every rank reaches them)."""
+        if flush.regular:
+            self.exchange(flush.verdicts, flush.snapshot.step)
+
+    def on_exception(self, flush: Flush, exc: BaseException) -> None:
+        pass  # a crashed rank takes no part in collectives
+
+    def close(self) -> None:
+        pass
 
     def exchange(self, verdicts: Sequence[Verdict], step: int) -> list[tuple[int, str, int]]:
         """Share the verdicts this rank reached since the last exchange (their count and

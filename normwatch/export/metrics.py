@@ -1,8 +1,12 @@
-"""A snapshot as flat ``{name: number}`` metrics for experiment loggers (pure).
+"""A snapshot as flat ``{name: number}`` metrics for experiment loggers.
 
     >>> flat_metrics(snapshot, watch.alarms, len(watch.verdicts), limits=watch.config.limits)
     {'normwatch/absmax_max': 3.2, 'normwatch/absmax_max_layer': 4.0, ...,
      'normwatch/alarms/critical': 0.0}
+    >>> watch.add_sink(LoggerMetrics(logger.log_metrics))   # at every flush
+
+:func:`flat_metrics` is pure; :class:`LoggerMetrics` is the thin sink the trainer
+callbacks add.
 
 By default a handful of worst-layer summaries (:data:`SUMMARY`): a 60-layer model logs
 as many keys as a 2-layer one; with an optimizer watched, its last step's ``grad_norm``,
@@ -16,10 +20,15 @@ interval are left out.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from normwatch.catalog import TABLE, layer_values
+from normwatch.pipeline import Flush
 from normwatch.records import SEVERITIES, Alarm, Limits, Snapshot
+
+if TYPE_CHECKING:
+    from normwatch.export.crossrank import VerdictExchange
 
 LOGGED = tuple(s.name for s in TABLE if s.logged)
 SUMMARY = ("absmax_max", "absmax_max_layer", "fp16_headroom_min", "eps_dominance_max",
@@ -57,6 +66,31 @@ def flat_metrics(snapshot: Snapshot, alarms: Sequence[Alarm] = (), verdicts: int
             sum(a.count for a in alarms if a.severity == severity))
     out[f"{prefix}verdicts"] = float(verdicts)
     return out
+
+
+class LoggerMetrics:
+    """A sink of the watch: each flush's :func:`flat_metrics` to ``log`` (a trainer's
+    loggers) while the run goes on; with ``exchange``, how many verdicts other ranks
+    reached too."""
+
+    def __init__(self, log: Callable[[dict[str, float]], None], per_layer: bool = False,
+                 exchange: VerdictExchange | None = None) -> None:
+        self.log, self.per_layer, self.exchange = log, per_layer, exchange
+
+    def on_flush(self, flush: Flush) -> None:
+        if flush.last:  # the run is over: its loggers may be finalised
+            return
+        metrics = flat_metrics(flush.snapshot, flush.alarms, len(flush.verdicts),
+                               limits=flush.limits, per_layer=self.per_layer, order=flush.order)
+        if self.exchange is not None:
+            metrics["normwatch/remote_verdicts"] = float(len(self.exchange.remote))
+        self.log(metrics)
+
+    def on_exception(self, flush: Flush, exc: BaseException) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _summary(measured: Mapping[str, Mapping[str, float | int | None]], order: Sequence[str],

@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -30,7 +30,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from normwatch.catalog import TABLE, Metric, layer_values
-from normwatch.judge.depth import depth_profile
+from normwatch.judge.depth import DepthProfile
+from normwatch.pipeline import Flush
 from normwatch.records import (
     ALARM_KINDS,
     BLAMES,
@@ -92,12 +93,27 @@ class NormwatchCollector(Collector):
                 counters.setdefault(metric.name, {}).update(
                     {(n, *extra): 0.0 for n in self.kinds})
         self._state = _State(counters=counters)
+        self.across_ranks: Callable[[Flush], Flush] | None = None
+        """With ``prometheus_aggregate``: the flush combined over every rank."""
+
+    def on_flush(self, flush: Flush) -> None:
+        """The watch's sink: fold ``flush`` in (combined over the ranks by
+        :attr:`across_ranks` at regular flushes, which every rank reaches)."""
+        if self.across_ranks is not None and flush.regular:
+            flush = self.across_ranks(flush)
+        self.update(flush.snapshot, flush.passed, flush.new_verdicts, flush.profile)
+
+    def on_exception(self, flush: Flush, exc: BaseException) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
     def update(self, snapshot: Snapshot, alarms: Iterable[Alarm] = (),
-               verdicts: Iterable[Verdict] = (), order: Sequence[str] = (),
-               placement: Mapping[str, str] | None = None) -> None:
-        """Fold one flush in: gauges replaced, counters incremented. ``order``: the
-        layers' forward order and ``placement`` the stated placements (depth profile)."""
+               verdicts: Iterable[Verdict] = (), profile: DepthProfile | None = None
+               ) -> None:
+        """Fold one flush in: gauges replaced, counters incremented; ``profile``: its
+        depth profile."""
         with self._lock:
             s = self._state
             s.step, s.last_flush, s.flushes = snapshot.step, time.time(), s.flushes + 1
@@ -106,7 +122,6 @@ class NormwatchCollector(Collector):
                     s.loss = loss
                 else:
                     s.nonfinite_losses += 1
-            profile = depth_profile(snapshot, order, placement)
             if profile is not None:
                 s.depth_ratio = profile.ratio
             if snapshot.updates:  # the interval's largest: a one-step blow-up stays visible

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from normwatch.config import WatchConfig
-from normwatch.judge.depth import gradient_alarms
+from normwatch.judge.depth import DepthProfile, gradient_alarms
 from normwatch.judge.headroom import STEADY_FRACTION, steps_to_limit, worth_warning
 from normwatch.records import (
     FP16_MAX,
@@ -39,6 +39,8 @@ class RuleContext:
     """Layer names in forward order (the gradient rules walk them backwards)."""
     grad_history: Sequence[tuple[int, float]] = ()
     """``(step, largest |dL/dy| of the fp16 layers)`` per flush, oldest first."""
+    profile: DepthProfile | None = None
+    """The snapshot's hidden-state gradient by depth."""
 
 
 def evaluate(snapshot: Snapshot, ctx: RuleContext) -> list[Alarm]:
@@ -55,7 +57,7 @@ def evaluate(snapshot: Snapshot, ctx: RuleContext) -> list[Alarm]:
         alarms += dtype_alarms(stats, layer, step)
         alarms += output_alarms(stats, step, ctx.config)
     alarms += gradient_alarms(snapshot, ctx.order, decay_ratio=ctx.config.gradient_decay_ratio,
-                              stated=ctx.config.placement, grad_history=ctx.grad_history,
+                              profile=ctx.profile, grad_history=ctx.grad_history,
                               horizon=ctx.config.headroom_horizon,
                               ratio=ctx.config.headroom_ratio)
     return alarms
@@ -90,7 +92,7 @@ def nonfinite_alarms(snapshot: Snapshot) -> list[Alarm]:
 
 def fp16_alarms(stats: LayerStats, layer: NormLayer, step: int, ctx: RuleContext) -> list[Alarm]:
     """Past the fp16 element limit, past the sum-of-squares bound, or heading there."""
-    limit = ctx.config.fp16_limit
+    limit = ctx.config.limits.fp16_limit
     fp16 = stats.fp16
     probe = ctx.probes.get(stats.name)
     name = stats.name
@@ -150,7 +152,7 @@ def fp16_alarms(stats: LayerStats, layer: NormLayer, step: int, ctx: RuleContext
 
 
 def _headroom(stats: LayerStats, step: int, ctx: RuleContext, fp16: bool) -> list[Alarm]:
-    limit = ctx.config.fp16_limit
+    limit = ctx.config.limits.fp16_limit
     if stats.absmax is None or stats.absmax < STEADY_FRACTION * limit:
         return []
     forecast = steps_to_limit(ctx.absmax_history.get(stats.name, ()), limit)
@@ -177,16 +179,17 @@ def eps_alarms(stats: LayerStats, layer: NormLayer, step: int, config: WatchConf
     share = f"{stats.eps_dominated_tokens} of {stats.stats_tokens} tokens"
     if layer.eps == 0 and stats.eps_dominance >= 1.0:
         return [Alarm(
-            "eps_dominance", "critical", stats.name, step, stats.eps_dominance, config.eps_tol,
+            "eps_dominance", "critical", stats.name, step, stats.eps_dominance,
+            config.limits.eps_tol,
             f"{stats.name}: eps = 0 and {share} have zero {s_name}: x/sqrt(0 + 0) = 0/0 = NaN. "
             "Set eps to 1e-6..1e-5 and mask padding tokens.", tag="zero-eps")]
     # Output RMS shrinks to sqrt(1 - ratio): under 5 % (ratio <= 0.1) is worth knowing,
     # not worth waking anyone.
     sev: Severity = "warning" if stats.eps_dominance > 0.1 else "info"
     return [Alarm(
-        "eps_dominance", sev, stats.name, step, stats.eps_dominance, config.eps_tol,
+        "eps_dominance", sev, stats.name, step, stats.eps_dominance, config.limits.eps_tol,
         f"{stats.name}: eps = {layer.eps:g} dominates {share} (eps/({s_name} + eps) up to "
-        f"{stats.eps_dominance:.3g} > {config.eps_tol:g}): their output is flattened to "
+        f"{stats.eps_dominance:.3g} > {config.limits.eps_tol:g}): their output is flattened to "
         f"RMS sqrt(s/(s+eps)). {_eps_advice(layer.eps)}")]
 
 
@@ -208,11 +211,11 @@ def common_mode_alarms(stats: LayerStats, step: int, config: WatchConfig) -> lis
     if stats.kind != "rmsnorm" or not stats.stats_tokens or stats.common_mode_max is None:
         return []
     share = stats.common_mode_tokens / stats.stats_tokens
-    if share <= config.common_mode_fraction:
+    if share <= config.limits.common_mode_fraction:
         return []
     return [Alarm(
-        "common_mode", "warning", stats.name, step, share, config.common_mode_fraction,
-        f"{stats.name}: {share:.0%} of tokens have |mean|/RMS > {config.common_mode_tol:g} "
+        "common_mode", "warning", stats.name, step, share, config.limits.common_mode_fraction,
+        f"{stats.name}: {share:.0%} of tokens have |mean|/RMS > {config.limits.common_mode_tol:g} "
         f"(max {stats.common_mode_max:.3g}): RMSNorm keeps the common mode, so the token's "
         "structure is crushed into a near-constant vector. Consider LayerNorm or centring.")]
 
@@ -268,8 +271,8 @@ def output_tolerance(config: WatchConfig, stats: LayerStats) -> float:
     the output went through — its input, output and autocast dtypes, and the precision its
     values actually carry (``output_eps``, from their mantissas: an fp32 output whose last
     rounding happened in bf16 carries bf16's digits) — at least 1e-3."""
-    if config.output_tol is not None:
-        return config.output_tol
+    if config.limits.output_tol is not None:
+        return config.limits.output_tol
     amp = stats.autocast.split(":")[-1] if stats.autocast else None
     dtypes = [d for d in (stats.input_dtype, stats.output_dtype, amp) if d] or ["float32"]
     units = [DTYPE_EPS.get(d, 1e-7) for d in dtypes]

@@ -2,7 +2,7 @@
 
     >>> profile = depth_profile(snapshot, order)      # hidden-state gradient RMS by depth
     >>> profile.ratio                                  # first norm / last norm
-    >>> gradient_alarms(snapshot, order, ctx)
+    >>> gradient_alarms(snapshot, order, decay_ratio=0.5, profile=profile)
 
 Where a norm sits decides how gradients flow (the second source article). Pre-norm
 (``h + F(LN(h))``): the norm is on a residual branch, its input is also the trunk, and the
@@ -132,12 +132,12 @@ def trunk_rms(stats: LayerStats, placement: Placement) -> float | None:
 
 
 def gradient_alarms(snapshot: Snapshot, order: Sequence[str], *, decay_ratio: float,
-                    stated: Mapping[str, str] | None = None,
+                    profile: DepthProfile | None = None,
                     grad_history: Sequence[tuple[int, float]] = (),
                     horizon: int = 1000, ratio: float = 0.25) -> list[Alarm]:
-    """``gradient_nonfinite``, ``gradient_decay`` and ``gradient_headroom`` findings."""
+    """``gradient_nonfinite``, ``gradient_decay`` (from ``profile``, the snapshot's
+    :func:`depth_profile`) and ``gradient_headroom`` findings."""
     out = _nonfinite(snapshot, order)
-    profile = depth_profile(snapshot, order, stated)
     if profile is not None and len(profile.points) >= MIN_DECAY_POINTS and \
             profile.ratio < decay_ratio and profile.slope > 0:
         post = profile.count("post")

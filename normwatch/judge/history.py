@@ -1,4 +1,4 @@
-"""A bounded host-side ring buffer of recent flushes (snapshot + raw findings)."""
+"""Host-side memory of recent flushes: the ring of records, the trends the rules read."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from normwatch.judge.depth import DepthProfile, worst_fp16_gradient
 from normwatch.records import Alarm, FirstNonfinite, LayerStats, Snapshot
 
 
@@ -15,6 +16,8 @@ class Record:
 
     snapshot: Snapshot
     findings: tuple[Alarm, ...]
+    profile: DepthProfile | None = None
+    """The hidden-state gradient by depth at this flush (``None``: not measured)."""
 
 
 class History:
@@ -23,8 +26,9 @@ class History:
     def __init__(self, size: int = 256) -> None:
         self._records: deque[Record] = deque(maxlen=size)
 
-    def append(self, snapshot: Snapshot, findings: list[Alarm]) -> None:
-        self._records.append(Record(snapshot, tuple(findings)))
+    def append(self, snapshot: Snapshot, findings: Sequence[Alarm],
+               profile: DepthProfile | None = None) -> None:
+        self._records.append(Record(snapshot, tuple(findings), profile))
 
     def __iter__(self) -> Iterator[Record]:
         return iter(self._records)
@@ -52,3 +56,29 @@ def first_nonfinite(records: Sequence[Record]) -> FirstNonfinite | None:
         if record.snapshot.first_nonfinite is not None:
             return record.snapshot.first_nonfinite
     return None
+
+
+class Trends:
+    """Per layer its max |x|, and the fp16 layers' largest gradient, at the last ``points``
+    flushes: what the forecasts fit and the console's sparklines draw."""
+
+    def __init__(self, layers: Sequence[str], points: int = 16) -> None:
+        self.absmax: dict[str, deque[tuple[int, float]]] = {
+            name: deque(maxlen=points) for name in layers}
+        self.gradients: deque[tuple[int, float]] = deque(maxlen=points)
+        """``(step, largest |dL/dy| of the fp16 layers)``, oldest first."""
+
+    def record(self, snapshot: Snapshot) -> None:
+        for name, stats in snapshot.layers.items():
+            if stats.absmax is not None and name in self.absmax:
+                self.absmax[name].append((snapshot.step, stats.absmax))
+        worst = worst_fp16_gradient(snapshot)
+        if worst is not None and worst.grad_out_absmax is not None:
+            self.gradients.append((snapshot.step, worst.grad_out_absmax))
+
+    def absmax_points(self) -> dict[str, tuple[tuple[int, float], ...]]:
+        return {name: tuple(points) for name, points in self.absmax.items()}
+
+    def sparklines(self) -> dict[str, tuple[float, ...]]:
+        """Per layer the max |x| values alone, oldest first."""
+        return {name: tuple(v for _, v in points) for name, points in self.absmax.items()}

@@ -16,9 +16,11 @@ from typing import Protocol
 
 import torch
 
-from normwatch.catalog import COLUMNS
+from normwatch.catalog import COLUMNS, STATS
 
-PEEK_COLUMNS = tuple(COLUMNS.index(c) for c in ("absmax", "nonfinite", "out_nonfinite"))
+PEEKED = ("absmax", "nonfinite", "out_nonfinite")
+assert all(STATS[c].tier == "sentinel" for c in PEEKED)  # measured at every call
+PEEK_COLUMNS = tuple(COLUMNS.index(c) for c in PEEKED)
 
 
 class Event(Protocol):

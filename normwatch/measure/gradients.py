@@ -40,6 +40,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from normwatch.catalog import COLUMNS, GRAD_SITES, GRAD_SUMS
+from normwatch.guarded import guarded
 from normwatch.measure.opaque import observe_grad
 from normwatch.measure.reductions import runs, summed_dtype
 from normwatch.measure.sharding import local
@@ -374,31 +375,27 @@ class GradHooks:
             return
         self._measure(site, g)
         if x is not None and self.through is not None:
-            try:
-                into = self.through(self.tokens(g.detach()), self.tokens(x), weight)
-            except Exception as exc:  # never take the training run down
-                self._fail(exc)
-                return
-            self._measure(IN, into)
+            self._through(self.through, g, x, weight)
 
+    @guarded
+    def _through(self, through: Through, g: torch.Tensor, x: torch.Tensor,
+                 weight: torch.Tensor | None) -> None:
+        self._measure(IN, through(self.tokens(g.detach()), self.tokens(x), weight))
+
+    @guarded
     def _measure(self, site: int, g: torch.Tensor) -> None:
-        try:
-            if torch.compiler.is_compiling():  # traced (the hidden state's hook)
-                row = self._target()
-                if row is not None:
-                    observe_grad(g, row, SITES[site], None, None)
-            elif g.numel() and self._target() is not None:
-                g = g.detach()
-                t = g if g.shape[-1] == self.width else self.tokens(g)
-                self._stage(site, token_rows(t), t.shape[-1])
-        except Exception as exc:  # never take the training run down
-            self._fail(exc)
+        if torch.compiler.is_compiling():  # traced (the hidden state's hook)
+            row = self._target()
+            if row is not None:
+                observe_grad(g, row, SITES[site], None, None)
+        elif g.numel() and self._target() is not None:
+            g = g.detach()
+            t = g if g.shape[-1] == self.width else self.tokens(g)
+            self._stage(site, token_rows(t), t.shape[-1])
 
+    @guarded
     def _weight_grad(self, g: torch.Tensor) -> None:
-        try:
-            if g is not None and self._target() is not None:
-                g = local(g).detach()
-                norm = torch.linalg.vector_norm(g, dtype=summed_dtype(g.dtype))
-                self._stage(WEIGHT, (norm, None, None), 1)
-        except Exception as exc:  # never take the training run down
-            self._fail(exc)
+        if g is not None and self._target() is not None:
+            g = local(g).detach()
+            norm = torch.linalg.vector_norm(g, dtype=summed_dtype(g.dtype))
+            self._stage(WEIGHT, (norm, None, None), 1)

@@ -5,14 +5,12 @@ their device (:func:`~normwatch.measure.reductions.reduce_call`, or the fused Tr
 kernel) and stages them in the accumulator, with no host synchronisation (no
 ``.item()``, ``.cpu()``, ``bool(tensor)``, masking or ``nonzero``). Host-side it only
 reads metadata (shapes, dtypes, flags). Any exception disables this hook with one
-warning; training goes on.
+warning; training goes on (:mod:`normwatch.guarded`).
 
-Inside ``torch.compile`` the hook's traced body reads no Python value that changes
-between steps and writes no Python state: it hands the call to one opaque operator
-(``normwatch::observe``, :mod:`~normwatch.measure.opaque`) whose body, at run time, is
-the eager measurement (:meth:`LayerHook.compiled_call`). The compiled graph neither
-breaks nor recompiles, inside activation checkpoints too; compiling it costs what
-compiling the model costs; and compiled and eager calls share one path.
+The rooms: this module is the eager path and the wiring; what ``torch.compile`` traces
+is :mod:`~normwatch.measure.traced`'s, the output check
+:mod:`~normwatch.measure.outputs`', reading a call's arguments
+:mod:`~normwatch.measure.calls`'.
 """
 
 from __future__ import annotations
@@ -29,30 +27,18 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from normwatch.catalog import KEY_STRIDE
+from normwatch.guarded import Part, guarded
 from normwatch.measure.accumulator import Accumulator
 from normwatch.measure.autocasting import autocast_made, output_op
-from normwatch.measure.gradients import SITES, GradHooks, GradRows, through_formula
-from normwatch.measure.opaque import disown, observe, own
-from normwatch.measure.reductions import (
-    CallRows,
-    carried_eps,
-    checked_rows,
-    fused_call,
-    mismatch,
-    out_rows,
-    reduce_call,
-    token_view,
-)
-from normwatch.measure.reference import (
-    expected_from,
-    flattens_heads,
-    reference_params,
-)
+from normwatch.measure.calls import dtype_name, dtypes, input_of, other_tensor, output_of
+from normwatch.measure.gradients import GradHooks, GradRows, through_formula
+from normwatch.measure.opaque import disown, own
+from normwatch.measure.outputs import output_check
+from normwatch.measure.reductions import CallRows, fused_call, out_rows, reduce_call, token_view
+from normwatch.measure.traced import CompiledPath
 from normwatch.measure.triton_kernel import available as triton_available
 from normwatch.measure.triton_kernel import row_stats_triton
 from normwatch.records import NormLayer
-
-_INPUT_KWARGS = ("hidden_states", "input", "x", "inputs")
 
 
 @dataclass
@@ -136,7 +122,9 @@ class LayerHook:
         self.rt = runtime
         self.counts = HostCounts()
         self.pending_recompute = 0
-        self.disabled_reason: str | None = None
+        self.part = Part(f"measuring {layer.name!r}", "this layer is no longer watched",
+                         off=self.remove)
+        self.compiled = CompiledPath(self)
         self._skipped: set[str] = set()
         self._token_ndim = len(layer.normalized_shape) if layer.normalized_shape else 1
         self._eps = 0.0 if math.isnan(layer.eps) else layer.eps
@@ -162,15 +150,16 @@ class LayerHook:
             self.grads = GradHooks(self._tokens, self._grad_target, self._stage_grad,
                                    self._fail, through, layer.token_size)
             self.grads.watch_weight(getattr(module, "weight", None))
-            self._pre_handle = module.register_forward_pre_hook(self._pre, with_kwargs=True)
+            self._pre_handle = module.register_forward_pre_hook(self.compiled.pre,
+                                                                with_kwargs=True)
 
     def home(self, device: torch.device) -> None:
         """Place this layer's row on ``device`` (outside any graph): compiled calls name
         the layer by it."""
         if self.state is not None:
-            disown(self.state, self)
+            disown(self.state, self.compiled)
         self.state = self.rt.accumulator.row_state(device, self.row)
-        own(self.state, self)
+        own(self.state, self.compiled)
 
     def remove(self) -> None:
         """Detach from the module (harmless twice)."""
@@ -183,7 +172,7 @@ class LayerHook:
         if self.grads is not None:
             self.grads.remove()
         if self.state is not None:
-            disown(self.state, self)
+            disown(self.state, self.compiled)
 
     def _grad_target(self) -> torch.Tensor | None:
         """The row naming this layer, for the gradient hooks: traced, always (the
@@ -197,51 +186,25 @@ class LayerHook:
                     width: int) -> None:
         self.rt.accumulator.stage_grad(GradRows(*rows, self.row, site, width))
 
-    def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Forward pre-hook, compiled code only: a tensor hook on the input (the hidden
-        state's gradient, :meth:`GradHooks.watch_hidden`). Nothing is put between the
-        input and the norm: eager calls hook their gradients from the forward hook
-        (:meth:`GradHooks.watch_call`), compiled ones from the output's tap."""
-        if not torch.compiler.is_compiling():
-            return None
-        try:
-            if not (module.training and torch.is_grad_enabled()):
-                return None
-            x = _input(args, kwargs)
-            if x is None or not x.requires_grad or not x.is_floating_point() \
-                    or self.grads is None:
-                return None
-            self.grads.watch_hidden(x)
-        except Exception as exc:  # never take the training run down
-            self._fail(exc)
-        return None
+    @property
+    def disabled_reason(self) -> str | None:
+        """Why this hook failed and was removed (``None``: it works)."""
+        return self.part.failed
 
+    @guarded
     def __call__(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], output: Any
     ) -> torch.Tensor | None:
-        try:
-            if torch.compiler.is_compiling():
-                return self._traced(module, args, kwargs, output)
-            if not self.rt.paused:
-                self._observe(module, args, kwargs, output)
-        except Exception as exc:  # never take the training run down
-            self._fail(exc)
+        if torch.compiler.is_compiling():
+            return self.compiled.trace(module, args, kwargs, output)
+        if not self.rt.paused:
+            self._observe(module, args, kwargs, output)
         return None
 
     def _fail(self, exc: Exception) -> None:
         """Disable this hook with one warning (while tracing: Dynamo breaks the graph
-        here and the recompile drops the hook). Once: the hooks already registered on
-        this step's tensors may fail again."""
-        if self.disabled_reason is not None:
-            return
-        self.disabled_reason = f"{type(exc).__name__}: {exc}"
-        self.remove()
-        warnings.warn(
-            f"normwatch: measuring {self.layer.name!r} failed ({self.disabled_reason}); "
-            "this layer is no longer watched, training continues",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        here and the recompile drops the hook)."""
+        self.part.fail(exc)
 
     def _counted(self, module: nn.Module) -> bool:
         if torch._C._current_graph_task_id() != -1:
@@ -267,27 +230,26 @@ class LayerHook:
     ) -> None:
         # The common case first, in few lines: inside a training step every line of
         # Python costs several times what it costs warm.
-        x = _input(args, kwargs)
+        x = input_of(args, kwargs)
         if x is None or not x.is_floating_point() or x.is_meta:
             return self._skip(x)
         if not self._counted(module):
             return
-        y = _output(output)
-        # A second tensor input (the gate of a gated RMSNorm) changes what the output is:
-        # the formula of x alone no longer applies.
-        alone = not self.rt.check_outputs or not _other_tensor(args, kwargs, x)
+        y = output_of(output)
+        alone = not self.rt.check_outputs or not other_tensor(args, kwargs, x)
         # Detached tensors record no autograd graph: no no_grad() context needed.
-        self._measure(module, x.detach(), None if y is None else y.detach(), alone)
+        self.measure(module, x.detach(), None if y is None else y.detach(), alone)
         if self.grads is not None and self.rt.grads_now:
             if y is not None and y.requires_grad:
                 self.grads.watch_call(x, y)
             self.grads.watch_weight(getattr(module, "weight", None))  # FSDP2 swaps it
         if self.rt.full_stats or self.counts.calls == 1:  # each interval's first call, and
-            self._record_dtypes(module, x, y)             # the full-tier steps' calls
+            self.record_dtypes(module, x, y)              # the full-tier steps' calls
 
-    def _measure(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None,
-                 alone: bool) -> None:
-        """Reduce and stage one counted call (``x``, ``y`` detached); count it."""
+    def measure(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None,
+                alone: bool) -> None:
+        """Reduce and stage one counted call (``x``, ``y`` detached; ``alone``: ``x`` was
+        its only tensor input); count it. Eager and compiled calls alike."""
         rt = self.rt
         n_tokens = 0
         if x.numel():
@@ -296,7 +258,7 @@ class LayerHook:
             n_tokens = call.n
             rt.accumulator.stage(call)
             if rt.check_outputs and out is not None and alone:
-                check = self._output_check(module, x, out, call)
+                check = output_check(self.layer, module, x, out, call, self._tokens)
                 if check is not None:
                     rt.accumulator.update_check(self.row, check[0], check[1])
         # Host bookkeeping last, so a failed measurement leaves no half-counted call.
@@ -308,85 +270,6 @@ class LayerHook:
         c.input_shape = x.shape
         if c.calls == 1:
             rt.forward_order.setdefault(self.layer.name, len(rt.forward_order))
-
-    def _traced(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any],
-                output: Any) -> torch.Tensor | None:
-        """The hook body ``torch.compile`` traces (see the module docstring); returns the
-        output the model goes on with when it taps it (``None``: the output as it was)."""
-        x = _input(args, kwargs)
-        if x is None or not x.is_floating_point() or x.is_meta or self.state is None:
-            return None
-        if not (self.rt.count_eval or (module.training and torch.is_grad_enabled())):
-            return None
-        y = _output(output)
-        # Python state is neither read nor written here (a checkpointed region is a
-        # higher-order op that refuses side effects): the operator's body does that
-        observe(x.detach(), None if y is None else y.detach(), self.state,
-                not _other_tensor(args, kwargs, x))
-        if self.grads is not None and y is not None and y.requires_grad \
-                and isinstance(output, torch.Tensor):
-            weight = getattr(module, "weight", None)
-            weight = weight if isinstance(weight, torch.Tensor) else None
-            # the formula of the gradient through the norm holds for x alone, whole tokens
-            fits = y.shape == x.shape and not _other_tensor(args, kwargs, x) and (
-                weight is None or weight.numel() == self.layer.token_size)
-            # the model goes on with the tapped output
-            return self.grads.watch_output(y, x if fits else None, weight)
-        return None
-
-    def compiled_call(self, x: torch.Tensor, y: torch.Tensor | None, alone: bool) -> None:
-        """The body of a compiled call's operator, at run time: what an eager call
-        measures (a call traced as counted; an activation checkpoint's recompute, inside
-        the backward, is not counted again)."""
-        try:
-            if self.rt.paused or self.disabled_reason is not None or \
-                    torch._C._current_graph_task_id() != -1:
-                return
-            self._measure(self.module, x, y, alone)
-            self._record_dtypes(self.module, x, y)
-        except Exception as exc:  # never take the training run down
-            self._fail(exc)
-
-    def compiled_grad(self, at: str, g: torch.Tensor, x: torch.Tensor | None,
-                      weight: torch.Tensor | None) -> None:
-        """The body of a compiled gradient's operator, at run time (see
-        :meth:`GradHooks.measure`)."""
-        if self.grads is not None and self.disabled_reason is None:
-            self.grads.measure(SITES.index(at), g, x, weight)
-
-    def _output_check(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                      call: CallRows) -> torch.Tensor | None:
-        """``[mismatch, carried eps]`` (float64) of output ``y`` against the kind's formula,
-        over the rows :meth:`_checked` picks; ``None``: no formula applies. Tensor ops
-        only (compiled or eager alike)."""
-        layer = self.layer
-        params = reference_params(layer, module, x)
-        x, y = self._checked(x, y, params, call)
-        ref = expected_from(layer, x, params, module.training)
-        if ref is None:
-            return None
-        if flattens_heads(ref.shape, y.shape):  # heads flattened on the way out
-            ref = ref.reshape(y.shape)
-        err = torch.ones((), dtype=torch.float64, device=y.device) if ref.shape != y.shape \
-            else mismatch(self._tokens(y), self._tokens(ref)).double()  # wrong shape: 1
-        return torch.stack([err, carried_eps(y)])
-
-    def _checked(self, x: torch.Tensor, y: torch.Tensor, params: tuple[torch.Tensor | None, ...],
-                 call: CallRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """The part of ``x`` and ``y`` an output check reads: for layer and RMS norms whose
-        parameters cover whole rows of trailing dims, the rows
-        :func:`~normwatch.measure.reductions.checked_rows` picks (a few dozen, whatever
-        the call's size); else all of them."""
-        if self.layer.kind not in ("layernorm", "rmsnorm") or y.shape != x.shape:
-            return x, y
-        lowest = max([1] + [p.dim() for p in params if p is not None])
-        for d in range(lowest, x.dim()):  # the fewest trailing dims holding tokens
-            trailing = x.shape[x.dim() - d:]
-            span = math.prod(trailing)
-            if span % call.width == 0:
-                rows = checked_rows(call.hi, call.lo, span // call.width)
-                return x.reshape(-1, *trailing)[rows], y.reshape(-1, *trailing)[rows]
-        return x, y
 
     def _reduce(self, x: torch.Tensor, out: torch.Tensor | None, key: float) -> CallRows:
         """One call's per-token rows (``out``: a non-empty floating output, or ``None``):
@@ -411,15 +294,16 @@ class LayerHook:
             call = call._replace(out=out_rows(out_tokens))
         return call
 
-    def _record_dtypes(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None) -> None:
-        signature = (*_dtypes(module, x, y), output_op(y))
+    def record_dtypes(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None) -> None:
+        """Note the call's dtypes and autocast state (names built only on a change)."""
+        signature = (*dtypes(module, x, y), output_op(y))
         if signature != self._signature:  # names are built only when something changed
             self._signature = signature
             c = self.counts
             c.input_dtype, c.weight_dtype, c.output_dtype = (
-                None if d is None else _dtype_name(d) for d in signature[:3])
+                None if d is None else dtype_name(d) for d in signature[:3])
             amp, device_type, op = signature[3:]
-            c.autocast = None if amp is None else f"{device_type}:{_dtype_name(amp)}"
+            c.autocast = None if amp is None else f"{device_type}:{dtype_name(amp)}"
             c.device = x.device
             promoted = amp is not None and y is not None and \
                 y.dtype == torch.float32 != x.dtype
@@ -452,55 +336,3 @@ def _chunk_tokens(x: torch.Tensor, width: int,
                   other: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """Tokens of ``width`` elements, straight away when the last dim is one token."""
     return x.reshape(-1, width) if x.dim() and x.shape[-1] == width else other(x)
-
-
-def _other_tensor(args: tuple[Any, ...], kwargs: Mapping[str, Any], x: torch.Tensor) -> bool:
-    """Whether the call had a tensor input besides ``x``."""
-    return any(isinstance(v, torch.Tensor) and v is not x
-               for v in (*args, *kwargs.values()))
-
-
-def _input(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> torch.Tensor | None:
-    """The norm's input: its first positional tensor (the common case first), else the
-    first tensor found."""
-    return args[0] if args and isinstance(args[0], torch.Tensor) else _first_tensor(args, kwargs)
-
-
-def _output(output: Any) -> torch.Tensor | None:
-    """The norm's output tensor (the first one of a tuple or list)."""
-    if isinstance(output, torch.Tensor):
-        return output
-    return _first_tensor(output if isinstance(output, tuple | list) else (output,), {})
-
-
-def _dtypes(module: nn.Module, x: torch.Tensor, y: torch.Tensor | None
-            ) -> tuple[torch.dtype, torch.dtype | None, torch.dtype | None, torch.dtype | None,
-                       str]:
-    """Input, weight, output and autocast dtypes of a call, and the device type (reads
-    flags and metadata only: traceable)."""
-    weight = getattr(module, "weight", None)
-    device_type = "cpu" if x.is_cpu else x.device.type
-    amp = (torch.get_autocast_dtype(device_type)
-           if torch.is_autocast_enabled(device_type) else None)
-    return (x.dtype, weight.dtype if isinstance(weight, torch.Tensor) else None,
-            None if y is None else y.dtype, amp, device_type)
-
-
-def _first_tensor(
-    args: tuple[Any, ...] | list[Any], kwargs: Mapping[str, Any]
-) -> torch.Tensor | None:
-    for value in args:
-        if isinstance(value, torch.Tensor):
-            return value
-    for name in _INPUT_KWARGS:
-        value = kwargs.get(name)
-        if isinstance(value, torch.Tensor):
-            return value
-    for value in kwargs.values():
-        if isinstance(value, torch.Tensor):
-            return value
-    return None
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

@@ -13,7 +13,6 @@ combined before :meth:`snapshot` derives the user-facing statistics.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import torch
 from torch import nn
 
 from normwatch.catalog import PUBLIC, decode_score, values
+from normwatch.guarded import Part
 from normwatch.measure.accumulator import Accumulator
 from normwatch.measure.compiling import eager_frame
 from normwatch.measure.hooks import HostCounts, LayerHook, Runtime, module_device
@@ -55,7 +55,7 @@ class Measurement:
         self._hooks = [LayerHook(layer, module, i, self._rt, module_device(module) or fallback)
                        for i, (layer, module) in enumerate(pairs)]
         self._probes = ProbeCache(self.paused)
-        self._commit_failed = False
+        self._folding = Part("folding the step's statistics", "those measurements are dropped")
         # A forward of ``root`` that raised leaves its calls behind: marked where it began,
         # dropped at the next step unless it completed.
         self._open: _OpenForward | None = None
@@ -65,6 +65,9 @@ class Measurement:
         self._root = root
         self._can_find_unsharded = gradients and root is not None
         self._find_unsharded = self._can_find_unsharded
+        self._unsharded = Part("finding FSDP2's unsharded weights",
+                               "weight gradients of compiled sharded blocks are not measured",
+                               off=self._stop_finding)
         self._root_handles = [] if root is None else [
             root.register_forward_pre_hook(self._forward_begins),
             root.register_forward_hook(self._forward_ends)]
@@ -106,11 +109,10 @@ class Measurement:
                 if weight is not None and hook.grads is not None:
                     hook.grads.watch_weight(weight)
         except Exception as exc:  # never take the training run down
-            self._find_unsharded = self._can_find_unsharded = False
-            warnings.warn(f"normwatch: finding FSDP2's unsharded weights failed "
-                          f"({type(exc).__name__}: {exc}); weight gradients of compiled "
-                          "sharded blocks are not measured, training continues",
-                          RuntimeWarning, stacklevel=4)
+            self._unsharded.fail(exc)
+
+    def _stop_finding(self) -> None:
+        self._find_unsharded = self._can_find_unsharded = False
 
     @eager_frame
     def _forward_begins(self, module: nn.Module, args: object) -> None:
@@ -142,11 +144,7 @@ class Measurement:
         try:
             (fold or self._rt.accumulator.commit)()
         except Exception as exc:  # never take the training run down
-            if not self._commit_failed:
-                self._commit_failed = True
-                warnings.warn(f"normwatch: folding the step's statistics failed "
-                              f"({type(exc).__name__}: {exc}); those measurements are dropped, "
-                              "training continues", RuntimeWarning, stacklevel=4)
+            self._folding.fail(exc)  # warns once; later folds are still tried
 
     def drop_step_gradients(self) -> None:
         """Forget the gradients this step's backward staged (a loss scaler skipped the

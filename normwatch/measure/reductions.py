@@ -64,6 +64,25 @@ def token_view(x: torch.Tensor, kind: Kind, token_ndim: int = 1, groups: int = 1
     return x.transpose(0, 1).reshape(x.shape[1], -1)
 
 
+HI, LO, OUT_HI, OUT_LO = 0, 1, 2, 3
+"""The first rows of :attr:`CallRows.v` (of :meth:`CallRows.rows`): each input token's max
+and min, then a lined-up output's."""
+
+
+class Signature(NamedTuple):
+    """What the fold's constant vectors depend on for one call (:meth:`CallRows.signature`)."""
+
+    row: int
+    n_in: int
+    n_out: int
+    width: int
+    eps: float
+    offset: float
+    """The call's key relative to the first staged call's."""
+    centred: bool
+    lined_up: bool
+
+
 class CallRows(NamedTuple):
     """One norm call, reduced to a few per-token values on its device (a named tuple:
     built on the hot path, where a frozen dataclass costs several times more).
@@ -106,26 +125,25 @@ class CallRows(NamedTuple):
 
     @property
     def hi(self) -> torch.Tensor:
-        return self.rows()[0]
+        return self.rows()[HI]
 
     @property
     def lo(self) -> torch.Tensor:
-        return self.rows()[1]
+        return self.rows()[LO]
 
     def outs(self) -> torch.Tensor | None:
         """``(2, output tokens)``: each output token's max and min (``None``: no output)."""
-        return self.rows()[2:4] if self.lined_up else self.out
+        return self.rows()[OUT_HI:OUT_LO + 1] if self.lined_up else self.out
 
-    def signature(self, key0: float | torch.Tensor
-                  ) -> tuple[int, int, int, int, float, float, bool, bool]:
+    def signature(self, key0: float | torch.Tensor) -> Signature:
         """What the fold's constant vectors depend on (the same every step for the same
         forward pass): row, token counts, width, eps, the key relative to ``key0``
         (staged calls: float keys), whether the norm centres and whether the output lines
         up."""
         n_out = self.n if self.lined_up else 0 if self.out is None else self.out.shape[1]
         offset = cast(float, self.key - key0)
-        return (self.row, self.n, n_out, self.width, self.eps, offset, self.centred,
-                self.lined_up)
+        return Signature(self.row, self.n, n_out, self.width, self.eps, offset, self.centred,
+                         self.lined_up)
 
 
 # The most elements a call's temporaries may hold (1 MiB of fp32): a few floats per token
@@ -289,28 +307,28 @@ def fold_plan(calls: Sequence[CallRows], limits: Limits) -> FoldPlan:
         return runs(values, counts or [1] * len(values), dtype, device)
 
     sig = [c.signature(calls[0].key) for c in calls]
-    n_in, n_out = [s[1] for s in sig], [s[2] for s in sig]
-    width = [float(s[3]) for s in sig]
+    n_in, n_out = [s.n_in for s in sig], [s.n_out for s in sig]
+    width = [float(s.width) for s in sig]
     tol = limits.eps_tol
     # eps/(s + eps) > tol  <=>  sqrt(s) < sqrt(eps (1 - tol) / tol); eps = 0: sqrt(s) == 0
     # counts, i.e. sqrt(s) below the smallest float32 subnormal
-    below = [math.sqrt(s[4] * (1 - tol) / tol) if s[4] > 0 else 2.0**-149 for s in sig]
+    below = [math.sqrt(s.eps * (1 - tol) / tol) if s.eps > 0 else 2.0**-149 for s in sig]
     index = list(range(len(calls)))
     return FoldPlan(
         n_calls=len(calls),
         uniform=n_in[0] if len(set(n_in)) == 1 else 0,
-        aligned=all(s[7] for s in sig),
+        aligned=all(s.lined_up for s in sig),
         out_uniform=n_out[0] if len(set(n_out)) == 1 and n_out[0] else 0,
-        rows=per([s[0] for s in sig], dtype=torch.int64),
-        n_in=per(n_in), n_out=per(n_out), width=per(width), eps=per([s[4] for s in sig]),
-        key_offset=per([s[5] for s in sig], dtype=torch.float64),
+        rows=per([s.row for s in sig], dtype=torch.int64),
+        n_in=per(n_in), n_out=per(n_out), width=per(width), eps=per([s.eps for s in sig]),
+        key_offset=per([s.offset for s in sig], dtype=torch.float64),
         segment=per(index, n_in, torch.int64),
         out_segment=per(index, n_out, torch.int64) if sum(n_out) else
         torch.empty(0, dtype=torch.int64, device=device),
         inv_width=per([1 / w for w in width], n_in),
         inv_sqrt_width=per([1 / math.sqrt(w) for w in width], n_in),
         dominated_below=per(below, n_in),
-        centred=per([float(s[6]) for s in sig], n_in),
+        centred=per([float(s.centred) for s in sig], n_in),
         identity=per([v for v in identity_row(COLUMNS) for _ in calls], dtype=torch.float64)
         .view(len(COLUMNS), len(calls)),
         limits=limits,

@@ -29,7 +29,6 @@ failure in a hook detaches the monitor with one warning; training goes on.
 from __future__ import annotations
 
 import math
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -38,6 +37,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from normwatch.errors import ConfigError
+from normwatch.guarded import Part, guarded
 from normwatch.measure.losses import ride_along
 from normwatch.measure.reductions import runs, summed_dtype
 from normwatch.measure.sharding import local
@@ -187,72 +187,72 @@ class UpdateMonitor:
         """Optimizers whose step is under way (the pre-hook filled their buffers)."""
         self._rows: list[tuple[int, torch.device, torch.Tensor]] = []
         self._lrs: dict[int, float | None] = {}
-        self.failed: str | None = None
+        self.part = Part("measuring the optimizer step",
+                         "gradient and update norms are no longer recorded", off=self._off)
 
     def attach(self, optimizer: object) -> None:
         """Hook ``optimizer`` (once; wrappers are unwrapped)."""
         inner = unwrap(optimizer)
-        if inner in self._attached or self.failed is not None:
+        if inner in self._attached or self.part.failed is not None:
             return
         self._attached.add(inner)
         self._handles += [inner.register_step_pre_hook(self._pre),
                           inner.register_step_post_hook(self._post)]
 
+    @guarded
+    @torch.no_grad()
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        try:
-            with torch.no_grad():
-                params = [p for g in optimizer.param_groups for p in g["params"]
-                          if p.requires_grad]
-                sampled = self._sampled.get(id(optimizer))
-                if sampled is None or not sampled.fits(params):
-                    sampled = self._sampled[id(optimizer)] = _Sampled(params)
-                for index, pack in sampled.packs:  # the samples' values before the step
-                    pack.fill([sampled.samples[i] for i in index], pack.keep)
-                self._pending.add(id(optimizer))
-        except Exception as exc:  # never take the training run down
-            self._fail(exc)
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        sampled = self._sampled.get(id(optimizer))
+        if sampled is None or not sampled.fits(params):
+            sampled = self._sampled[id(optimizer)] = _Sampled(params)
+        for index, pack in sampled.packs:  # the samples' values before the step
+            pack.fill([sampled.samples[i] for i in index], pack.keep)
+        self._pending.add(id(optimizer))
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         sampled = self._sampled.get(id(optimizer))
         if id(optimizer) not in self._pending or sampled is None:
             return
         self._pending.discard(id(optimizer))
-        try:
-            with torch.no_grad():
-                # the gradients are read after the step: a closure (LBFGS, Lightning)
-                # computes them inside step(), after the pre-hook
-                grads = [None if p.grad is None else _values(local(p.grad)).detach()
-                         for p in sampled.params]
-                picked = [None if g is None else sample(g) for g in grads]
-                alike = all(g is not None and g.shape == s.shape and g.dtype == s.dtype
-                            for g, s in zip(picked, sampled.samples, strict=True))
-                rows: dict[torch.device, torch.Tensor] = {}
-                for index, pack in sampled.packs:
-                    samples = [sampled.samples[i] for i in index]
-                    torch._foreach_sub_(pack.views, samples)  # the buffers: -Δp
-                    change = pack.sumsq()
-                    pack.fill(samples, keep=True)
-                    size = pack.sumsq()
-                    if alike:  # the gradients' samples have the parameters' layout
-                        pack.fill([picked[i] for i in index], keep=True)  # type: ignore[misc]
-                        grad = pack.sumsq()
-                    else:  # missing or sparse gradients: one norm per tensor
-                        grad = _grad_sumsq([(grads[i], picked[i]) for i in index],
-                                           pack.device)
-                    if not pack.keep:
-                        pack.release()
-                    row = torch.stack([grad, change, size])
-                    device = row.device
-                    rows[device] = rows[device] + row if device in rows else row
-                step = self._step()
-                for device, row in rows.items():
-                    self._rows.append((step, device, row))
-                lrs = [g["lr"] for g in optimizer.param_groups]
-                lr = max(lrs) if lrs and all(isinstance(v, float | int) for v in lrs) else None
-                old = self._lrs.get(step)
-                self._lrs[step] = lr if old is None or lr is None else max(old, lr)
-        except Exception as exc:
-            self._fail(exc)
+        self._measure(optimizer, sampled)
+
+    @guarded
+    @torch.no_grad()
+    def _measure(self, optimizer: torch.optim.Optimizer, sampled: _Sampled) -> None:
+        """The step's rows: ``|g|²``, ``|Δp|²`` and ``|p|²`` of the samples, per device."""
+        # the gradients are read after the step: a closure (LBFGS, Lightning)
+        # computes them inside step(), after the pre-hook
+        grads = [None if p.grad is None else _values(local(p.grad)).detach()
+                 for p in sampled.params]
+        picked = [None if g is None else sample(g) for g in grads]
+        alike = all(g is not None and g.shape == s.shape and g.dtype == s.dtype
+                    for g, s in zip(picked, sampled.samples, strict=True))
+        rows: dict[torch.device, torch.Tensor] = {}
+        for index, pack in sampled.packs:
+            samples = [sampled.samples[i] for i in index]
+            torch._foreach_sub_(pack.views, samples)  # the buffers: -Δp
+            change = pack.sumsq()
+            pack.fill(samples, keep=True)
+            size = pack.sumsq()
+            if alike:  # the gradients' samples have the parameters' layout
+                pack.fill([picked[i] for i in index], keep=True)  # type: ignore[misc]
+                grad = pack.sumsq()
+            else:  # missing or sparse gradients: one norm per tensor
+                grad = _grad_sumsq([(grads[i], picked[i]) for i in index],
+                                   pack.device)
+            if not pack.keep:
+                pack.release()
+            row = torch.stack([grad, change, size])
+            device = row.device
+            rows[device] = rows[device] + row if device in rows else row
+        step = self._step()
+        for device, row in rows.items():
+            self._rows.append((step, device, row))
+        lrs = [g["lr"] for g in optimizer.param_groups]
+        lr = max(lrs) if lrs and all(isinstance(v, float | int) for v in lrs) else None
+        old = self._lrs.get(step)
+        self._lrs[step] = lr if old is None or lr is None else max(old, lr)
 
     def tensors(self) -> dict[torch.device, torch.Tensor]:
         """This interval's rows, flat per device, to ride along the flush copy."""
@@ -274,12 +274,11 @@ class UpdateMonitor:
         return out
 
     def _fail(self, exc: Exception) -> None:
-        self.failed = f"{type(exc).__name__}: {exc}"
+        self.part.fail(exc)
+
+    def _off(self) -> None:
         self._pending.clear()
         self.detach()
-        warnings.warn(f"normwatch: measuring the optimizer step failed ({self.failed}); "
-                      "gradient and update norms are no longer recorded, training continues",
-                      RuntimeWarning, stacklevel=3)
 
     def detach(self) -> None:
         """Remove the hooks and drop the kept copies (harmless twice)."""

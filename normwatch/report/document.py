@@ -28,7 +28,6 @@ from typing import Any
 from normwatch._version import __version__
 from normwatch.catalog import TABLE
 from normwatch.errors import ConfigError
-from normwatch.judge.depth import depth_profile
 from normwatch.judge.history import Record, first_nonfinite
 from normwatch.judge.incidents import Incident
 from normwatch.judge.spikes import Spike
@@ -59,12 +58,10 @@ def build_report(
     exception: BaseException | None = None,
     limits: Limits | None = None,
     updates: Sequence[UpdateStats] = (),
-    placement: Mapping[str, str] | None = None,
     incident: Incident | None = None,
 ) -> dict[str, Any]:
-    """The report document as plain JSON-able data (pure: no I/O). ``placement``: the
-    norms' stated placements (glob → ``pre``/``post``) for the gradient depth profile;
-    ``incident``: the incident reported (its timeline)."""
+    """The report document as plain JSON-able data (pure: no I/O). ``incident``: the
+    incident reported (its timeline); the gradient depth profile is the records'."""
     first = first_nonfinite(records)
     position = {name: i for i, name in enumerate(order)}
     ordered = sorted(layers, key=lambda x: position.get(x.name, len(order) + layers.index(x)))
@@ -92,7 +89,7 @@ def build_report(
         "update_history": [{"step": u.step, "grad_norm": _num(u.grad_norm),
                             "update_norm": _num(u.update_norm), "param_norm": _num(u.param_norm),
                             "lr": _num(u.lr)} for u in updates],
-        "gradient_depth": gradient_depth(records, order, placement),
+        "gradient_depth": gradient_depth(records),
         "environment": environment(records),
         "exception": None if exception is None else {
             "type": type(exception).__name__,
@@ -102,11 +99,10 @@ def build_report(
     }
 
 
-def gradient_depth(records: Sequence[Record], order: Sequence[str],
-                   placement: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+def gradient_depth(records: Sequence[Record]) -> dict[str, Any] | None:
     """The hidden-state gradient by depth at the last flush that measured one."""
     for record in reversed(records):
-        profile = depth_profile(record.snapshot, order, placement)
+        profile = record.profile
         if profile is not None:
             return {"step": record.snapshot.step, "ratio": _num(profile.ratio),
                     "points": [{"layer": p.layer, "rms": _num(p.hidden_rms),

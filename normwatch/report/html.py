@@ -17,9 +17,9 @@ from html import escape
 from itertools import pairwise
 from typing import Any
 
+from normwatch.judge.grouping import group_alarms
 from normwatch.records import Alarm, Limits
 from normwatch.report.document import number, report_limits
-from normwatch.report.grouping import group_alarms
 
 PLOT_LEFT, PLOT_RIGHT = 190, 160
 """Margins of every plot over steps: their step axes line up on the page."""

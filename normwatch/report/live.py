@@ -25,8 +25,10 @@ from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.live import Live
 from rich.text import Text
 
+from normwatch.pipeline import Flush
 from normwatch.records import SEVERITY_RANK, Alarm, Snapshot
 from normwatch.report.console import HealthTable, alarm_text, stderr_console
+from normwatch.report.lines import verdict_line
 
 BARS = "▁▂▃▄▅▆▇█"
 
@@ -101,6 +103,24 @@ class ConsoleView:
         self._lines: list[Alarm] = []
         self._last = time.monotonic()
         self._last_status = -math.inf
+
+    def on_flush(self, flush: Flush) -> None:
+        """The watch's sink: the flush's alarm lines, the panel or status line, its
+        verdict."""
+        for alarm in flush.lines:
+            self.alarm(alarm)
+        self.update(flush.snapshot, flush.health, flush.limits.fp16_limit, dict(flush.trends))
+        self._verdicts(flush)
+
+    def on_exception(self, flush: Flush, exc: BaseException) -> None:
+        """The verdict on the run's end: the incident's (new, or the one that stands)."""
+        incident = None if flush.ruling is None else flush.ruling.incident
+        if incident is not None:
+            self.note(verdict_line(incident.verdict), style="bold red")
+
+    def _verdicts(self, flush: Flush) -> None:
+        for verdict in flush.new_verdicts:
+            self.note(verdict_line(verdict), style="bold red")
 
     def note(self, text: str, style: str = "") -> None:
         """A line of its own (attach, verdict, end of the watch), never wrapped."""

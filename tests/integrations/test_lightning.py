@@ -90,8 +90,8 @@ def test_logs_through_the_trainer_logger_with_gradient_accumulation(tmp_path: Pa
     assert float(rows[-1]["normwatch/model.norm/fp16_headroom"]) == pytest.approx(64.0 / absmax)
     assert all(not m._forward_hooks for m in t.lightning_module.modules())
     # the trainer's optimizer was watched: one update per optimizer step, logged
-    assert [u.step for u in watch.postmortem.updates] == list(range(1, 11))
-    assert float(rows[-1]["normwatch/update_norm"]) == watch.postmortem.updates[-1].update_norm
+    assert [u.step for u in watch.court.updates] == list(range(1, 11))
+    assert float(rows[-1]["normwatch/update_norm"]) == watch.court.updates[-1].update_norm
     assert float(rows[-1]["normwatch/grad_norm"]) > 0
     assert not t.optimizers[0]._optimizer_step_pre_hooks  # removed at teardown
 

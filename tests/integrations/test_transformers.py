@@ -46,16 +46,16 @@ def test_trainer_callback_logs_normwatch_metrics(tmp_path: Path) -> None:
     absmax = entries[-1]["normwatch/model.norm/absmax"]  # headroom against the user's limit
     assert entries[-1]["normwatch/model.norm/fp16_headroom"] == pytest.approx(64.0 / absmax)
     # the Trainer's (Accelerate-wrapped) AdamW was watched: one update per optimizer step
-    updates = list(watch.postmortem.updates)
+    updates = list(watch.court.updates)
     assert [u.step for u in updates] == list(range(1, 9))
     assert all(u.update_norm > 0 and u.grad_norm > 0 for u in updates)
     assert entries[-1]["normwatch/update_norm"] == pytest.approx(updates[-1].update_norm)
     assert max(u.lr or 0 for u in updates) <= 1e-3  # linear decay from 1e-3
     # per flush: 2 optimizer steps x 2 accumulated micro-batches x 4 x 16 tokens
-    snap = watch.postmortem.history.records()[0].snapshot
+    snap = watch.court.history.records()[0].snapshot
     assert snap.layers["model.norm"].tokens == 2 * 2 * 4 * 16
     # the Trainer logs after on_step_end: step 2's loss rides in the next flush, labelled 2
-    later = watch.postmortem.history.records()[1].snapshot
+    later = watch.court.history.records()[1].snapshot
     assert [s for s, _ in later.losses] == [2] and later.losses[0][1] > 0
     assert watch.verdicts == []
     last = watch.last_snapshot  # the last flush holds steps 7-8, not an empty extra interval

@@ -110,8 +110,8 @@ def test_learning_rate_blowup_on_a_transformers_model_is_blamed_on_the_optimizer
     (verdict,) = w.verdicts
     assert (verdict.trigger, verdict.step, verdict.blame, verdict.cause) == (
         "loss_spike", 31, "not_normalization", "optimizer")
-    jump = next(u for u in w.postmortem.updates if u.step == 30)
-    normal = [u.update_norm for u in w.postmortem.updates if u.step < 30]
+    jump = next(u for u in w.court.updates if u.step == 30)
+    normal = [u.update_norm for u in w.court.updates if u.step < 30]
     assert jump.update_norm > 100 * max(normal) and jump.lr == 1.0
     assert "1000x its median 0.001" in verdict.evidence[1]
     assert "5 of 5 norms' inputs moved with it" in verdict.evidence[2]

@@ -6,7 +6,7 @@ import pytest
 
 from normwatch.config import WatchConfig
 from normwatch.judge.alarms import evaluate
-from normwatch.records import ALARM_KINDS, FirstNonfinite, ProbeResult
+from normwatch.records import ALARM_KINDS, FirstNonfinite, Limits, ProbeResult
 from tests.factory import context, snapshot, stats
 
 UNSAFE = ProbeResult("float16", element_safe=False, sum_safe=False)
@@ -41,8 +41,8 @@ def test_fp16_overflow_by_dtype_and_probe(dtype: str, probe: ProbeResult | None,
 def test_fp16_overflow_follows_the_configured_limit() -> None:
     s = stats(absmax=300.0, fp16_overflow_tokens=3, input_dtype="float16",
               weight_dtype="float16", output_dtype="float16")
-    assert fired(s, config=WatchConfig(fp16_limit=1000.0))[0] == set()
-    assert fired(s, config=WatchConfig(fp16_limit=100.0))[1][0].threshold == 100.0
+    assert fired(s, config=WatchConfig(limits=Limits(fp16_limit=1000.0)))[0] == set()
+    assert fired(s, config=WatchConfig(limits=Limits(fp16_limit=100.0)))[1][0].threshold == 100.0
 
 
 def test_sum_of_squares_overflow_in_an_fp16_reduction() -> None:

@@ -31,7 +31,7 @@ def test_sentinel_steps_still_catch_overflow_and_nan() -> None:
     model(torch.randn(4, 8)).sum().backward()  # step 4: full again
     snap = w.step()
     assert snap is None
-    first = w.postmortem.history.records()[0].snapshot.layers["1"]
+    first = w.court.history.records()[0].snapshot.layers["1"]
     assert (first.tokens, first.finite_tokens, first.stats_tokens) == (12, 12, 4)
     assert first.absmax is not None and first.absmax > 256  # seen on a sentinel step
     assert first.fp16_overflow_tokens == over  # per-token max |x| on every step
@@ -156,3 +156,27 @@ def test_transient_memory_per_call_is_a_few_floats_per_token(dtype: torch.dtype,
         # two chunk temporaries at most, plus ~16 floats of results per token
         assert peak <= 2 * CHUNK_ELEMENTS * 4 + 16 * 4 * x.shape[0], (full, peak)
         assert peak < activation / 4
+
+
+def test_each_statistic_is_measured_in_the_tier_the_catalog_declares() -> None:
+    """Step 1: full tier, output check, gradients; step 2: the sentinel alone. What the
+    catalog says of each statistic's tier is what a flush of each step holds."""
+    from normwatch.catalog import TABLE, layer_values
+    from normwatch.records import Limits
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16))
+    w = normwatch.watch(model, flush_every=1, stats_every=2, output_check_every=2,
+                        report_dir=None)
+    flushed = []
+    for _ in range(2):
+        model(torch.randn(4, 8)).sum().backward()
+        snap = w.step()
+        assert snap is not None
+        flushed.append(layer_values(snap.layers["1"], Limits()))
+    w.close()
+    full, sentinel = flushed
+    measured = [s for s in TABLE if s.name in full and not s.integer]
+    assert {s.tier for s in measured} == {"sentinel", "full", "check", "gradient"}
+    for stat in measured:
+        assert full[stat.name] is not None, stat.name
+        assert (sentinel[stat.name] is not None) == (stat.tier == "sentinel"), stat.name

@@ -69,7 +69,7 @@ def test_norms_match_a_float64_reference_with_two_optimizers_and_accumulation(
         sgd.zero_grad()
         w.step()
     got = [u for s in [w.flush()] for u in s.updates]
-    snapshots = [u for u in w.postmortem.updates]
+    snapshots = [u for u in w.court.updates]
     assert [u.step for u in snapshots] == [1, 2, 3, 4, 5, 6] and got == []
     for u, (g, d, p, grad, update, size) in zip(snapshots, expected, strict=True):
         assert u.grad_norm == pytest.approx(grad, rel=1e-6)  # the sample's arithmetic

@@ -1,4 +1,4 @@
-"""Alarm routing: de-duplication with decimal backoff, logging, sinks, raising."""
+"""The log sink: alarm lines at their severity, the user's sinks, the court's ruling."""
 
 from __future__ import annotations
 
@@ -7,47 +7,25 @@ import logging
 import pytest
 
 from normwatch.config import WatchConfig
-from normwatch.errors import NumericalHealthError
-from normwatch.records import Alarm
-from normwatch.report.dispatch import Dispatcher
+from normwatch.judge.court import Court
+from normwatch.pipeline import Flush
+from normwatch.records import Alarm, FirstNonfinite
+from normwatch.report.dispatch import AlarmLog
+from tests.factory import snapshot, stats
 
 
-def alarm(kind: str = "eps_dominance", severity: str = "warning", step: int = 1,
-          layer: str = "n", tag: str = "") -> Alarm:
-    return Alarm(kind, severity, layer, step, 0.5, 0.01, f"{kind} at {step}", tag=tag)  # type: ignore[arg-type]
+def alarm(kind: str = "eps_dominance", severity: str = "warning", step: int = 1) -> Alarm:
+    return Alarm(kind, severity, "n", step, 0.5, 0.01, f"{kind} at {step}")  # type: ignore[arg-type]
 
 
-def test_repeats_back_off_by_powers_of_ten_with_counts() -> None:
-    d = Dispatcher(WatchConfig())
-    passed = [a for step in range(1, 1001) for a in d.deliver([alarm(step=step)])]
-    assert [a.step for a in passed] == [1, 10, 100, 1000]
-    assert [a.count for a in passed] == [1, 9, 90, 900]
-    assert passed[1].message.endswith("[x9 since step 1]")
-    assert d.history == passed
-
-
-def test_a_rise_in_severity_always_passes_and_kinds_are_separate() -> None:
-    d = Dispatcher(WatchConfig())
-    assert d.deliver([alarm(severity="info")])
-    assert not d.deliver([alarm(severity="info", step=2)])
-    assert [a.severity for a in d.deliver([alarm(severity="critical", step=3)])] == ["critical"]
-    assert d.deliver([alarm(kind="common_mode", step=4)])  # another kind: its own count
-    assert d.deliver([alarm(layer="other", step=5)])       # another layer too
-
-
-def test_dtype_mismatch_once_per_signature() -> None:
-    d = Dispatcher(WatchConfig())
-    first = alarm("dtype_mismatch", tag="bf16/f32")
-    assert d.deliver([first])
-    assert not any(d.deliver([alarm("dtype_mismatch", step=s, tag="bf16/f32")])
-                   for s in range(2, 200))
-    assert d.deliver([alarm("dtype_mismatch", step=300, tag="f16/f32")])
+def lines(*alarms: Alarm) -> Flush:
+    return Flush(snapshot(1, stats("n")), lines=alarms)
 
 
 def test_logs_at_the_alarm_severity(caplog: pytest.LogCaptureFixture) -> None:
-    d = Dispatcher(WatchConfig(logger="normwatch.test"))
+    log = AlarmLog(WatchConfig(logger="normwatch.test"))
     with caplog.at_level(logging.INFO, logger="normwatch.test"):
-        d.deliver([alarm(severity="critical"), alarm("common_mode", "info")])
+        log.on_flush(lines(alarm(severity="critical"), alarm("common_mode", "info")))
     assert [(r.levelno, r.getMessage()[:14]) for r in caplog.records] == [
         (logging.CRITICAL, "[eps_dominance"), (logging.INFO, "[common_mode] ")]
 
@@ -58,17 +36,25 @@ def test_sinks_receive_alarms_and_a_broken_sink_is_disabled_once() -> None:
     def broken(a: Alarm) -> None:
         raise RuntimeError("sink down")
 
-    d = Dispatcher(WatchConfig(sinks=(broken, got.append)))
-    with pytest.warns(RuntimeWarning, match="sink .* raised RuntimeError: sink down"):
-        d.deliver([alarm()])
-    d.deliver([alarm("common_mode")])  # no second warning: the broken sink is off
+    log = AlarmLog(WatchConfig(sinks=(broken, got.append)))
+    with pytest.warns(RuntimeWarning, match=r"alarm sink .* failed \(RuntimeError: sink down\)"):
+        log.on_flush(lines(alarm()))
+    log.on_flush(lines(alarm("common_mode")))  # no second warning: the broken sink is off
     assert [a.kind for a in got] == ["eps_dominance", "common_mode"]
 
 
-def test_raise_on_severity() -> None:
-    d = Dispatcher(WatchConfig(raise_on="warning"))
-    d.raise_if_fatal([alarm(severity="info")])
-    with pytest.raises(NumericalHealthError, match=r"\[critical\] eps_dominance at 1") as info:
-        d.raise_if_fatal([alarm(severity="critical")])
-    assert [a.severity for a in info.value.alarms] == ["critical"]
-    Dispatcher(WatchConfig()).raise_if_fatal([alarm(severity="critical")])  # None: never
+def test_a_verdict_and_what_joins_its_incident_are_logged(
+        caplog: pytest.LogCaptureFixture) -> None:
+    config = WatchConfig(logger="normwatch.test")
+    court, log = Court(config), AlarmLog(config)
+    first = FirstNonfinite(2, "n", 1, "norm")
+    sick = snapshot(2, stats("n", out_nonfinite=3), first_nonfinite=first)
+    crit = Alarm("fp16_overflow", "critical", "n", 3, 300.0, 256.0, "overflow")
+    with caplog.at_level(logging.WARNING, logger="normwatch.test"):
+        log.on_flush(Flush(sick, ruling=court.hear(sick, [], [], ["n"])))
+        later = snapshot(3, stats("n"))
+        log.on_flush(Flush(later, ruling=court.hear(later, [crit], [crit], ["n"])))
+    got = [r.getMessage() for r in caplog.records]
+    assert got[0].startswith("[verdict] nonfinite_activation at step 2: normalization (n)")
+    assert got[1].startswith("[incident 1] critical alarm (fp16_overflow in n) at step 3, "
+                             "1 steps into incident 1; the verdict of step 2 stands")

@@ -1,4 +1,5 @@
-"""Triggers, verdicts and report folders from crafted flushes (no model)."""
+"""Triggers and verdicts (the court), report folders (the writer) from crafted flushes (no
+model)."""
 
 from __future__ import annotations
 
@@ -9,20 +10,44 @@ import pytest
 from rich.console import Console
 
 from normwatch.config import WatchConfig
-from normwatch.records import FirstNonfinite
+from normwatch.judge.court import Court
+from normwatch.pipeline import Flush
+from normwatch.records import Alarm, FirstNonfinite, Snapshot, Verdict
 from normwatch.report.console import ReportSummary
 from normwatch.report.document import load_report, report_limits
 from normwatch.report.html import render_html
-from normwatch.report.postmortem import PostMortem
+from normwatch.report.postmortem import ReportWriter
 from tests.factory import layer, snapshot, stats
 
 ORDER = ["blocks.0.norm", "blocks.1.norm"]
 
 
+class PostMortem:
+    """The court and the writer, wired as a watch wires them."""
+
+    def __init__(self, config: WatchConfig) -> None:
+        self.court = Court(config)
+        self.writer = ReportWriter(config, [layer(n) for n in ORDER], self.court, [])
+        self.reports = self.writer.reports
+        self.verdicts = self.court.verdicts
+
+    def on_flush(self, snap: Snapshot, findings: list[Alarm], passed: list[Alarm],
+                 order: list[str]) -> list[Verdict]:
+        ruling = self.court.hear(snap, findings, passed, order)
+        self.writer.on_flush(Flush(snap, ruling=ruling, order=order))
+        return list(ruling.verdicts)
+
+    def on_exception(self, exc: BaseException, step: int, order: list[str]) -> Verdict:
+        ruling = self.court.hear_exception(exc, step, order)
+        self.writer.on_exception(Flush(Snapshot(step, step, {}), ruling=ruling, order=order),
+                                 exc)
+        assert ruling.incident is not None
+        return ruling.incident.verdict
+
+
 def postmortem(tmp_path: Path, **options: object) -> PostMortem:
-    config = WatchConfig.from_options(report_dir=str(tmp_path / "reports"),
-                                      report_console=False, **options)
-    return PostMortem(config, [layer(n) for n in ORDER], [])
+    return PostMortem(WatchConfig.from_options(report_dir=str(tmp_path / "reports"),
+                                               report_console=False, **options))
 
 
 def healthy(step: int, loss: float = 2.0, **fields: object) -> object:
@@ -78,7 +103,7 @@ def test_an_unwritable_report_dir_is_a_warning_not_a_crash(tmp_path: Path) -> No
     blocker = tmp_path / "file"
     blocker.write_text("")
     config = WatchConfig.from_options(report_dir=str(blocker / "reports"), report_console=False)
-    pm = PostMortem(config, [layer(n) for n in ORDER], [])
+    pm = PostMortem(config)
     with pytest.warns(RuntimeWarning, match="writing the post-mortem failed"):
         verdict = pm.on_exception(ValueError("bad batch"), 4, ORDER)
     assert verdict.trigger == "exception" and pm.reports == []

@@ -7,12 +7,11 @@ import re
 import torch
 
 import normwatch
-from normwatch.config import WatchConfig
 from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
+from normwatch.judge.dedup import Dedup
+from normwatch.judge.grouping import group_alarms
 from normwatch.records import Alarm
 from normwatch.report.console import HealthTable
-from normwatch.report.dispatch import Dispatcher
-from normwatch.report.grouping import group_alarms
 from normwatch.report.html import _alarms
 
 LAYERS = [f"blocks.{i}.norm" for i in range(60)]
@@ -47,11 +46,13 @@ def test_output_scales_with_kinds_not_layers() -> None:
     """60 layers warning for 1,000 flushes: the history keeps every layer, the logger
     and the sinks get a handful of group lines."""
     lines: list[Alarm] = []
-    d = Dispatcher(WatchConfig(sinks=(lines.append,)))
+    d = Dedup()
     passed = []
     for step in range(1, 1001):
         layers = LAYERS[:30] if step < 5 else LAYERS  # the other 30 join at step 5
-        passed += d.deliver([headroom(layer, step, 40.0) for layer in layers], LAYERS)
+        got, emitted = d.sift([headroom(layer, step, 40.0) for layer in layers], LAYERS)
+        passed += got
+        lines += emitted
     assert {a.layer for a in passed} == set(LAYERS)  # per-layer detail kept
     assert len(passed) == 60 * 4 - 30 * 1  # 1st, 10th, 100th, 1000th per layer
     assert [a.step for a in lines] == [1, 5, 10, 100, 1000]
@@ -62,10 +63,10 @@ def test_output_scales_with_kinds_not_layers() -> None:
 
 def test_once_kinds_repeat_only_when_layers_join() -> None:
     lines: list[Alarm] = []
-    d = Dispatcher(WatchConfig(sinks=(lines.append,)))
+    d = Dedup()
     for step in range(1, 30):
-        d.deliver([Alarm("dtype_mismatch", "warning", layer, step, 0.0, 0.0, f"{layer}: cast",
-                         tag="f16/f32") for layer in LAYERS[:2 if step < 20 else 3]])
+        lines += d.sift([Alarm("dtype_mismatch", "warning", layer, step, 0.0, 0.0, f"{layer}: cast",
+                         tag="f16/f32") for layer in LAYERS[:2 if step < 20 else 3]])[1]
     assert [a.step for a in lines] == [1, 20]
 
 
