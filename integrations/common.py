@@ -12,6 +12,7 @@ configuration fails at setup, never mid-run.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -53,6 +54,15 @@ def add_trainer_sinks(watch: Watch, exchange: VerdictExchange,
     watch's thresholds."""
     watch.add_sink(exchange)
     watch.add_sink(LoggerMetrics(log, per_layer=watch.config.log_layers, exchange=exchange))
+
+
+def refused(watch: Watch, what: str) -> None:
+    """Say that the checkpoint of ``what`` was not written (``guard=True``)."""
+    why = "an incident is open" if watch.court.incidents.open is not None else \
+        "the weights hold NaN/inf"
+    logging.getLogger(watch.config.logger).warning(
+        "[guard] checkpoint of %s not written: %s; the last good checkpoint stays the "
+        "latest", what, why)
 
 
 def on_training_error(watch: Watch | None, exc: BaseException) -> None:

@@ -27,6 +27,7 @@ from normwatch.watching import Watch
 from .common import (
     add_trainer_sinks,
     on_training_error,
+    refused,
     trainer_config,
     validate,
     watch_optimizers,
@@ -45,6 +46,7 @@ class NormWatchCallback(pl.Callback):
         self._scaler: object = None
         self._optimizer_steps = 0
         self._step_handles: list[RemovableHandle] = []
+        self._restore: list[tuple[object, str]] = []
 
     @property
     def remote_verdicts(self) -> list[tuple[int, str, int]]:
@@ -80,6 +82,30 @@ class NormWatchCallback(pl.Callback):
             self.watch.load_state_dict(self._pending_state)
             self._pending_state = None
         self._last_global_step = trainer.global_step
+        if self.watch.config.guard:
+            self._refuse_bad_checkpoints(trainer)
+
+    def _refuse_bad_checkpoints(self, trainer: pl.Trainer) -> None:
+        """``guard=True``: a checkpoint is not written while an incident is open or the
+        weights hold NaN/inf, and then the checkpoint callbacks remove none of the earlier
+        ones at that step (the last good one stays)."""
+        save, remove = trainer.save_checkpoint, trainer.strategy.remove_checkpoint
+        refused_at: list[int] = []
+
+        def save_checkpoint(filepath: Any, *args: Any, **kwargs: Any) -> None:
+            if self.watch is not None and not self.watch.checkpoint_ok():
+                refused_at[:] = [trainer.global_step]
+                refused(self.watch, str(filepath))
+                return
+            save(filepath, *args, **kwargs)
+
+        def remove_checkpoint(filepath: Any) -> None:
+            if refused_at != [trainer.global_step]:
+                remove(filepath)
+
+        trainer.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
+        trainer.strategy.remove_checkpoint = remove_checkpoint  # type: ignore[method-assign]
+        self._restore = [(trainer, "save_checkpoint"), (trainer.strategy, "remove_checkpoint")]
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -99,6 +125,9 @@ class NormWatchCallback(pl.Callback):
         on_training_error(self.watch, exception)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for owner, name in self._restore:
+            vars(owner).pop(name, None)
+        self._restore = []
         for handle in self._step_handles:
             handle.remove()
         self._step_handles = []

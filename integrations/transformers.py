@@ -37,6 +37,7 @@ from normwatch.watching import Watch
 from .common import (
     add_trainer_sinks,
     on_training_error,
+    refused,
     trainer_config,
     validate,
     watch_optimizers,
@@ -107,6 +108,9 @@ class NormWatchTrainerCallback(TrainerCallback):
         if self.watch is None:
             return
         self.watch.step()  # a flush adds to the log history
+        if control.should_save and self.watch.config.guard and not self.watch.checkpoint_ok():
+            control.should_save = False  # the last good checkpoint stays the last one
+            refused(self.watch, f"step {state.global_step}")
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: dict[str, float] | None = None, **kwargs: Any) -> None:

@@ -93,6 +93,13 @@ class WatchConfig:
     """Show the watch on stderr: ``"lines"`` prints the grouped alarm lines and a status
     line per flush (at most every 5 s); ``"live"`` redraws a panel at each flush on a
     terminal (plain lines without one); ``None``: only the ``logging`` records."""
+    guard: bool = False
+    """Keep a poisoned step from the weights: an optimizer step is not applied when, in
+    it, a watched norm's input, output or gradient, or the optimizer's gradients, held
+    NaN/inf (parameters and optimizer state stay as if it had not been taken)."""
+    guard_max_skips: int = 8
+    """After this many skipped steps in a row the guard stops skipping and raises a
+    critical alarm (a run that keeps skipping is broken)."""
     history_size: int = 256
     """Flushes kept on the host for blame and reports."""
     blame_lookback: int = 200
@@ -144,6 +151,7 @@ class WatchConfig:
         _int(self.max_reports, "max_reports", minimum=0)
         _int(self.incident_quiet, "incident_quiet", minimum=1)
         _int(self.history_size, "history_size", minimum=1)
+        _int(self.guard_max_skips, "guard_max_skips", minimum=1)
         _int(self.blame_lookback, "blame_lookback", minimum=1)
         _number(self.spike_threshold, "spike_threshold", low=0.0, low_open=True)
         _number(self.spike_min_rel, "spike_min_rel", low=0.0)
@@ -198,7 +206,7 @@ class WatchConfig:
                               f"got {self.placement!r}")
         if not isinstance(self.early_warning, bool):
             raise ConfigError(f"'early_warning' must be a bool: got {self.early_warning!r}")
-        for flag in ("count_eval", "log_layers", "gradients"):
+        for flag in ("count_eval", "log_layers", "gradients", "guard"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"'{flag}' must be a bool: got {getattr(self, flag)!r}")
         if self.raise_on is not None and self.raise_on not in SEVERITIES:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from normwatch.guarded import Part
-from normwatch.records import Alarm, Limits, Snapshot, Verdict
+from normwatch.records import Alarm, GuardEvent, Limits, Snapshot, Verdict
 
 if TYPE_CHECKING:
     from normwatch.judge.court import Ruling
@@ -54,6 +54,8 @@ class Flush:
     """The hidden-state gradient by depth (``None``: not measured)."""
     trends: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     """Per layer max |x| at the last flushes, oldest first."""
+    guard: Sequence[GuardEvent] | None = None
+    """With ``guard=True``: every poisoned step so far (``None``: no guard)."""
     rows: Sequence[Mapping[str, float]] = ()
     """Each layer's raw row (:data:`normwatch.catalog.RAW`), for combining across ranks."""
     regular: bool = False

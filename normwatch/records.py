@@ -23,7 +23,7 @@ SEVERITY_RANK: dict[str, int] = {s: i for i, s in enumerate(SEVERITIES)}
 AlarmKind = Literal[
     "fp16_overflow", "fp16_headroom", "nonfinite", "eps_dominance", "common_mode",
     "dtype_mismatch", "output_mismatch", "gradient_nonfinite", "gradient_decay",
-    "gradient_headroom",
+    "gradient_headroom", "guard_skipped", "guard_exhausted",
 ]  # fmt: skip
 ALARM_KINDS: tuple[AlarmKind, ...] = get_args(AlarmKind)
 
@@ -65,6 +65,18 @@ class Limits:
 
 
 # -- records --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GuardEvent:
+    """One poisoned optimizer step (``guard=True``)."""
+
+    step: int
+    reasons: tuple[str, ...]
+    """What held NaN/inf: a watched norm's input, output or gradient; the optimizer's
+    gradients."""
+    skipped: bool
+    """``False``: the guard's bound was reached and the step was applied."""
 
 
 @dataclass(frozen=True)

@@ -32,17 +32,19 @@ from normwatch.judge.alarms import RuleContext, evaluate
 from normwatch.judge.court import Court, Ruling
 from normwatch.judge.dedup import Dedup, fatal
 from normwatch.judge.depth import DepthProfile, depth_profile
+from normwatch.judge.guarding import guard_alarms
 from normwatch.judge.history import Trends
 from normwatch.measure.compiling import compiled_code, guard_hooks
 from normwatch.measure.discovery import iter_norm_modules
 from normwatch.measure.gradients import unscale
+from normwatch.measure.guard import StepGuard
 from normwatch.measure.losses import LossBuffer, ride_along
 from normwatch.measure.measurement import Measurement
 from normwatch.measure.triton_kernel import available as triton_available
 from normwatch.measure.triton_kernel import usable as triton_usable
 from normwatch.measure.updates import UpdateMonitor
 from normwatch.pipeline import Flush, Sink, Sinks
-from normwatch.records import Alarm, NormLayer, Snapshot, Verdict
+from normwatch.records import Alarm, GuardEvent, NormLayer, Snapshot, Verdict
 from normwatch.report.dispatch import AlarmLog
 from normwatch.report.document import prepare_report_dir
 from normwatch.report.lines import attach_line, exit_line
@@ -113,7 +115,7 @@ class Watch:
             )
         self._measure = Measurement(pairs, c.limits, count_eval=c.count_eval, kernel=c.kernel,
                                     root=model, output_checks=c.output_check_every > 0,
-                                    gradients=c.gradients)
+                                    gradients=c.gradients, poison=c.guard)
         self.layers: tuple[NormLayer, ...] = self._measure.layers
         self._by_name = {layer.name: layer for layer in self.layers}
         self._dedup = Dedup()
@@ -140,9 +142,16 @@ class Watch:
         self._trends = Trends([layer.name for layer in self.layers], HISTORY_POINTS)
         self._losses = LossBuffer()
         self._updates = UpdateMonitor(lambda: self.step_count + 1)
+        self.guard: StepGuard | None = StepGuard(
+            self._measure.poisoned, lambda: self.step_count + 1, c.guard_max_skips) \
+            if c.guard else None
+        """With ``guard=True``: what keeps poisoned steps from the weights (its ``events``:
+        every poisoned step)."""
         self.step_count = 0
         self._interval_start = 1
         self.flushes = 0
+        self._guarded: list[GuardEvent] = []
+        self._guard_before: GuardEvent | None = None
         self.last_flush: Flush | None = None
         """What the last flush measured and decided."""
         self._last_check: list[Alarm] = []
@@ -154,6 +163,7 @@ class Watch:
         self.skipped_steps = 0
         """Steps whose optimizer step a loss scaler skipped (``step(skipped=True)``)."""
         self._model_name = type(model).__name__
+        self._model = weakref.ref(model)
         self._idle_checked = False
         _LIVE.add(self)
         if c.console is not None:
@@ -233,7 +243,9 @@ class Watch:
         snapshot, rows = self._read()  # the only device -> host copy
         self._trends.record(snapshot)
         profile = depth_profile(snapshot, self.forward_order, self.config.placement)
-        findings = evaluate(snapshot, self._context(snapshot, profile))
+        findings = evaluate(snapshot, self._context(snapshot, profile)) + \
+            guard_alarms(self._guarded, snapshot.step, self.config.guard_max_skips,
+                         self._guard_before)
         if checked:
             self._last_check = [a for a in findings if a.kind == "output_mismatch"]
         passed, lines = self._dedup.sift(findings, self.forward_order)
@@ -256,10 +268,13 @@ class Watch:
         scale = getattr(self._scaler, "_scale", None)
         scale = scale if isinstance(scale, torch.Tensor) else None
         scales = {} if scale is None else {scale.device: scale}
+        guarded = {} if self.guard is None else self.guard.tensors()
         rows, copied = self._measure.read(ride_along(self._losses.tensors(),
-                                                     self._updates.tensors(), scales))
-        values = {d: iter(v) for d, v in copied.items()}  # losses, updates, then the scale
+                                                     self._updates.tensors(), guarded, scales))
+        values = {d: iter(v) for d, v in copied.items()}  # in the order they rode along
         losses, updates = self._losses.resolve(values), self._updates.resolve(values)
+        self._guard_before = self._guarded[-1] if self._guarded else self._guard_before
+        self._guarded = [] if self.guard is None else self.guard.resolve(values)
         loss_scale = None if scale is None else next(values[scale.device])
         if loss_scale is not None:
             unscale(rows, loss_scale)
@@ -289,7 +304,9 @@ class Watch:
         return Flush(snapshot, tuple(findings), tuple(passed), tuple(lines), ruling,
                      tuple(self.alarms), tuple(self.verdicts), tuple(health),
                      tuple(self.forward_order), self.config.placement, self.config.limits,
-                     profile, self._trends.sparklines(), tuple(rows), regular, last)
+                     profile, self._trends.sparklines(),
+                     None if self.guard is None else tuple(self.guard.events), tuple(rows),
+                     regular, last)
 
     def _across_ranks(self, flush: Flush) -> Flush:
         """``flush`` with every rank's raw rows combined (one collective)."""
@@ -457,6 +474,21 @@ class Watch:
                           "is measured", RuntimeWarning, stacklevel=3)
         return True
 
+    def checkpoint_ok(self) -> bool:
+        """Whether a checkpoint written now would be a good one: no incident is open and
+        every parameter of the model is finite (read now: one copy per device, at
+        checkpoint time only). The trainer callbacks with ``guard=True`` refuse to write
+        one otherwise; plain loops ask before they save."""
+        if self.court.incidents.open is not None:
+            return False
+        model = self._model()
+        if model is None:
+            return True
+        finite: dict[torch.device, list[torch.Tensor]] = {}
+        for p in model.parameters():
+            finite.setdefault(p.device, []).append(torch.isfinite(p.detach()).all())
+        return all(bool(torch.stack(flags).all()) for flags in finite.values())
+
     def state_dict(self) -> dict[str, Any]:
         """Plain state for checkpoints: step count and the loss baseline."""
         return {"version": 1, "step_count": self.step_count,
@@ -483,6 +515,8 @@ class Watch:
         if self._closed_use("watch_optimizer"):
             return
         self._updates.attach(optimizer)
+        if self.guard is not None:
+            self.guard.attach(optimizer)
 
     def watch_scaler(self, scaler: object) -> None:
         """Read the scale of ``scaler`` (a ``torch.amp.GradScaler``) with each flush's copy
@@ -523,6 +557,8 @@ class Watch:
                                      self.verdicts, self.reports, self.skipped_steps))
         self._measure.close()
         self._updates.detach()
+        if self.guard is not None:
+            self.guard.detach()
         if not self.closed:
             self._sinks.close(self.sinks)
         if self.endpoint is not None:

@@ -67,6 +67,7 @@ class _State:
     counters: dict[str, dict[_Key, float]] = field(default_factory=dict)
     """family (per-layer counters, alarms, spikes) -> label values -> value."""
     nonfinite_losses: float = 0.0
+    guard_skipped: float = 0.0
 
     def copy(self) -> _State:
         return replace(self, gauges={k: dict(v) for k, v in self.gauges.items()},
@@ -102,6 +103,9 @@ class NormwatchCollector(Collector):
         if self.across_ranks is not None and flush.regular:
             flush = self.across_ranks(flush)
         self.update(flush.snapshot, flush.passed, flush.new_verdicts, flush.profile)
+        if flush.guard is not None:
+            with self._lock:
+                self._state.guard_skipped = float(sum(e.skipped for e in flush.guard))
 
     def on_exception(self, flush: Flush, exc: BaseException) -> None:
         pass
@@ -208,6 +212,8 @@ class NormwatchCollector(Collector):
                        [*base, "blame"], state.counters["loss_spikes"], ids)
         yield _counter("normwatch_nonfinite_losses", "Non-finite losses.", base,
                        {(): state.nonfinite_losses}, ids)
+        yield _counter("normwatch_guard_skipped_steps", "Optimizer steps the guard kept from "
+                       "the weights (guard=True).", base, {(): state.guard_skipped}, ids)
 
 
 def _counter(name: str, help_: str, labels: list[str], samples: dict[Any, float],

@@ -49,6 +49,11 @@ class Accumulator:
         self._staged_tokens = 0
         self._commits = 0
         self._plans: dict[tuple[Any, ...], FoldPlan | GradPlan] = {}
+        self.watch_poison = False
+        """Whether :meth:`poisoned` is asked (the guard): folds then note it first."""
+        self._poisoned: list[torch.Tensor] = []
+        self._step_from = 0
+        """Where this step's calls begin in the staged list."""
 
     def stage(self, call: CallRows) -> None:
         """Queue one call's rows; no tensor op (the fold is a few dozen ops per step)."""
@@ -78,11 +83,22 @@ class Accumulator:
         """Where staging stands now, for :meth:`drop_since`."""
         return self._commits, len(self._staged)
 
+    def begin_step(self) -> None:
+        """A new step: :meth:`poisoned` forgets the last one's."""
+        self._poisoned = []
+        self._step_from = len(self._staged)
+
+    def poisoned(self) -> list[torch.Tensor]:
+        """Whether this step's calls or gradients held NaN/inf: 0-d bool tensors, per
+        device and per fold since the step began (no sync)."""
+        return self._poisoned + _nonfinite(self._staged[self._step_from:], self._staged_grads)
+
     def drop_since(self, mark: tuple[int, int]) -> bool:
         """Drop the calls staged since ``mark``; ``False`` if they were folded already."""
         if mark[0] != self._commits:
             return False
         del self._staged[mark[1]:]
+        self._step_from = min(self._step_from, len(self._staged))
         self._staged_tokens = sum(c.n for c in self._staged) + \
             sum(g.norms.numel() for g in self._staged_grads)
         return True
@@ -96,6 +112,9 @@ class Accumulator:
     def commit(self) -> None:
         """Fold every staged call into the state (in place, no host sync). Staged rows
         are dropped even when the fold fails."""
+        if self.watch_poison:
+            self._poisoned += _nonfinite(self._staged[self._step_from:], [])
+        self._step_from = 0
         groups: dict[tuple[torch.device, bool, bool], list[CallRows]] = {}
         for call in self._staged:  # one fold per device, tier and kernel
             groups.setdefault((call.v.device, call.full, call.fused), []).append(call)
@@ -122,6 +141,8 @@ class Accumulator:
         kept from one step to the next slow the model's own allocations: 1.040x against
         1.023x for folding each step, measured), and at every :meth:`commit`."""
         staged, self._staged_grads = self._staged_grads, []
+        if self.watch_poison:
+            self._poisoned += _nonfinite([], staged)
         grads: dict[torch.device, list[GradRows]] = {}
         for grad in staged:
             grads.setdefault(grad.norms.device, []).append(grad)
@@ -213,9 +234,23 @@ class Accumulator:
     def reset(self) -> None:
         """Return every device block to the reduction identities."""
         self._staged, self._staged_grads = [], []
+        self._step_from = 0
         self._staged_tokens = 0
         for block in self._blocks.values():
             _reset(block)
+
+
+def _nonfinite(calls: list[CallRows], grads: list[GradRows]) -> list[torch.Tensor]:
+    """Per device, whether any of the rows of ``calls`` and ``grads`` is NaN/inf (a 0-d
+    bool; a token holding NaN/inf has NaN/inf rows)."""
+    parts: dict[torch.device, list[torch.Tensor]] = {}
+    for call in calls:
+        parts.setdefault(call.v.device, []).append(call.v.reshape(-1))
+        if call.out is not None:
+            parts[call.v.device].append(call.out.reshape(-1))
+    for grad in grads:
+        parts.setdefault(grad.norms.device, []).append(grad.norms.reshape(-1))
+    return [~torch.cat(p).isfinite().all() for p in parts.values()]
 
 
 def _new_state(rows: int, device: torch.device) -> torch.Tensor:

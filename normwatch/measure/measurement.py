@@ -45,12 +45,14 @@ class Measurement:
     def __init__(self, pairs: Iterable[tuple[NormLayer, nn.Module]], limits: Limits,
                  *, count_eval: bool = False, kernel: str = "auto",
                  root: nn.Module | None = None, output_checks: bool = True,
-                 gradients: bool = True) -> None:
+                 gradients: bool = True, poison: bool = False) -> None:
+        """``poison``: :meth:`poisoned` will be asked each step (the guard)."""
         pairs = list(pairs)
         self.layers: tuple[NormLayer, ...] = tuple(layer for layer, _ in pairs)
         self.limits = limits
         self._rt = Runtime(Accumulator(len(pairs), limits), count_eval=count_eval,
                            kernel=kernel, output_checks=output_checks, gradients=gradients)
+        self._rt.accumulator.watch_poison = poison
         fallback = None if root is None else module_device(root)
         self._hooks = [LayerHook(layer, module, i, self._rt, module_device(module) or fallback)
                        for i, (layer, module) in enumerate(pairs)]
@@ -83,6 +85,7 @@ class Measurement:
         self.discard_interrupted()
         if rt.accumulator.has_staged_grads:
             self.commit(rt.accumulator.commit_grads)  # the step's backward is done
+        rt.accumulator.begin_step()
         rt.update(step=step, calls_this_step=0, full_stats=full)
         if self._find_unsharded:
             self._follow_unsharded()
@@ -145,6 +148,11 @@ class Measurement:
             (fold or self._rt.accumulator.commit)()
         except Exception as exc:  # never take the training run down
             self._folding.fail(exc)  # warns once; later folds are still tried
+
+    def poisoned(self) -> list[torch.Tensor]:
+        """Whether the step under way held NaN/inf in a norm's input, output or gradient
+        (0-d bool tensors, per device and fold; no sync)."""
+        return self._rt.accumulator.poisoned()
 
     def drop_step_gradients(self) -> None:
         """Forget the gradients this step's backward staged (a loss scaler skipped the

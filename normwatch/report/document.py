@@ -31,7 +31,7 @@ from normwatch.errors import ConfigError
 from normwatch.judge.history import Record, first_nonfinite
 from normwatch.judge.incidents import Incident
 from normwatch.judge.spikes import Spike
-from normwatch.records import Alarm, Limits, NormLayer, UpdateStats, Verdict
+from normwatch.records import Alarm, GuardEvent, Limits, NormLayer, UpdateStats, Verdict
 
 SCHEMA = "normwatch.report"
 VERSION = 1
@@ -59,9 +59,11 @@ def build_report(
     limits: Limits | None = None,
     updates: Sequence[UpdateStats] = (),
     incident: Incident | None = None,
+    guard: Sequence[GuardEvent] | None = None,
 ) -> dict[str, Any]:
     """The report document as plain JSON-able data (pure: no I/O). ``incident``: the
-    incident reported (its timeline); the gradient depth profile is the records'."""
+    incident reported (its timeline); ``guard``: the guard's poisoned steps (``None``: no
+    guard); the gradient depth profile is the records'."""
     first = first_nonfinite(records)
     position = {name: i for i, name in enumerate(order)}
     ordered = sorted(layers, key=lambda x: position.get(x.name, len(order) + layers.index(x)))
@@ -89,6 +91,10 @@ def build_report(
         "update_history": [{"step": u.step, "grad_norm": _num(u.grad_norm),
                             "update_norm": _num(u.update_norm), "param_norm": _num(u.param_norm),
                             "lr": _num(u.lr)} for u in updates],
+        "guard": None if guard is None else {
+            "skipped_steps": [e.step for e in guard if e.skipped],
+            "events": [{"step": e.step, "reasons": list(e.reasons), "skipped": e.skipped}
+                       for e in guard]},
         "gradient_depth": gradient_depth(records),
         "environment": environment(records),
         "exception": None if exception is None else {

@@ -23,7 +23,7 @@ from normwatch.guarded import Part
 from normwatch.judge.court import Court
 from normwatch.judge.incidents import Incident
 from normwatch.pipeline import Flush
-from normwatch.records import Alarm, NormLayer, Verdict
+from normwatch.records import Alarm, GuardEvent, NormLayer, Verdict
 from normwatch.report.document import build_report, write_report
 
 
@@ -55,15 +55,15 @@ class ReportWriter:
         known = self._folders.get(incident.number)
         if known is None and len(self.reports) >= self.config.max_reports:
             return
-        self._part.run(lambda: self._write(incident, flush.order, exc, known))
+        self._part.run(lambda: self._write(incident, flush, exc, known))
 
     def close(self) -> None:
         pass
 
-    def _write(self, incident: Incident, order: Sequence[str],
-               exc: BaseException | None, known: Path | None) -> None:
+    def _write(self, incident: Incident, flush: Flush, exc: BaseException | None,
+               known: Path | None) -> None:
         """Write the report into a new folder, or over ``known``, the incident's."""
-        report = self.build(incident.verdict, order, exc, incident)
+        report = self.build(incident.verdict, flush.order, exc, incident, flush.guard)
         from normwatch.report.html import render_html
 
         folder = write_report(report, self.config.report_dir or ".", render_html(report),
@@ -81,8 +81,8 @@ class ReportWriter:
             stderr_console().print(ReportSummary(report, folder))
 
     def build(self, verdict: Verdict | None, order: Sequence[str],
-              exc: BaseException | None = None,
-              incident: Incident | None = None) -> dict[str, Any]:
+              exc: BaseException | None = None, incident: Incident | None = None,
+              guard: Sequence[GuardEvent] | None = None) -> dict[str, Any]:
         """The report document for ``verdict`` (of ``incident``) from the court's
         record."""
         court = self.court
@@ -96,5 +96,5 @@ class ReportWriter:
             records=court.history.records(), alarms=self.alarms,
             losses=list(court.losses), spikes=list(court.spikes), rank=self.config.rank,
             exception=exc, limits=self.config.limits, updates=list(court.updates),
-            incident=incident,
+            incident=incident, guard=guard,
         )

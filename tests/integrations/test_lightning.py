@@ -252,3 +252,30 @@ def test_16_mixed_reads_the_grad_scaler(tmp_path: Path) -> None:
     assert last.layers["model.norm"].weight_grad_norm == pytest.approx(want, rel=1e-4)
     losses = [loss for _, loss in last.losses]
     assert len(losses) == 10 and all(0.5 < loss < 10.0 for loss in losses)  # unscaled
+
+
+def test_the_guard_skips_poisoned_steps_and_keeps_the_last_good_checkpoint(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """NaN from step 5 on, guard_max_skips=3: steps 5-7 never reach the weights (the
+    closure of automatic optimisation runs inside the guarded step), step 8 is applied;
+    the checkpoints of steps 6-12 are refused and the one of step 4 stays."""
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    callback = NormWatchCallback(report_dir=None, guard=True, guard_max_skips=3)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2)
+    t = pl.Trainer(callbacks=[callback, checkpoints], default_root_dir=str(tmp_path),
+                   accelerator="cpu", devices=1, max_steps=12, log_every_n_steps=3,
+                   logger=False, enable_progress_bar=False, enable_model_summary=False)
+    module = LitLM(nan_at=5)
+    with caplog.at_level(logging.WARNING, logger="normwatch"):
+        t.fit(module)
+    assert callback.watch is not None and callback.watch.guard is not None
+    assert [(e.step, e.skipped) for e in callback.watch.guard.events] == [
+        (5, True), (6, True), (7, True), *((s, False) for s in range(8, 13))]
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["epoch=0-step=4.ckpt"]
+    state = torch.load(tmp_path / "ckpt" / "epoch=0-step=4.ckpt", weights_only=True)
+    assert all(torch.isfinite(v).all() for v in state["state_dict"].values())
+    refusals = [r.getMessage() for r in caplog.records if r.getMessage().startswith(
+        "[guard] checkpoint of")]
+    assert len(refusals) == 4 and "step=6.ckpt not written: an incident is open" in refusals[0]
+    assert not all(torch.isfinite(p).all() for p in module.parameters())  # step 8 applied
+    assert "save_checkpoint" not in vars(t)  # given back at teardown

@@ -129,3 +129,31 @@ def test_an_exception_mid_run_writes_a_post_mortem_and_removes_the_hooks(tmp_pat
     assert "simulated crash in layer 1" in report["exception"]["traceback"]
     assert "training_step" not in vars(trainer)  # the Trainer's own method is back
     assert [v.trigger for v in watch.verdicts] == ["exception"]
+
+
+def test_the_guard_skips_poisoned_steps_and_writes_no_bad_checkpoint(tmp_path: Path) -> None:
+    """NaN out of the first block's MLP from step 5 on, guard_max_skips=3: steps 5-7 are
+    kept from the weights, step 8 is applied; checkpoints 6, 8 and 10 are not written."""
+    from transformers import TrainerCallback
+
+    model = tiny_hf("llama")
+    bad = {"on": False}
+    model.model.layers[0].mlp.register_forward_hook(
+        lambda m, args, out: out * float("nan") if bad["on"] else None)
+
+    class Plant(TrainerCallback):
+        def on_step_begin(self, args: object, state: object, control: object,
+                          **kwargs: object) -> None:
+            bad["on"] = state.global_step + 1 >= 5  # type: ignore[attr-defined]
+
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=10, logging_steps=2,
+                             per_device_train_batch_size=4, report_to=[], use_cpu=True,
+                             save_strategy="steps", save_steps=2, learning_rate=1e-3)
+    callback = NormWatchTrainerCallback(report_dir=None, guard=True, guard_max_skips=3)
+    trainer = Trainer(model=model, args=args, train_dataset=Ids(), callbacks=[Plant(), callback])
+    trainer.train()
+    assert callback.watch is not None and callback.watch.guard is not None
+    assert [(e.step, e.skipped) for e in callback.watch.guard.events] == [
+        (5, True), (6, True), (7, True), (8, False), (9, False), (10, False)]
+    written = sorted(p.name for p in (tmp_path / "out").iterdir() if p.name.startswith("check"))
+    assert written == ["checkpoint-2", "checkpoint-4"]

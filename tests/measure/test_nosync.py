@@ -78,21 +78,22 @@ def sync_trap(monkeypatch: pytest.MonkeyPatch) -> Iterator[SyncTrap]:
     yield trap
 
 
-def run(steps: int, nan_at: int | None = None, fold_in_hook: bool = False
-        ) -> normwatch.Watch:
+def run(steps: int, nan_at: int | None = None, fold_in_hook: bool = False,
+        guard: str | None = None) -> normwatch.Watch:
+    """``guard``: ``"fused"`` (a fused AdamW: the guard needs no read) or ``"host"``."""
     model = TinyLM(dim=32, depth=2)
-    w = normwatch.watch(model, flush_every=4, output_check_every=1)
+    w = normwatch.watch(model, flush_every=4, output_check_every=1, guard=guard is not None)
     if fold_in_hook:  # every staged call folds at once: the fold runs outside flush()
         w._measure.accumulator.max_staged_tokens = 1
     gen = torch.Generator().manual_seed(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=guard == "fused")
     w.watch_optimizer(opt)  # the optimizer step hooks are on the hot path too
     for step in range(1, steps + 1):
         model.blocks[1].mlp.fault = step == nan_at
         tokens = synthetic_batch(gen, batch=4, seq=16)
         loss = lm_loss(model(tokens), tokens)
         loss.backward()
-        if step != nan_at:  # NaN grads are dropped: keep the model usable
+        if step != nan_at or guard:  # NaN grads are dropped: keep the model usable
             opt.step()
         opt.zero_grad()
         w.step(loss)
@@ -110,6 +111,18 @@ def test_no_host_sync_between_flushes(monkeypatch: pytest.MonkeyPatch,
     assert any(a.kind == "nonfinite" for a in w.alarms)  # the NaN path was exercised
     assert w.last_snapshot is not None and [u.step for u in w.last_snapshot.updates] == \
         [9, 10, 11, 12]  # the optimizer steps were measured
+
+
+def test_the_guard_reads_nothing_on_the_fused_path_and_one_element_otherwise(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    with sync_trap(monkeypatch) as trap:
+        w = run(steps=12, nan_at=6, guard="fused")
+    assert trap.violations == []
+    assert w.guard is not None and [(e.step, e.skipped) for e in w.guard.events] == [(6, True)]
+    with sync_trap(monkeypatch) as trap:
+        w = run(steps=12, nan_at=6, guard="host")
+    assert trap.violations == ["tolist from guard.py"] * 12  # one read of 2 flags a step
+    assert w.guard is not None and [(e.step, e.skipped) for e in w.guard.events] == [(6, True)]
 
 
 def test_the_trap_catches_a_sync_in_the_hook(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,198 @@
+"""The guard: a poisoned optimizer step never reaches the weights.
+
+    >>> guard = StepGuard(poisoned, step, max_skips=8)   # watch(..., guard=True) makes it
+    >>> guard.attach(optimizer)                           # wraps this optimizer's step
+
+Before each optimizer step the guard asks whether the step is poisoned: a watched norm's
+input, output or gradient held NaN/inf in it (the rows the hooks staged this step), or one
+of the optimizer's gradients did (one ``_foreach_norm`` over them). On several ranks the
+flag is reduced (max) over the process group first, so that every rank takes the same
+decision. Then:
+
+- an optimizer that takes ``found_inf`` (the fused ones, ``fused=True``: Adam, AdamW, SGD,
+  as ``GradScaler`` drives them) steps with it set: on a poisoned step its kernel leaves
+  parameters, moments and step counts as they were, and nothing is read on the host;
+- any other optimizer: the flag is read (one element: a host sync on an accelerator, free
+  on the CPU) and a poisoned step is not called at all.
+
+Either way the parameters and the optimizer state are exactly those of a run that never
+took that step. After ``max_skips`` poisoned steps in a row the guard stops skipping (a run
+that keeps skipping is broken; skipping forever hides it) and the watch raises a critical
+alarm. What it did is resolved at each flush (:meth:`StepGuard.resolve`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from normwatch.guarded import Part
+from normwatch.measure.losses import ride_along
+from normwatch.measure.sharding import local
+from normwatch.measure.updates import unwrap
+from normwatch.records import GuardEvent
+
+REASONS = ("a watched norm's input, output or gradient", "the optimizer's gradients")
+"""What can poison a step, in the order of :attr:`GuardEvent.reasons`' flags."""
+
+
+class StepGuard:
+    """Wraps optimizers' ``step``; see the module docstring. ``poisoned()`` gives the
+    norms' flags of the step under way (0-d bool tensors), ``step()`` its number."""
+
+    def __init__(self, poisoned: Callable[[], list[torch.Tensor]], step: Callable[[], int],
+                 max_skips: int) -> None:
+        self._poisoned = poisoned
+        self._step = step
+        self.max_skips = max_skips
+        self._wrapped: weakref.WeakKeyDictionary[torch.optim.Optimizer, Callable[..., Any]] = \
+            weakref.WeakKeyDictionary()
+        self._rows: list[tuple[int, torch.device, torch.Tensor]] = []
+        """Fused steps not yet resolved: ``(step, device, [norms, gradients, skipped])``."""
+        self._in_a_row: dict[torch.device, torch.Tensor] = {}
+        """Fused optimizers: poisoned steps in a row, on the device."""
+        self._host_in_a_row = 0
+        self._resolved = 0
+        self.events: list[GuardEvent] = []
+        """Every poisoned step so far, resolved (fused steps: at the flush after them)."""
+        self.part = Part("guarding the optimizer step", "steps are no longer guarded",
+                         off=self.detach)
+
+    def attach(self, optimizer: object) -> None:
+        """Guard ``optimizer``'s steps (once; wrappers are unwrapped: the torch optimizer
+        inside is the one whose ``step`` every wrapper and ``GradScaler`` call)."""
+        inner = unwrap(optimizer)
+        if inner in self._wrapped or self.part.failed is not None:
+            return
+        real = inner.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            return self._guarded(inner, real, args, kwargs)
+
+        self._wrapped[inner] = step
+        inner.step = step  # type: ignore[method-assign]
+
+    def detach(self) -> None:
+        """Give every optimizer its own ``step`` back (harmless twice)."""
+        for inner, step in list(self._wrapped.items()):
+            if vars(inner).get("step") is step:
+                del inner.step
+        self._wrapped.clear()
+
+    def _guarded(self, optimizer: torch.optim.Optimizer, real: Callable[..., Any],
+                 args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.part.failed is not None:
+            return real(*args, **kwargs)
+        try:
+            args, kwargs, loss = _run_closure(optimizer, args, kwargs)
+            flags = self._flags(optimizer)
+            fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and \
+                bool(optimizer.defaults.get("fused"))
+            if fused:
+                return self._fused(optimizer, real, args, kwargs, flags)
+            skip = self._decide_on_host(flags)
+        except Exception as exc:  # never take the training run down
+            self.part.fail(exc)
+            return real(*args, **kwargs)
+        return loss if skip else real(*args, **kwargs)
+
+    def _flags(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """``[norms poisoned, gradients poisoned]`` (bool) on the parameters' device,
+        reduced over the ranks."""
+        grads: dict[torch.device, list[torch.Tensor]] = {}
+        device = None
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                device = device or local(p).device
+                if p.grad is not None:
+                    g = local(p.grad)
+                    grads.setdefault(g.device, []).append(
+                        g.coalesce().values() if g.is_sparse else g)
+        norms = [f.to(device) for f in self._poisoned()] if device is not None else []
+        bad_grads = [(~torch.stack(torch._foreach_norm(gs)).isfinite().all()).to(device)
+                     for gs in grads.values()]
+        if device is None:
+            device = torch.device("cpu")
+        flags = torch.stack([_any(norms, device), _any(bad_grads, device)])
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            shared = flags.float()
+            dist.all_reduce(shared, op=dist.ReduceOp.MAX)  # one decision on every rank
+            flags = shared > 0
+        return flags
+
+    def _decide_on_host(self, flags: torch.Tensor) -> bool:
+        """The one host read: skip this step? (``True``: poisoned and within the bound.)"""
+        norms, grads = (bool(v) for v in flags.tolist())
+        if not (norms or grads):
+            self._host_in_a_row = 0
+            return False
+        self._host_in_a_row += 1
+        skip = self._host_in_a_row <= self.max_skips
+        reasons = tuple(r for r, bad in zip(REASONS, (norms, grads), strict=True) if bad)
+        self.events.append(GuardEvent(self._step(), reasons, skip))
+        return skip
+
+    def _fused(self, optimizer: torch.optim.Optimizer, real: Callable[..., Any],
+               args: tuple[Any, ...], kwargs: dict[str, Any], flags: torch.Tensor) -> Any:
+        """Step with ``found_inf`` set where the step is poisoned (no host read)."""
+        device = flags.device
+        bad = flags.any()
+        run = self._in_a_row.get(device)
+        run = bad.double() if run is None else (run + 1) * bad  # poisoned steps in a row
+        self._in_a_row[device] = run
+        skip = bad & (run <= self.max_skips)
+        self._rows.append((self._step(), device, torch.cat([flags, skip[None]]).double()))
+        theirs = getattr(optimizer, "found_inf", None)  # a GradScaler's, for its own skips
+        found = skip.float() if theirs is None else torch.maximum(theirs, skip.to(theirs))
+        optimizer.found_inf = found  # type: ignore[attr-defined]
+        try:
+            return real(*args, **kwargs)
+        finally:
+            if theirs is None:
+                del optimizer.found_inf  # type: ignore[attr-defined]
+            else:
+                optimizer.found_inf = theirs  # type: ignore[attr-defined]
+
+    def tensors(self) -> dict[torch.device, torch.Tensor]:
+        """The fused steps' rows, flat per device, to ride along the flush copy."""
+        return ride_along(*({device: row} for _, device, row in self._rows))
+
+    def resolve(self, copied: Mapping[torch.device, Iterable[float]]) -> list[GuardEvent]:
+        """The poisoned steps since the last flush: the fused steps' from ``copied`` (the
+        host values of :meth:`tensors`; iterators are consumed), the others' as they were
+        decided. Clears the interval."""
+        iters = {d: iter(v) for d, v in copied.items()}
+        for step, device, _ in self._rows:
+            norms, grads, skipped = (next(iters[device]) > 0 for _ in range(3))
+            if norms or grads:
+                reasons = tuple(r for r, b in zip(REASONS, (norms, grads), strict=True) if b)
+                self.events.append(GuardEvent(step, reasons, skipped))
+        self._rows = []
+        new, self._resolved = self.events[self._resolved:], len(self.events)
+        return sorted(new, key=lambda e: e.step)
+
+
+def _run_closure(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+    """A step given a closure (Lightning's automatic optimisation) computes its gradients
+    inside ``step``: run the closure first, as the optimizer would, and hand the optimizer
+    its result. LBFGS evaluates its closure many times: left as it is (its first
+    evaluation is then not guarded)."""
+    closure = kwargs.get("closure", args[0] if args else None)
+    if closure is None or isinstance(optimizer, torch.optim.LBFGS):
+        return args, kwargs, None
+    with torch.enable_grad():
+        loss = closure()
+    rest = {k: v for k, v in kwargs.items() if k != "closure"}
+    return (), {**rest, "closure": lambda: loss}, loss
+
+
+def _any(flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Whether any of ``flags`` (0-d bool) is set, on ``device`` (no host read)."""
+    if not flags:
+        return torch.zeros((), dtype=torch.bool, device=device)
+    return torch.stack(flags).any() if len(flags) > 1 else flags[0]
