@@ -140,7 +140,9 @@ class AutoWatch:
                                                    self.config.exclude)):
             return
         try:
-            self.watches[id(model)] = Watch(model, self.config, drop_compiled=False)
+            watch = self.watches[id(model)] = Watch(model, self.config, drop_compiled=False)
+            if watch.guard is not None:  # a step it keeps from the weights still counts
+                watch.guard.on_skip.append(lambda: self._stepped(None, (), {}))
         except Exception as exc:  # already watched by the script, a bad report dir, ...:
             # the script trains on, unwatched, rather than dies
             print(f"normwatch run: not watching {type(model).__name__}: "
@@ -159,7 +161,7 @@ class AutoWatch:
             if not watch.closed:
                 watch_optimizers(watch, [optimizer])
 
-    def _stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _stepped(self, optimizer: object, args: Any, kwargs: Any) -> None:
         self._optimizer_steps += 1
         self._step(skipped=False)
 

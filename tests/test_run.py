@@ -76,10 +76,12 @@ print("script finished")
 """
 
 
-def normwatch_run(tmp_path: Path, source: str, *flags: str) -> subprocess.CompletedProcess[str]:
+def normwatch_run(tmp_path: Path, source: str, *flags: str, **env_vars: str
+                  ) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "train.py"
     script.write_text(source)
-    env = {**os.environ, "COLUMNS": "120", "NORMWATCH_REPORT_DIR": str(tmp_path / "reports")}
+    env = {**os.environ, "COLUMNS": "120", "NORMWATCH_REPORT_DIR": str(tmp_path / "reports"),
+           **env_vars}
     return subprocess.run([str(SCRIPT), "run", *flags, "--", sys.executable, str(script)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
                           check=False)
@@ -196,3 +198,34 @@ def test_an_unusable_report_dir_is_refused_before_the_script_starts(tmp_path: Pa
                              env=env, capture_output=True, text=True, timeout=120, check=False)
     assert refused.returncode == 2 and "ran" not in refused.stdout
     assert "'report_dir' must be a folder normwatch can create" in refused.stderr
+
+
+GUARDED = """
+import torch
+from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
+torch.manual_seed(0)
+model = TinyLM(dim=32, depth=2)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+gen = torch.Generator().manual_seed(0)
+for step in range(1, 13):
+    model.blocks[1].mlp.fault = step == 7          # one poisoned step
+    tokens = synthetic_batch(gen, batch=4, seq=16)
+    loss = lm_loss(model(tokens), tokens)
+    loss.backward(); opt.step(); opt.zero_grad()
+print("finite", all(bool(p.isfinite().all()) for p in model.parameters()))
+"""
+
+
+def test_normwatch_guard_keeps_a_poisoned_step_from_an_unmodified_script(
+        tmp_path: Path) -> None:
+    result = normwatch_run(tmp_path, GUARDED, "--flush-every", "4", NORMWATCH_GUARD="1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "finite True" in result.stdout  # the NaN step never reached the weights
+    assert "The guard skipped 1 optimizer step (step 7)" in result.stderr
+    [report] = reports(tmp_path)
+    assert report["guard"] == {"skipped_steps": [7], "events": [
+        {"step": 7, "reasons": ["a watched norm's input, output or gradient",
+                                "the optimizer's gradients"], "skipped": True}]}
+    (tmp_path / "off").mkdir()
+    unguarded = normwatch_run(tmp_path / "off", GUARDED, "--flush-every", "4")
+    assert "finite False" in unguarded.stdout  # without it, the step poisons the weights

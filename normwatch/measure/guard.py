@@ -5,9 +5,9 @@
 
 Before each optimizer step the guard asks whether the step is poisoned: a watched norm's
 input, output or gradient held NaN/inf in it (the rows the hooks staged this step), or one
-of the optimizer's gradients did (one ``_foreach_norm`` over them). On several ranks the
-flag is reduced (max) over the process group first, so that every rank takes the same
-decision. Then:
+of the optimizer's gradients did (one sum of each: NaN/inf exactly when an element is).
+On several ranks the flag is reduced (max) over the process group first, so that every
+rank takes the same decision. Then:
 
 - an optimizer that takes ``found_inf`` (the fused ones, ``fused=True``: Adam, AdamW, SGD,
   as ``GradScaler`` drives them) steps with it set: on a poisoned step its kernel leaves
@@ -36,6 +36,9 @@ from normwatch.measure.sharding import local
 from normwatch.measure.updates import unwrap
 from normwatch.records import GuardEvent
 
+_SUMMED = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+"""Half-precision gradients are summed in fp32 (an fp16 sum overflows at 65504)."""
+
 REASONS = ("a watched norm's input, output or gradient", "the optimizer's gradients")
 """What can poison a step, in the order of :attr:`GuardEvent.reasons`' flags."""
 
@@ -59,6 +62,9 @@ class StepGuard:
         self._resolved = 0
         self.events: list[GuardEvent] = []
         """Every poisoned step so far, resolved (fused steps: at the flush after them)."""
+        self.on_skip: list[Callable[[], None]] = []
+        """Called when a step is not called at all (the host path): whoever counts steps
+        from the optimizer's own step hooks (``normwatch run``) counts this one too."""
         self.part = Part("guarding the optimizer step", "steps are no longer guarded",
                          off=self.detach)
 
@@ -98,7 +104,11 @@ class StepGuard:
         except Exception as exc:  # never take the training run down
             self.part.fail(exc)
             return real(*args, **kwargs)
-        return loss if skip else real(*args, **kwargs)
+        if not skip:
+            return real(*args, **kwargs)
+        for hook in self.on_skip:
+            hook()
+        return loss
 
     def _flags(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """``[norms poisoned, gradients poisoned]`` (bool) on the parameters' device,
@@ -113,8 +123,10 @@ class StepGuard:
                     grads.setdefault(g.device, []).append(
                         g.coalesce().values() if g.is_sparse else g)
         norms = [f.to(device) for f in self._poisoned()] if device is not None else []
-        bad_grads = [(~torch.stack(torch._foreach_norm(gs)).isfinite().all()).to(device)
-                     for gs in grads.values()]
+        # a sum is NaN/inf exactly when an element is (or when it overflows: a gradient
+        # past 1e38 poisons the step too), and costs a third less than a norm
+        bad_grads = [(~torch.stack([g.sum(dtype=_SUMMED.get(g.dtype)) for g in gs])
+                      .isfinite().all()).to(device) for gs in grads.values()]
         if device is None:
             device = torch.device("cpu")
         flags = torch.stack([_any(norms, device), _any(bad_grads, device)])
@@ -180,8 +192,8 @@ def _run_closure(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
     """A step given a closure (Lightning's automatic optimisation) computes its gradients
     inside ``step``: run the closure first, as the optimizer would, and hand the optimizer
-    its result. LBFGS evaluates its closure many times: left as it is (its first
-    evaluation is then not guarded)."""
+    its result. LBFGS evaluates its closure many times: left as it is (the guard then
+    checks only what the step started with)."""
     closure = kwargs.get("closure", args[0] if args else None)
     if closure is None or isinstance(optimizer, torch.optim.LBFGS):
         return args, kwargs, None

@@ -74,11 +74,16 @@ def with_optimizer(m: torch.nn.Module, o: torch.optim.Optimizer) -> object:
     return normwatch.watch(m, o, report_dir=None)
 
 
+def guarded(m: torch.nn.Module, o: torch.optim.Optimizer) -> object:
+    return normwatch.watch(m, o, report_dir=None, guard=True)
+
+
 def modes() -> list[Mode]:
     return [
         Mode("unmonitored", lambda m, o: None),
         Mode("normwatch (defaults)", watching()),
         Mode("normwatch + optimizer", with_optimizer),
+        Mode("normwatch + optimizer + guard", guarded),
         Mode("normwatch stats_every=1", watching(stats_every=1)),
         Mode("normwatch stats_every=8", watching(stats_every=8)),
         Mode("normwatch gradients=False", watching(gradients=False)),
@@ -174,6 +179,7 @@ ENTRY_POINTS = (
     ("normwatch.measure.gradients", "_Through", ("_part",)),
     ("normwatch.measure.measurement", "Measurement", ("_forward_begins", "_forward_ends")),
     ("normwatch.measure.updates", "UpdateMonitor", ("_pre", "_post")),
+    ("normwatch.measure.guard", "StepGuard", ("_flags", "_decide_on_host")),
     ("normwatch.watching", "Watch", ("step",)),
 )
 """Everything normwatch runs during a training step: its hooks and ``watch.step``."""

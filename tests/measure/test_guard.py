@@ -4,7 +4,9 @@ alarms; no host read on the fused path."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,10 +27,19 @@ OPTIMIZERS: dict[str, Maker] = {
 }
 
 
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(),
+                                 nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
 def mlp(dtype: torch.dtype) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 32),
-                         nn.LayerNorm(32), nn.Linear(32, 4)).to(dtype)
+    return MLP().to(dtype)
 
 
 def batches(dtype: torch.dtype, bad: set[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -43,8 +54,11 @@ def batches(dtype: torch.dtype, bad: set[int]) -> list[tuple[torch.Tensor, torch
 
 
 def train(make: Maker, dtype: torch.dtype, bad: set[int], *, skip_bad: bool = False,
-          **watch: object) -> tuple[nn.Module, torch.optim.Optimizer, normwatch.Watch | None]:
+          compiled: bool = False, **watch: object
+          ) -> tuple[nn.Module, torch.optim.Optimizer, normwatch.Watch | None]:
     model = mlp(dtype)
+    if compiled:
+        model.compile(fullgraph=True)
     opt = make(list(model.parameters()))
     w = normwatch.watch(model, opt, report_dir=None, **watch) if watch else None
     for step, (x, y) in enumerate(batches(dtype, bad), start=1):
@@ -128,3 +142,41 @@ def test_closing_the_watch_gives_the_optimizer_its_step_back() -> None:
     assert "step" in vars(opt)
     w.close()
     assert "step" not in vars(opt)
+
+
+def test_one_decision_on_every_rank(tmp_path: Path) -> None:
+    """Two gloo ranks, a NaN on rank 1 only: both skip the step, and both end bit-equal
+    to a single replica that never saw that batch."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, str(root / "tests" / "guard_ranks.py"), str(tmp_path),
+                    str(port)], cwd=root, check=True, timeout=300,
+                   env={**os.environ, "PYTHONPATH": str(root)})
+    ref, _, _ = train(OPTIMIZERS["adamw"], torch.float32, {BAD}, skip_bad=True)
+    for rank in (0, 1):
+        saved = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert saved["skipped"] == [BAD]
+        for a, b in zip(saved["params"], ref.parameters(), strict=True):
+            assert torch.equal(a, b)
+
+
+def test_a_compiled_model_is_guarded_without_a_graph_break_or_a_recompile() -> None:
+    from torch._dynamo.utils import counters
+
+    torch.compiler.reset()
+    ref, _, _ = train(OPTIMIZERS["adamw"], torch.float32, {BAD}, skip_bad=True, compiled=True)
+    torch.compiler.reset()
+    counters.clear()
+    model, _, w = train(OPTIMIZERS["adamw"], torch.float32, {BAD}, compiled=True, guard=True)
+    assert sum(counters["graph_break"].values()) == 0
+    assert counters["stats"]["unique_graphs"] == 1  # the NaN batch recompiles nothing
+    assert w is not None and w.guard is not None
+    assert [(e.step, e.skipped) for e in w.guard.events] == [(BAD, True)]
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(a, b)
