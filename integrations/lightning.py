@@ -107,6 +107,12 @@ class NormWatchCallback(pl.Callback):
         trainer.strategy.remove_checkpoint = remove_checkpoint  # type: ignore[method-assign]
         self._restore = [(trainer, "save_checkpoint"), (trainer.strategy, "remove_checkpoint")]
 
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                             batch: Any, batch_idx: int) -> None:
+        if self.watch is not None:  # what re-runs this step, should it go wrong
+            self.watch.note_batch(batch)
+            self.watch.note_position(epoch=trainer.current_epoch, batch_idx=batch_idx)
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
         watch = self.watch

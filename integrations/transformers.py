@@ -103,6 +103,11 @@ class NormWatchTrainerCallback(TrainerCallback):
             vars(self._trainer).pop("training_step", None)
             self._trainer = None
 
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState,
+                      control: TrainerControl, **kwargs: Any) -> None:
+        if self.watch is not None:
+            self.watch.note_position(global_step=state.global_step, epoch=state.epoch or 0.0)
+
     def on_step_end(self, args: TrainingArguments, state: TrainerState,
                     control: TrainerControl, **kwargs: Any) -> None:
         if self.watch is None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from normwatch.guarded import Part
-from normwatch.records import Alarm, GuardEvent, Limits, Snapshot, Verdict
+from normwatch.records import Alarm, GuardEvent, Limits, ReplayPoint, Snapshot, Verdict
 
 if TYPE_CHECKING:
     from normwatch.judge.court import Ruling
@@ -56,6 +56,8 @@ class Flush:
     """Per layer max |x| at the last flushes, oldest first."""
     guard: Sequence[GuardEvent] | None = None
     """With ``guard=True``: every poisoned step so far (``None``: no guard)."""
+    replay: ReplayPoint | None = None
+    """What re-runs the first step of the incident the ruling touched (``None``: none)."""
     rows: Sequence[Mapping[str, float]] = ()
     """Each layer's raw row (:data:`normwatch.catalog.RAW`), for combining across ranks."""
     regular: bool = False

@@ -68,6 +68,22 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class ReplayPoint:
+    """What a user needs to re-run one step."""
+
+    step: int
+    fingerprint: str | None
+    """``dtype[shape]:hash`` of each integer input of the step's batch or first forward (see
+    :mod:`normwatch.measure.replay`); ``None``: it had none, or the model is compiled."""
+    position: dict[str, int | float | str]
+    """What the framework knew of the data position (Lightning: ``epoch``, ``batch_idx``;
+    Hugging Face: ``global_step``, ``epoch``); empty in plain loops."""
+    rng: dict[str, str]
+    """``torch_initial_seed`` and the RNG states the step started from, base64
+    (``torch.set_rng_state(torch.frombuffer(base64.b64decode(s), dtype=torch.uint8))``)."""
+
+
+@dataclass(frozen=True)
 class GuardEvent:
     """One poisoned optimizer step (``guard=True``)."""
 

@@ -44,7 +44,7 @@ from normwatch.measure.triton_kernel import available as triton_available
 from normwatch.measure.triton_kernel import usable as triton_usable
 from normwatch.measure.updates import UpdateMonitor
 from normwatch.pipeline import Flush, Sink, Sinks
-from normwatch.records import Alarm, GuardEvent, NormLayer, Snapshot, Verdict
+from normwatch.records import Alarm, GuardEvent, NormLayer, ReplayPoint, Snapshot, Verdict
 from normwatch.report.dispatch import AlarmLog
 from normwatch.report.document import prepare_report_dir
 from normwatch.report.lines import attach_line, exit_line
@@ -269,12 +269,14 @@ class Watch:
         scale = scale if isinstance(scale, torch.Tensor) else None
         scales = {} if scale is None else {scale.device: scale}
         guarded = {} if self.guard is None else self.guard.tensors()
-        rows, copied = self._measure.read(ride_along(self._losses.tensors(),
-                                                     self._updates.tensors(), guarded, scales))
+        replay = self._measure.replay
+        rows, copied = self._measure.read(ride_along(
+            self._losses.tensors(), self._updates.tensors(), guarded, replay.tensors(), scales))
         values = {d: iter(v) for d, v in copied.items()}  # in the order they rode along
         losses, updates = self._losses.resolve(values), self._updates.resolve(values)
         self._guard_before = self._guarded[-1] if self._guarded else self._guard_before
         self._guarded = [] if self.guard is None else self.guard.resolve(values)
+        replay.resolve(values)
         loss_scale = None if scale is None else next(values[scale.device])
         if loss_scale is not None:
             unscale(rows, loss_scale)
@@ -305,8 +307,26 @@ class Watch:
                      tuple(self.alarms), tuple(self.verdicts), tuple(health),
                      tuple(self.forward_order), self.config.placement, self.config.limits,
                      profile, self._trends.sparklines(),
-                     None if self.guard is None else tuple(self.guard.events), tuple(rows),
-                     regular, last)
+                     None if self.guard is None else tuple(self.guard.events),
+                     self._replay_point(ruling), tuple(rows), regular, last)
+
+    def _replay_point(self, ruling: Ruling | None) -> ReplayPoint | None:
+        """What re-runs the first step of the incident ``ruling`` touched."""
+        if ruling is None or ruling.incident is None:
+            return None
+        return self._measure.replay.at(ruling.incident.first_step)
+
+    def note_batch(self, batch: object) -> None:
+        """The step under way's batch, before its forward (the Lightning callback calls
+        it; plain loops need not: the model's first forward is seen): its integer
+        tensors are fingerprinted on the device, the RNG states noted."""
+        self._measure.replay.forward((batch,), {})
+
+    def note_position(self, **position: int | float | str) -> None:
+        """Record where the data loader stands for the step under way (the trainer
+        callbacks call it: Lightning's ``epoch`` and ``batch_idx``, Hugging Face's
+        ``global_step`` and ``epoch``); a post-mortem's ``replay`` section carries it."""
+        self._measure.replay.note(**position)
 
     def _across_ranks(self, flush: Flush) -> Flush:
         """``flush`` with every rank's raw rows combined (one collective)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,6 +27,7 @@ from normwatch.measure.accumulator import Accumulator
 from normwatch.measure.compiling import eager_frame
 from normwatch.measure.hooks import HostCounts, LayerHook, Runtime, module_device
 from normwatch.measure.probe import ProbeCache, ProbeTarget
+from normwatch.measure.replay import ReplayLog
 from normwatch.measure.sharding import unsharded_params
 from normwatch.records import (
     FirstNonfinite,
@@ -53,6 +55,9 @@ class Measurement:
         self._rt = Runtime(Accumulator(len(pairs), limits), count_eval=count_eval,
                            kernel=kernel, output_checks=output_checks, gradients=gradients)
         self._rt.accumulator.watch_poison = poison
+        self.replay = ReplayLog()
+        """Each step's batch fingerprint and RNG states (:mod:`~normwatch.measure.replay`)."""
+        self.replay.begin_step(1)
         fallback = None if root is None else module_device(root)
         self._hooks = [LayerHook(layer, module, i, self._rt, module_device(module) or fallback)
                        for i, (layer, module) in enumerate(pairs)]
@@ -71,7 +76,7 @@ class Measurement:
                                "weight gradients of compiled sharded blocks are not measured",
                                off=self._stop_finding)
         self._root_handles = [] if root is None else [
-            root.register_forward_pre_hook(self._forward_begins),
+            root.register_forward_pre_hook(self._forward_begins, with_kwargs=True),
             root.register_forward_hook(self._forward_ends)]
 
     @property
@@ -86,6 +91,7 @@ class Measurement:
         if rt.accumulator.has_staged_grads:
             self.commit(rt.accumulator.commit_grads)  # the step's backward is done
         rt.accumulator.begin_step()
+        self.replay.begin_step(step)
         rt.update(step=step, calls_this_step=0, full_stats=full)
         if self._find_unsharded:
             self._follow_unsharded()
@@ -118,9 +124,12 @@ class Measurement:
         self._find_unsharded = self._can_find_unsharded = False
 
     @eager_frame
-    def _forward_begins(self, module: nn.Module, args: object) -> None:
+    def _forward_begins(self, module: nn.Module, args: tuple[Any, ...],
+                        kwargs: dict[str, Any]) -> None:
         if torch.compiler.is_compiling():  # traced: no Python state (nothing to drop)
             return
+        if self._open is None and module.training:  # the outermost call of a training step
+            self.replay.forward(args, kwargs)
         if self._open is None:  # the outermost call
             self._open = _OpenForward(self._rt.accumulator.mark(), self._rt.calls_this_step,
                                       [(h.counts.calls, h.counts.tokens) for h in self._hooks])

@@ -274,6 +274,16 @@ class ReportSummary:
                        f"{_num(_float(last.get('grad_norm')))}, update norm "
                        f"{_num(_float(last.get('update_norm')))}, lr "
                        f"{_num(_float(last.get('lr')))}")
+        replay = r.get("replay") or {}
+        if replay:
+            where = ", ".join(f"{k} {v}" for k, v in (replay.get("position") or {}).items())
+            yield Text(f"replay step {replay.get('step')}: batch "
+                       f"{replay.get('batch_fingerprint') or 'not fingerprinted'}"
+                       + (f", {where}" if where else "") + ", RNG states in report.json "
+                       f"(torch seed {(replay.get('rng') or {}).get('torch_initial_seed')})")
+        guard = r.get("guard") or {}
+        if guard.get("skipped_steps"):
+            yield Text(f"guard: skipped steps {guard['skipped_steps']}")
         counts: dict[str, int] = {}
         for alarm in r.get("alarms") or []:
             key = f"{alarm.get('severity')} {alarm.get('kind')}"

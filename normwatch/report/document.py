@@ -31,7 +31,15 @@ from normwatch.errors import ConfigError
 from normwatch.judge.history import Record, first_nonfinite
 from normwatch.judge.incidents import Incident
 from normwatch.judge.spikes import Spike
-from normwatch.records import Alarm, GuardEvent, Limits, NormLayer, UpdateStats, Verdict
+from normwatch.records import (
+    Alarm,
+    GuardEvent,
+    Limits,
+    NormLayer,
+    ReplayPoint,
+    UpdateStats,
+    Verdict,
+)
 
 SCHEMA = "normwatch.report"
 VERSION = 1
@@ -60,10 +68,12 @@ def build_report(
     updates: Sequence[UpdateStats] = (),
     incident: Incident | None = None,
     guard: Sequence[GuardEvent] | None = None,
+    replay: ReplayPoint | None = None,
 ) -> dict[str, Any]:
     """The report document as plain JSON-able data (pure: no I/O). ``incident``: the
     incident reported (its timeline); ``guard``: the guard's poisoned steps (``None``: no
-    guard); the gradient depth profile is the records'."""
+    guard); ``replay``: what re-runs the incident's first step; the gradient depth profile
+    is the records'."""
     first = first_nonfinite(records)
     position = {name: i for i, name in enumerate(order)}
     ordered = sorted(layers, key=lambda x: position.get(x.name, len(order) + layers.index(x)))
@@ -95,6 +105,9 @@ def build_report(
             "skipped_steps": [e.step for e in guard if e.skipped],
             "events": [{"step": e.step, "reasons": list(e.reasons), "skipped": e.skipped}
                        for e in guard]},
+        "replay": None if replay is None else {
+            "step": replay.step, "batch_fingerprint": replay.fingerprint,
+            "position": dict(replay.position), "rng": dict(replay.rng)},
         "gradient_depth": gradient_depth(records),
         "environment": environment(records),
         "exception": None if exception is None else {

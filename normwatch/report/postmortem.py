@@ -23,7 +23,7 @@ from normwatch.guarded import Part
 from normwatch.judge.court import Court
 from normwatch.judge.incidents import Incident
 from normwatch.pipeline import Flush
-from normwatch.records import Alarm, GuardEvent, NormLayer, Verdict
+from normwatch.records import Alarm, GuardEvent, NormLayer, ReplayPoint, Verdict
 from normwatch.report.document import build_report, write_report
 
 
@@ -63,7 +63,8 @@ class ReportWriter:
     def _write(self, incident: Incident, flush: Flush, exc: BaseException | None,
                known: Path | None) -> None:
         """Write the report into a new folder, or over ``known``, the incident's."""
-        report = self.build(incident.verdict, flush.order, exc, incident, flush.guard)
+        report = self.build(incident.verdict, flush.order, exc, incident, flush.guard,
+                            flush.replay)
         from normwatch.report.html import render_html
 
         folder = write_report(report, self.config.report_dir or ".", render_html(report),
@@ -82,7 +83,8 @@ class ReportWriter:
 
     def build(self, verdict: Verdict | None, order: Sequence[str],
               exc: BaseException | None = None, incident: Incident | None = None,
-              guard: Sequence[GuardEvent] | None = None) -> dict[str, Any]:
+              guard: Sequence[GuardEvent] | None = None,
+              replay: ReplayPoint | None = None) -> dict[str, Any]:
         """The report document for ``verdict`` (of ``incident``) from the court's
         record."""
         court = self.court
@@ -96,5 +98,5 @@ class ReportWriter:
             records=court.history.records(), alarms=self.alarms,
             losses=list(court.losses), spikes=list(court.spikes), rank=self.config.rank,
             exception=exc, limits=self.config.limits, updates=list(court.updates),
-            incident=incident, guard=guard,
+            incident=incident, guard=guard, replay=replay,
         )

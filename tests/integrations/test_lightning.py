@@ -175,6 +175,9 @@ def test_rich_progress_bar_and_nan_verdict(tmp_path: Path) -> None:
     assert (verdict.trigger, verdict.step, verdict.blame) == (
         "nonfinite_activation", 5, "not_normalization")
     assert verdict.layer == "model.norm"
+    replay = load_report(watch.reports[0])["replay"]  # 64 samples, batch 4: step 5 is
+    assert replay["step"] == 5 and replay["position"] == {"epoch": 0, "batch_idx": 4}
+    assert replay["batch_fingerprint"].startswith("int64[4x16]:")
 
 
 def test_bad_options_fail_at_construction() -> None:

@@ -149,7 +149,8 @@ def test_the_guard_skips_poisoned_steps_and_writes_no_bad_checkpoint(tmp_path: P
     args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=10, logging_steps=2,
                              per_device_train_batch_size=4, report_to=[], use_cpu=True,
                              save_strategy="steps", save_steps=2, learning_rate=1e-3)
-    callback = NormWatchTrainerCallback(report_dir=None, guard=True, guard_max_skips=3)
+    callback = NormWatchTrainerCallback(report_dir=str(tmp_path / "reports"), guard=True,
+                                        guard_max_skips=3)
     trainer = Trainer(model=model, args=args, train_dataset=Ids(), callbacks=[Plant(), callback])
     trainer.train()
     assert callback.watch is not None and callback.watch.guard is not None
@@ -157,3 +158,9 @@ def test_the_guard_skips_poisoned_steps_and_writes_no_bad_checkpoint(tmp_path: P
         (5, True), (6, True), (7, True), (8, False), (9, False), (10, False)]
     written = sorted(p.name for p in (tmp_path / "out").iterdir() if p.name.startswith("check"))
     assert written == ["checkpoint-2", "checkpoint-4"]
+    report = normwatch.load_report(callback.watch.reports[0])
+    assert report["guard"]["skipped_steps"] == [5, 6, 7]
+    replay = report["replay"]  # what re-runs step 5: the Trainer had done 4 steps
+    assert replay["step"] == 5 and replay["position"]["global_step"] == 4
+    assert [part.split(":")[0] for part in replay["batch_fingerprint"].split()] == [
+        "int64[4x16]", "int64[4x16]"]  # input_ids and labels

@@ -107,3 +107,42 @@ def test_an_unwritable_report_dir_is_a_warning_not_a_crash(tmp_path: Path) -> No
     with pytest.warns(RuntimeWarning, match="writing the post-mortem failed"):
         verdict = pm.on_exception(ValueError("bad batch"), 4, ORDER)
     assert verdict.trigger == "exception" and pm.reports == []
+
+
+def test_the_report_says_how_to_replay_the_offending_step(tmp_path: Path) -> None:
+    """A plain loop: the fingerprint of step 7's tokens (recomputed here in Python ints),
+    and the RNG state its forward began with (taken here, before the call)."""
+    import base64
+
+    import torch
+
+    import normwatch
+    from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
+
+    torch.manual_seed(0)
+    model = TinyLM(dim=32, depth=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    w = normwatch.watch(model, opt, flush_every=2, report_dir=str(tmp_path / "r"),
+                        report_console=False)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(1, 10):
+        model.blocks[1].mlp.fault = step == 7
+        tokens = synthetic_batch(gen, batch=4, seq=16)
+        torch.rand(3)  # the loop draws from the global RNG between steps
+        if step == 7:
+            seen, state = tokens.clone(), torch.get_rng_state()
+        loss = lm_loss(model(tokens), tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        w.step(loss)
+    w.finish()
+    replay = load_report(w.reports[0])["replay"]
+    assert replay["step"] == 7
+    flat = seen.flatten().tolist()
+    expected = sum(x * (2654435761 * i + 1) for i, x in enumerate(flat)) % (2**31 - 1)
+    assert replay["batch_fingerprint"] == f"int64[4x16]:{expected:08x}"
+    restored = torch.frombuffer(bytearray(base64.b64decode(replay["rng"]["torch_cpu"])),
+                                dtype=torch.uint8)
+    assert torch.equal(restored, state)
+    assert replay["rng"]["torch_initial_seed"] == str(torch.initial_seed())

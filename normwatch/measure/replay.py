@@ -1,0 +1,146 @@
+"""What a user needs to re-run a step: a fingerprint of its batch, where the data loader
+stood, the RNG states it started from.
+
+    >>> log = ReplayLog()
+    >>> log.begin_step(7)                    # the RNG states step 7 starts from (host)
+    >>> log.forward(args, kwargs)            # the first forward's integer inputs, hashed
+    >>> log.note(epoch=0, batch_idx=6)       # what the framework knows of the position
+    >>> log.resolve(copied)                  # at the flush: the hashes come back
+    >>> log.at(7)                            # ReplayPoint(step=7, fingerprint=..., ...)
+
+The fingerprint is computed on the device and rides along the flush copy (no sync):
+for each integer tensor of the step's batch (Lightning) or first forward's inputs,
+``sum(x_i * (2654435761 i + 1))`` over its flattened elements in int64 (wrapping), modulo
+``2**31 - 1``, as ``dtype[shape]:hash`` (``int64[4x16]:0a1b2c3d``; one per tensor,
+space-separated): equal batches give equal fingerprints, a changed token changes it. The
+RNG states are copied on the host as the step's first forward begins
+(``torch.get_rng_state()``, and CUDA's where it is initialised: the generator's seed and
+offset, no device sync); the last :data:`KEEP` steps are kept.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from normwatch.measure.losses import ride_along
+from normwatch.records import ReplayPoint
+
+KEEP = 64
+"""Steps whose replay points are kept."""
+MULTIPLIER = 2654435761
+MODULUS = 2**31 - 1
+
+
+def fingerprint_of(x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """The device-side hash of one integer tensor (0-d int64; see the module docstring);
+    ``weights``: :func:`hash_weights` of its size, if at hand."""
+    flat = x.reshape(-1).long()
+    if weights is None:
+        weights = hash_weights(flat.numel(), flat.device)
+    return (flat * weights).sum().remainder(MODULUS)
+
+
+def hash_weights(n: int, device: torch.device) -> torch.Tensor:
+    """``2654435761 i + 1`` for ``i < n`` (int64)."""
+    return torch.arange(n, device=device, dtype=torch.int64) * MULTIPLIER + 1
+
+
+def _integer_tensors(value: Any, depth: int = 0) -> Iterable[torch.Tensor]:
+    """The non-empty integer tensors in ``value`` (a tensor, or tuples, lists and dicts of
+    them: a batch), in order."""
+    if isinstance(value, torch.Tensor):
+        if not value.is_floating_point() and not value.is_complex() and value.numel():
+            yield value
+    elif depth < 4 and isinstance(value, tuple | list):
+        for item in value:
+            yield from _integer_tensors(item, depth + 1)
+    elif depth < 4 and isinstance(value, Mapping):
+        for item in value.values():
+            yield from _integer_tensors(item, depth + 1)
+
+
+class ReplayLog:
+    """Replay points of the last :data:`KEEP` steps; see the module docstring."""
+
+    def __init__(self) -> None:
+        self._points: OrderedDict[int, dict[str, Any]] = OrderedDict()
+        self._step = 0
+        self._hashed = False
+        self._pending: list[tuple[int, torch.device, torch.Tensor, list[str]]] = []
+        self._cached: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def begin_step(self, step: int) -> None:
+        """Step ``step`` begins."""
+        self._step, self._hashed = step, False
+        self._points[step] = {"rng": {}, "position": {}, "fingerprint": None}
+        while len(self._points) > KEEP:
+            self._points.popitem(last=False)
+
+    def forward(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        """The step's first forward of the model: note the RNG states it starts from
+        (what its dropout draws from) and hash its integer inputs (on their device;
+        nothing read)."""
+        if self._hashed:
+            return
+        self._hashed = True
+        rng: dict[str, Any] = {"torch_initial_seed": str(torch.initial_seed()),
+                               "torch_cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            rng["torch_cuda"] = torch.cuda.get_rng_state()
+        point = self._points.get(self._step)
+        if point is not None:
+            point["rng"] = rng
+        tensors = list(_integer_tensors((*args, *kwargs.values())))
+        if not tensors:
+            return
+        device = tensors[0].device
+        hashes = torch.stack([fingerprint_of(t, self._weights(t)).to(device) for t in tensors])
+        shapes = [f"{str(t.dtype).removeprefix('torch.')}[{'x'.join(map(str, t.shape))}]"
+                  for t in tensors]
+        self._pending.append((self._step, device, hashes, shapes))
+
+    def _weights(self, t: torch.Tensor) -> torch.Tensor:
+        key = (t.numel(), t.device)
+        weights = self._cached.get(key)
+        if weights is None:
+            if len(self._cached) >= 8:
+                self._cached.clear()
+            weights = self._cached[key] = hash_weights(*key)
+        return weights
+
+    def note(self, **position: int | float | str) -> None:
+        """What the training framework knows of the step under way's data position (its
+        first batch's, with gradient accumulation)."""
+        point = self._points.get(self._step)
+        if point is not None:
+            for key, value in position.items():
+                point["position"].setdefault(key, value)
+
+    def tensors(self) -> dict[torch.device, torch.Tensor]:
+        """The interval's hashes, flat per device, to ride along the flush copy."""
+        return ride_along(*({device: h.double()} for _, device, h, _ in self._pending))
+
+    def resolve(self, copied: Mapping[torch.device, Iterable[float]]) -> None:
+        """Take the hashes back from ``copied`` (iterators are consumed)."""
+        iters = {d: iter(v) for d, v in copied.items()}
+        for step, device, hashes, shapes in self._pending:
+            values = [int(next(iters[device])) for _ in range(hashes.numel())]
+            point = self._points.get(step)
+            if point is not None:
+                point["fingerprint"] = " ".join(f"{s}:{v:08x}"
+                                                for s, v in zip(shapes, values, strict=True))
+        self._pending = []
+
+    def at(self, step: int) -> ReplayPoint | None:
+        """The replay point of ``step`` (``None``: not kept)."""
+        point = self._points.get(step)
+        if point is None:
+            return None
+        rng = {k: v if isinstance(v, str) else base64.b64encode(v.numpy().tobytes()).decode()
+               for k, v in point["rng"].items()}
+        return ReplayPoint(step, point["fingerprint"], dict(point["position"]), rng)
