@@ -545,6 +545,8 @@ class Watch:
         if self._closed_use("watch_scaler"):
             return
         self._scaler = scaler
+        if self.guard is not None:
+            self.guard.attach_scaler(scaler)
 
     def add_loss(self, loss: Any, step: int | None = None) -> None:
         """Record a loss for ``step`` (default: the last completed step) without stepping;

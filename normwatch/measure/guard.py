@@ -52,8 +52,9 @@ class StepGuard:
         self._poisoned = poisoned
         self._step = step
         self.max_skips = max_skips
-        self._wrapped: weakref.WeakKeyDictionary[torch.optim.Optimizer, Callable[..., Any]] = \
+        self._wrapped: weakref.WeakKeyDictionary[Any, Callable[..., Any]] = \
             weakref.WeakKeyDictionary()
+        """Optimizers (and scalers) whose ``step`` (``update``) is wrapped, and the wrapper."""
         self._rows: list[tuple[int, torch.device, torch.Tensor]] = []
         """Fused steps not yet resolved: ``(step, device, [norms, gradients, skipped])``."""
         self._in_a_row: dict[torch.device, torch.Tensor] = {}
@@ -82,12 +83,56 @@ class StepGuard:
         self._wrapped[inner] = step
         inner.step = step  # type: ignore[method-assign]
 
+    def attach_scaler(self, scaler: Any) -> None:
+        """Guard a ``GradScaler``'s ``update`` too: it skips a step with inf/NaN gradients
+        itself and lowers its scale, as it should for an fp16 overflow; for a step whose
+        norms saw NaN/inf (a bad batch, not the loss scale) the scale and its growth
+        tracker are put back as they were (on the device, no read), so the run goes on
+        as if it had never seen that batch."""
+        real = getattr(scaler, "update", None)
+        if real is None or scaler in self._wrapped or self.part.failed is not None:
+            return
+
+        def update(*args: Any, **kwargs: Any) -> Any:
+            return self._scaler_update(scaler, real, args, kwargs)
+
+        self._wrapped[scaler] = update
+        scaler.update = update
+
     def detach(self) -> None:
-        """Give every optimizer its own ``step`` back (harmless twice)."""
-        for inner, step in list(self._wrapped.items()):
-            if vars(inner).get("step") is step:
-                del inner.step
+        """Give every optimizer its own ``step`` (and scaler its ``update``) back
+        (harmless twice)."""
+        for owner, wrapper in list(self._wrapped.items()):
+            for name in ("step", "update"):
+                if vars(owner).get(name) is wrapper:
+                    delattr(owner, name)
         self._wrapped.clear()
+
+    def _scaler_update(self, scaler: Any, real: Callable[..., Any], args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> Any:
+        scale, tracker = getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker", None)
+        if self.part.failed is not None or not isinstance(scale, torch.Tensor) or \
+                not isinstance(tracker, torch.Tensor):
+            return real(*args, **kwargs)
+        try:
+            norms = _any([f.to(scale.device) for f in self._poisoned()], scale.device)
+            saved = scale.clone(), tracker.clone()
+        except Exception as exc:  # never take the training run down
+            self.part.fail(exc)
+            return real(*args, **kwargs)
+        out = real(*args, **kwargs)
+        try:
+            scale.copy_(torch.where(norms, saved[0], scale))
+            tracker.copy_(torch.where(norms, saved[1], tracker))
+            step = self._step()
+            if not any(s == step for s, _, _ in self._rows) and \
+                    not any(e.step == step for e in self.events):
+                # the scaler skipped this step's optimizer step (its gradients are NaN)
+                self._rows.append((step, scale.device, torch.stack(
+                    [norms, torch.zeros_like(norms), norms]).double()))
+        except Exception as exc:  # never take the training run down
+            self.part.fail(exc)
+        return out
 
     def _guarded(self, optimizer: torch.optim.Optimizer, real: Callable[..., Any],
                  args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -54,7 +54,8 @@ def _integer_tensors(value: Any, depth: int = 0) -> Iterable[torch.Tensor]:
     """The non-empty integer tensors in ``value`` (a tensor, or tuples, lists and dicts of
     them: a batch), in order."""
     if isinstance(value, torch.Tensor):
-        if not value.is_floating_point() and not value.is_complex() and value.numel():
+        if not value.is_floating_point() and not value.is_complex() and value.numel() \
+                and not value.is_meta:
             yield value
     elif depth < 4 and isinstance(value, tuple | list):
         for item in value:

@@ -178,3 +178,24 @@ def test_every_alarm_kind_is_covered_here() -> None:
     text = inspect.getsource(sys.modules[__name__]) + \
         (Path(__file__).parent / "test_depth.py").read_text()  # the gradient rules
     assert all(f'"{kind}"' in text for kind in ALARM_KINDS)
+
+
+def test_guard_alarms_name_the_skipped_steps_and_the_end_of_a_streak() -> None:
+    from normwatch.judge.guarding import guard_alarms
+    from normwatch.records import GuardEvent
+
+    norms = ("a watched norm's input, output or gradient",)
+    assert guard_alarms([], 10, 8) == []
+    [skipped] = guard_alarms([GuardEvent(4, norms, True), GuardEvent(5, norms, True)], 6, 8)
+    assert (skipped.kind, skipped.severity, skipped.value) == ("guard_skipped", "warning", 2.0)
+    assert skipped.message.startswith("The guard skipped 2 optimizer steps (steps 4, 5): "
+                                      "NaN/inf in a watched norm's input, output or gradient.")
+    streak = [GuardEvent(s, norms, s < 9) for s in range(1, 12)]  # 8 skipped, then applied
+    kinds = [a.kind for a in guard_alarms(streak, 12, 8)]
+    assert kinds == ["guard_skipped", "guard_exhausted"]  # once, at the streak's first
+    [exhausted] = [a for a in guard_alarms(streak, 12, 8) if a.kind == "guard_exhausted"]
+    assert exhausted.severity == "critical" and "step 9 was applied" in exhausted.message
+    # a later flush of the same streak: applied steps only, no second critical alarm
+    assert guard_alarms([GuardEvent(12, norms, False)], 15, 8, before=streak[-1]) == []
+    long = [GuardEvent(s, norms, True) for s in range(1, 9)]
+    assert "steps 1, 2, 3, ..., 8" in guard_alarms(long, 9, 8)[0].message

@@ -180,3 +180,47 @@ def test_a_compiled_model_is_guarded_without_a_graph_break_or_a_recompile() -> N
     assert [(e.step, e.skipped) for e in w.guard.events] == [(BAD, True)]
     for a, b in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def train_fp16(bad: set[int], *, skip_bad: bool = False, guard: bool = False
+               ) -> tuple[nn.Module, torch.optim.Optimizer, torch.amp.GradScaler,
+                          normwatch.Watch | None]:
+    model = mlp(torch.float32)
+    opt = OPTIMIZERS["adamw"](list(model.parameters()))
+    scaler = torch.amp.GradScaler("cpu")
+    w = None
+    if guard:
+        w = normwatch.watch(model, opt, guard=True, report_dir=None, flush_every=3)
+        w.watch_scaler(scaler)
+    for step, (x, y) in enumerate(batches(torch.float32, bad), start=1):
+        if skip_bad and step in bad:
+            continue
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        loss = (out.float() - y).square().mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        if w is not None:
+            w.step(loss)
+    if w is not None:
+        w.finish()
+    return model, opt, scaler, w
+
+
+def test_fp16_with_a_grad_scaler_goes_on_as_if_the_bad_batch_was_never_seen() -> None:
+    """The scaler skips the NaN step itself; the guard puts its scale and growth tracker
+    back (a bad batch is not an fp16 overflow), so everything equals the run without it."""
+    ref_model, ref_opt, ref_scaler, _ = train_fp16({BAD}, skip_bad=True)
+    model, opt, scaler, w = train_fp16({BAD}, guard=True)
+    assert scaler.get_scale() == ref_scaler.get_scale()
+    assert torch.equal(scaler._growth_tracker, ref_scaler._growth_tracker)
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(state_tensors(opt), state_tensors(ref_opt), strict=True):
+        assert torch.equal(a, b)
+    assert w is not None and w.guard is not None
+    assert [(e.step, e.skipped) for e in w.guard.events] == [(BAD, True)]
+    _, _, plain, _ = train_fp16({BAD})  # unwatched, the scaler lowers its scale
+    assert plain.get_scale() == ref_scaler.get_scale() / 2

@@ -146,3 +146,7 @@ def test_the_report_says_how_to_replay_the_offending_step(tmp_path: Path) -> Non
                                 dtype=torch.uint8)
     assert torch.equal(restored, state)
     assert replay["rng"]["torch_initial_seed"] == str(torch.initial_seed())
+    out = io.StringIO()  # what `normwatch report FOLDER` prints
+    Console(file=out, width=200).print(ReportSummary(load_report(w.reports[0])))
+    assert f"replay step 7: batch int64[4x16]:{expected:08x}, RNG states in report.json" \
+        in out.getvalue()
