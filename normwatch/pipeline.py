@@ -67,6 +67,12 @@ class Flush:
     """The run's last read (it ended or raised): nothing raises for ``raise_on``."""
 
     @property
+    def guard_skipped(self) -> int | None:
+        """How many optimizer steps the guard kept from the weights so far (``None``: no
+        guard)."""
+        return None if self.guard is None else sum(e.skipped for e in self.guard)
+
+    @property
     def new_verdicts(self) -> tuple[Verdict, ...]:
         return () if self.ruling is None else self.ruling.verdicts
 

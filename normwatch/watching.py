@@ -150,8 +150,6 @@ class Watch:
         self.step_count = 0
         self._interval_start = 1
         self.flushes = 0
-        self._guarded: list[GuardEvent] = []
-        self._guard_before: GuardEvent | None = None
         self.last_flush: Flush | None = None
         """What the last flush measured and decided."""
         self._last_check: list[Alarm] = []
@@ -240,12 +238,11 @@ class Watch:
         here); ``last``: the run's end or crash (no raising); ``conclude``: judge the
         triggers (else only record the interval)."""
         checked = self._measure.checking_outputs
-        snapshot, rows = self._read()  # the only device -> host copy
+        snapshot, rows, (before, guarded) = self._read()  # the only device -> host copy
         self._trends.record(snapshot)
         profile = depth_profile(snapshot, self.forward_order, self.config.placement)
         findings = evaluate(snapshot, self._context(snapshot, profile)) + \
-            guard_alarms(self._guarded, snapshot.step, self.config.guard_max_skips,
-                         self._guard_before)
+            guard_alarms(guarded, snapshot.step, self.config.guard_max_skips, before)
         if checked:
             self._last_check = [a for a in findings if a.kind == "output_mismatch"]
         passed, lines = self._dedup.sift(findings, self.forward_order)
@@ -260,22 +257,24 @@ class Watch:
                 raise NumericalHealthError(stop)
         return flush
 
-    def _read(self) -> tuple[Snapshot, list[dict[str, float]]]:
-        """The interval's snapshot (and each layer's raw row) from one copy per device
-        (losses, optimizer steps and the loss scale ride along); then a new interval."""
+    def _read(self) -> tuple[Snapshot, list[dict[str, float]],
+                             tuple[GuardEvent | None, list[GuardEvent]]]:
+        """The interval's snapshot, each layer's raw row and the guard's new events (with
+        the one before them) from one copy per device (losses, optimizer steps, guard rows,
+        batch fingerprints and the loss scale ride along); then a new interval."""
         if self._early is not None:
             self._early.reset()
         scale = getattr(self._scaler, "_scale", None)
         scale = scale if isinstance(scale, torch.Tensor) else None
         scales = {} if scale is None else {scale.device: scale}
-        guarded = {} if self.guard is None else self.guard.tensors()
+        guard_rows = {} if self.guard is None else self.guard.tensors()
         replay = self._measure.replay
         rows, copied = self._measure.read(ride_along(
-            self._losses.tensors(), self._updates.tensors(), guarded, replay.tensors(), scales))
+            self._losses.tensors(), self._updates.tensors(), guard_rows, replay.tensors(),
+            scales))
         values = {d: iter(v) for d, v in copied.items()}  # in the order they rode along
         losses, updates = self._losses.resolve(values), self._updates.resolve(values)
-        self._guard_before = self._guarded[-1] if self._guarded else self._guard_before
-        self._guarded = [] if self.guard is None else self.guard.resolve(values)
+        guarded = (None, []) if self.guard is None else self.guard.resolve(values)
         replay.resolve(values)
         loss_scale = None if scale is None else next(values[scale.device])
         if loss_scale is not None:
@@ -289,7 +288,7 @@ class Watch:
         self._measure.reset(check_outputs=every > 0 and self.flushes % every == 0)
         self._losses.clear()
         self._interval_start = self.step_count + 1
-        return snapshot, rows
+        return snapshot, rows, guarded
 
     def _context(self, snapshot: Snapshot, profile: DepthProfile | None) -> RuleContext:
         return RuleContext(self.config, self._by_name, self._measure.probes(snapshot),

@@ -82,8 +82,8 @@ class LoggerMetrics:
             return
         metrics = flat_metrics(flush.snapshot, flush.alarms, len(flush.verdicts),
                                limits=flush.limits, per_layer=self.per_layer, order=flush.order)
-        if flush.guard is not None:
-            metrics["normwatch/guard_skipped_steps"] = float(sum(e.skipped for e in flush.guard))
+        if flush.guard_skipped is not None:
+            metrics["normwatch/guard_skipped_steps"] = float(flush.guard_skipped)
         if self.exchange is not None:
             metrics["normwatch/remote_verdicts"] = float(len(self.exchange.remote))
         self.log(metrics)

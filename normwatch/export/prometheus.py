@@ -103,9 +103,9 @@ class NormwatchCollector(Collector):
         if self.across_ranks is not None and flush.regular:
             flush = self.across_ranks(flush)
         self.update(flush.snapshot, flush.passed, flush.new_verdicts, flush.profile)
-        if flush.guard is not None:
+        if flush.guard_skipped is not None:
             with self._lock:
-                self._state.guard_skipped = float(sum(e.skipped for e in flush.guard))
+                self._state.guard_skipped = float(flush.guard_skipped)
 
     def on_exception(self, flush: Flush, exc: BaseException) -> None:
         pass

@@ -218,10 +218,12 @@ class StepGuard:
         """The fused steps' rows, flat per device, to ride along the flush copy."""
         return ride_along(*({device: row} for _, device, row in self._rows))
 
-    def resolve(self, copied: Mapping[torch.device, Iterable[float]]) -> list[GuardEvent]:
-        """The poisoned steps since the last flush: the fused steps' from ``copied`` (the
-        host values of :meth:`tensors`; iterators are consumed), the others' as they were
-        decided. Clears the interval."""
+    def resolve(self, copied: Mapping[torch.device, Iterable[float]]
+                ) -> tuple[GuardEvent | None, list[GuardEvent]]:
+        """``(the last event resolved before, the poisoned steps since the last flush)``:
+        the fused steps' from ``copied`` (the host values of :meth:`tensors`; iterators
+        are consumed), the others' as they were decided. Clears the interval."""
+        before = self.events[self._resolved - 1] if self._resolved else None
         iters = {d: iter(v) for d, v in copied.items()}
         for step, device, _ in self._rows:
             norms, grads, skipped = (next(iters[device]) > 0 for _ in range(3))
@@ -230,7 +232,7 @@ class StepGuard:
                 self.events.append(GuardEvent(step, reasons, skipped))
         self._rows = []
         new, self._resolved = self.events[self._resolved:], len(self.events)
-        return sorted(new, key=lambda e: e.step)
+        return before, sorted(new, key=lambda e: e.step)
 
 
 def _run_closure(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],

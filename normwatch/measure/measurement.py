@@ -128,9 +128,9 @@ class Measurement:
                         kwargs: dict[str, Any]) -> None:
         if torch.compiler.is_compiling():  # traced: no Python state (nothing to drop)
             return
-        if self._open is None and module.training:  # the outermost call of a training step
-            self.replay.forward(args, kwargs)
         if self._open is None:  # the outermost call
+            if module.training:  # a training step's: what replays it
+                self.replay.forward(args, kwargs)
             self._open = _OpenForward(self._rt.accumulator.mark(), self._rt.calls_this_step,
                                       [(h.counts.calls, h.counts.tokens) for h in self._hooks])
 
