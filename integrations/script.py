@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from normwatch.config import WatchConfig, options_from_env
+from normwatch.measure import clipping
 from normwatch.measure.compiling import eager_frame
 from normwatch.measure.discovery import iter_norm_modules
 from normwatch.measure.isolation import internal
@@ -59,6 +60,7 @@ class AutoWatch:
         self._ignored: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._patched: list[tuple[object, str, Any]] = []
         self._real_excepthook: Callable[..., Any] | None = None
+        self._clipping: clipping.Handle | None = None
 
     def install(self) -> None:
         """Register the global hooks (once)."""
@@ -110,6 +112,9 @@ class AutoWatch:
             self._patch(scaler, "step", step)
         self._real_excepthook = sys.excepthook
         sys.excepthook = self._excepthook
+        # before the script imports clip_grad_norm_ by name: the guard and the update
+        # monitor take the norm it computes instead of reading the gradients again
+        self._clipping = clipping.install()
 
     def _patch(self, owner: object, name: str, value: Any) -> None:
         self._patched.append((owner, name, owner.__dict__[name]))
@@ -199,6 +204,9 @@ class AutoWatch:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._clipping is not None:
+            self._clipping.remove()
+            self._clipping = None
         for owner, name, value in reversed(self._patched):
             setattr(owner, name, value)
         self._patched = []

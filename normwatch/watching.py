@@ -34,6 +34,7 @@ from normwatch.judge.dedup import Dedup, fatal
 from normwatch.judge.depth import DepthProfile, depth_profile
 from normwatch.judge.guarding import guard_alarms
 from normwatch.judge.history import Trends
+from normwatch.measure import clipping
 from normwatch.measure.compiling import compiled_code, guard_hooks
 from normwatch.measure.discovery import iter_norm_modules
 from normwatch.measure.gradients import unscale
@@ -141,12 +142,16 @@ class Watch:
                 self.endpoint = endpoint
         self._trends = Trends([layer.name for layer in self.layers], HISTORY_POINTS)
         self._losses = LossBuffer()
-        self._updates = UpdateMonitor(lambda: self.step_count + 1)
         self.guard: StepGuard | None = StepGuard(
             self._measure.poisoned, lambda: self.step_count + 1, c.guard_max_skips) \
             if c.guard else None
         """With ``guard=True``: what keeps poisoned steps from the weights (its ``events``:
         every poisoned step)."""
+        self._updates = UpdateMonitor(
+            lambda: self.step_count + 1, full=lambda: self._measure.full_stats,
+            exact=clipping.sumsq if self.guard is None else self.guard.grad_sumsq)
+        self._clipping: clipping.Handle | None = None
+        """The loop's ``clip_grad_norm_`` norms, read while an optimizer is watched."""
         self.step_count = 0
         self._interval_start = 1
         self.flushes = 0
@@ -536,6 +541,8 @@ class Watch:
         self._updates.attach(optimizer)
         if self.guard is not None:
             self.guard.attach(optimizer)
+        if self._clipping is None:
+            self._clipping = clipping.install()
 
     def watch_scaler(self, scaler: object) -> None:
         """Read the scale of ``scaler`` (a ``torch.amp.GradScaler``) with each flush's copy
@@ -580,6 +587,8 @@ class Watch:
         self._updates.detach()
         if self.guard is not None:
             self.guard.detach()
+        if self._clipping is not None:
+            self._clipping.remove()
         if not self.closed:
             self._sinks.close(self.sinks)
         if self.endpoint is not None:

@@ -5,7 +5,9 @@
 
 Before each optimizer step the guard asks whether the step is poisoned: a watched norm's
 input, output or gradient held NaN/inf in it (the rows the hooks staged this step), or one
-of the optimizer's gradients did (one sum of each: NaN/inf exactly when an element is).
+of the optimizer's gradients did: the total norm the loop's ``clip_grad_norm_`` returned
+for them (:mod:`normwatch.measure.clipping`), else one norm of each (NaN/inf exactly when an
+element is); its square is the exact gradient norm the update monitor then reports.
 On several ranks the flag is reduced (max) over the process group first, so that every
 rank takes the same decision. Then:
 
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from normwatch.guarded import Part
+from normwatch.measure import clipping
 from normwatch.measure.losses import ride_along
 from normwatch.measure.sharding import local
 from normwatch.measure.updates import unwrap
@@ -63,6 +66,10 @@ class StepGuard:
         self._resolved = 0
         self.events: list[GuardEvent] = []
         """Every poisoned step so far, resolved (fused steps: at the flush after them)."""
+        self._grad_sumsq: weakref.WeakKeyDictionary[
+            torch.optim.Optimizer, tuple[int, dict[torch.device, torch.Tensor]]] = \
+            weakref.WeakKeyDictionary()
+        """Per optimizer, the step last checked and its gradients' sums of squares."""
         self.on_skip: list[Callable[[], None]] = []
         """Called when a step is not called at all (the host path): whoever counts steps
         from the optimizer's own step hooks (``normwatch run``) counts this one too."""
@@ -157,29 +164,33 @@ class StepGuard:
 
     def _flags(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """``[norms poisoned, gradients poisoned]`` (bool) on the parameters' device,
-        reduced over the ranks."""
-        grads: dict[torch.device, list[torch.Tensor]] = {}
-        device = None
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                device = device or local(p).device
-                if p.grad is not None:
-                    g = local(p.grad)
-                    grads.setdefault(g.device, []).append(
-                        g.coalesce().values() if g.is_sparse else g)
-        norms = [f.to(device) for f in self._poisoned()] if device is not None else []
-        # a sum is NaN/inf exactly when an element is (or when it overflows: a gradient
-        # past 1e38 poisons the step too), and costs a third less than a norm
-        bad_grads = [(~torch.stack([g.sum(dtype=_SUMMED.get(g.dtype)) for g in gs])
-                      .isfinite().all()).to(device) for gs in grads.values()]
-        if device is None:
-            device = torch.device("cpu")
+        reduced over the ranks. Keeps the gradients' exact sum of squares per device for
+        the update monitor (:meth:`grad_sumsq`)."""
+        device = next((local(p).device for g in optimizer.param_groups for p in g["params"]),
+                      torch.device("cpu"))
+        norms = [f.to(device) for f in self._poisoned()]
+        clipped = clipping.take(optimizer)  # the loop's clip_grad_norm_ read them all
+        if clipped is not None:
+            bad_grads = [(~clipped.finite).to(device)]
+            if clipped.sumsq is not None:
+                self._grad_sumsq[optimizer] = (self._step(), clipped.sumsq)
+        else:
+            sumsq = _sumsq(optimizer)
+            self._grad_sumsq[optimizer] = (self._step(), sumsq)
+            bad_grads = [(~s.isfinite()).to(device) for s in sumsq.values()]
         flags = torch.stack([_any(norms, device), _any(bad_grads, device)])
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             shared = flags.float()
             dist.all_reduce(shared, op=dist.ReduceOp.MAX)  # one decision on every rank
             flags = shared > 0
         return flags
+
+    def grad_sumsq(self, optimizer: torch.optim.Optimizer
+                   ) -> dict[torch.device, torch.Tensor] | None:
+        """The exact ``|g|²`` (float64, 0-d, per device) of the gradients ``optimizer``
+        steps with in the step under way, or ``None`` (not checked this step)."""
+        kept = self._grad_sumsq.get(optimizer)
+        return kept[1] if kept is not None and kept[0] == self._step() else None
 
     def _decide_on_host(self, flags: torch.Tensor) -> bool:
         """The one host read: skip this step? (``True``: poisoned and within the bound.)"""
@@ -233,6 +244,25 @@ class StepGuard:
         self._rows = []
         new, self._resolved = self.events[self._resolved:], len(self.events)
         return before, sorted(new, key=lambda e: e.step)
+
+
+def _sumsq(optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+    """The exact ``|g|²`` (float64, per device) of ``optimizer``'s gradients: one norm per
+    tensor (one call: a fused kernel on accelerators), NaN/inf exactly when an element is
+    or when a norm overflows (a gradient past ~1e19 in fp32 poisons the step too)."""
+    grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                g = local(p.grad)
+                g = g.coalesce().values() if g.is_sparse else g
+                grads.setdefault((g.device, g.dtype), []).append(g)
+    sumsq: dict[torch.device, torch.Tensor] = {}
+    for (where, dtype), gs in grads.items():
+        part = torch.stack(torch._foreach_norm(gs, 2, dtype=_SUMMED.get(dtype))) \
+            .double().square().sum()
+        sumsq[where] = sumsq[where] + part if where in sumsq else part
+    return sumsq
 
 
 def _run_closure(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],

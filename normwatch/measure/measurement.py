@@ -158,6 +158,11 @@ class Measurement:
         except Exception as exc:  # never take the training run down
             self._folding.fail(exc)  # warns once; later folds are still tried
 
+    @property
+    def full_stats(self) -> bool:
+        """Whether the step under way measures every statistic (else the sentinel tier)."""
+        return self._rt.full_stats
+
     def poisoned(self) -> list[torch.Tensor]:
         """Whether the step under way held NaN/inf in a norm's input, output or gradient
         (0-d bool tensors, per device and fold; no sync)."""

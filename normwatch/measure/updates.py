@@ -10,13 +10,15 @@ The pre-hook copies a fixed sample of each trainable parameter: every
 columns of any power-of-two width instead of always reading the same ones), tensors
 smaller than :data:`EXACT_BELOW` whole; the samples are views made once per parameter
 list, packed per device and dtype end to end into one buffer by one copy
-(:class:`_Pack`). The post-hook reuses that buffer three times, for the change, the
-values and the same sample of the gradients the step used, and reduces each with one
-norm, every tensor scaled by its elements per sampled element (an estimate of each sum
-of squares where the values are spread like the tensor; the relative error of a norm is
-about ``sqrt(SAMPLE_STRIDE / (2 n))`` for ``n`` elements of similar size: 0.3 % at 1M
+(:class:`_Pack`). The post-hook reuses that buffer for the change, then (on full-tier
+steps: ``|p|`` moves slowly, and is carried to the steps between) the values, then the
+same sample of the gradients the step used, and reduces each with one norm, every tensor
+scaled by its elements per sampled element (an estimate of each sum of squares where the
+values are spread like the tensor; the relative error of a norm is about
+``sqrt(SAMPLE_STRIDE / (2 n))`` for ``n`` elements of similar size: 0.3 % at 1M
 elements): a few ops per step whatever the number of tensors, reading 1/17 of the
-parameters and gradients.
+parameters and gradients. Where the guard already read every gradient before the step
+(``exact``), its exact gradient norm is taken instead of the sample's.
 A non-finite gradient element outside the sample is not seen here (the norms' gradient
 hooks and the loss see it). The copy costs 1/17 of the optimizer's local parameters (a
 shard under FSDP2) in memory: for the duration of ``step()`` on accelerators, kept
@@ -178,14 +180,25 @@ class UpdateMonitor:
     """Per-step gradient and update norms of the attached optimizers; see the module
     docstring. ``step()`` gives the number of the training step being taken."""
 
-    def __init__(self, step: Callable[[], int]) -> None:
+    def __init__(self, step: Callable[[], int], full: Callable[[], bool] = lambda: True,
+                 exact: Callable[[torch.optim.Optimizer],
+                                 Mapping[torch.device, torch.Tensor] | None] | None = None,
+                 ) -> None:
         self._step = step
+        self._full = full
+        """Whether the step under way measures every statistic (then ``|p|²`` too)."""
+        self._exact = exact
+        """The exact ``|g|²`` per device of an optimizer's step under way, where someone
+        (the guard) already read every gradient: then the sample's is not taken."""
         self._handles: list[RemovableHandle] = []
         self._attached: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._sampled: dict[int, _Sampled] = {}
         self._pending: set[int] = set()
         """Optimizers whose step is under way (the pre-hook filled their buffers)."""
-        self._rows: list[tuple[int, torch.device, torch.Tensor]] = []
+        self._rows: list[tuple[int, int, torch.device, torch.Tensor, bool]] = []
+        """``(step, optimizer id, device, [|g|², |Δp|², |p|²], whether |p|² was measured)``."""
+        self._sizes: dict[int, float] = {}
+        """Per optimizer, its last measured ``|p|²`` (carried to the steps between)."""
         self._lrs: dict[int, float | None] = {}
         self.part = Part("measuring the optimizer step",
                          "gradient and update norms are no longer recorded", off=self._off)
@@ -220,27 +233,37 @@ class UpdateMonitor:
     @guarded
     @torch.no_grad()
     def _measure(self, optimizer: torch.optim.Optimizer, sampled: _Sampled) -> None:
-        """The step's rows: ``|g|²``, ``|Δp|²`` and ``|p|²`` of the samples, per device."""
-        # the gradients are read after the step: a closure (LBFGS, Lightning)
-        # computes them inside step(), after the pre-hook
-        grads = [None if p.grad is None else _values(local(p.grad)).detach()
-                 for p in sampled.params]
-        picked = [None if g is None else sample(g) for g in grads]
-        alike = all(g is not None and g.shape == s.shape and g.dtype == s.dtype
-                    for g, s in zip(picked, sampled.samples, strict=True))
+        """The step's rows: ``|g|²``, ``|Δp|²`` and (full-tier steps) ``|p|²`` of the
+        samples, per device."""
+        exact = None if self._exact is None else self._exact(optimizer)
+        sized = self._full() or id(optimizer) not in self._sizes
         rows: dict[torch.device, torch.Tensor] = {}
+        if exact is None:
+            # the gradients are read after the step: a closure (LBFGS, Lightning)
+            # computes them inside step(), after the pre-hook
+            grads = [None if p.grad is None else _values(local(p.grad)).detach()
+                     for p in sampled.params]
+            picked = [None if g is None else sample(g) for g in grads]
+            alike = all(g is not None and g.shape == s.shape and g.dtype == s.dtype
+                        for g, s in zip(picked, sampled.samples, strict=True))
+        else:
+            rows = {device: torch.stack([g, torch.zeros_like(g), torch.zeros_like(g)])
+                    for device, g in exact.items()}
         for index, pack in sampled.packs:
             samples = [sampled.samples[i] for i in index]
             torch._foreach_sub_(pack.views, samples)  # the buffers: -Δp
+            zero = torch.zeros((), dtype=torch.float64, device=pack.device)
             change = pack.sumsq()
-            pack.fill(samples, keep=True)
-            size = pack.sumsq()
-            if alike:  # the gradients' samples have the parameters' layout
+            size = zero
+            if sized:
+                pack.fill(samples, keep=True)
+                size = pack.sumsq()
+            grad = zero
+            if exact is None and alike:  # the gradients' samples have the params' layout
                 pack.fill([picked[i] for i in index], keep=True)  # type: ignore[misc]
                 grad = pack.sumsq()
-            else:  # missing or sparse gradients: one norm per tensor
-                grad = _grad_sumsq([(grads[i], picked[i]) for i in index],
-                                   pack.device)
+            elif exact is None:  # missing or sparse gradients: one norm per tensor
+                grad = _grad_sumsq([(grads[i], picked[i]) for i in index], pack.device)
             if not pack.keep:
                 pack.release()
             row = torch.stack([grad, change, size])
@@ -248,30 +271,40 @@ class UpdateMonitor:
             rows[device] = rows[device] + row if device in rows else row
         step = self._step()
         for device, row in rows.items():
-            self._rows.append((step, device, row))
+            self._rows.append((step, id(optimizer), device, row, sized))
         lrs = [g["lr"] for g in optimizer.param_groups]
         lr = max(lrs) if lrs and all(isinstance(v, float | int) for v in lrs) else None
         old = self._lrs.get(step)
         self._lrs[step] = lr if old is None or lr is None else max(old, lr)
+        if sized:
+            self._sizes.setdefault(id(optimizer), math.nan)
 
     def tensors(self) -> dict[torch.device, torch.Tensor]:
         """This interval's rows, flat per device, to ride along the flush copy."""
-        return ride_along(*({device: row} for _, device, row in self._rows))
+        return ride_along(*({device: row} for _, _, device, row, _ in self._rows))
 
     def resolve(self, copied: Mapping[torch.device, Iterable[float]]) -> tuple[UpdateStats, ...]:
         """One :class:`UpdateStats` per step from ``copied`` (the host values of
-        :meth:`tensors`, per device; iterators are consumed), then forget the interval."""
+        :meth:`tensors`, per device; iterators are consumed), then forget the interval.
+        A step that did not measure ``|p|²`` reports the optimizer's last measured one."""
         iters = {d: iter(v) for d, v in copied.items()}
-        sums: dict[int, list[float]] = {}
-        for step, device, _ in self._rows:
-            row = [next(iters[device]) for _ in range(WIDTH)]
-            total = sums.setdefault(step, [0.0] * WIDTH)
-            total[:] = [a + b for a, b in zip(total, row, strict=True)]
-        out = tuple(UpdateStats(step, g**0.5, u**0.5, p**0.5, self._lrs.get(step))
-                    for step, (g, u, p) in sorted(sums.items()))
+        steps: dict[int, dict[int, list[float]]] = {}
+        """Per step, per optimizer: ``[|g|², |Δp|², |p|² or NaN where not measured]``."""
+        for step, owner, device, _, sized in self._rows:
+            g, u, p = (next(iters[device]) for _ in range(WIDTH))
+            total = steps.setdefault(step, {}).setdefault(owner, [0.0, 0.0, 0.0])
+            total[:] = [total[0] + g, total[1] + u, total[2] + p if sized else math.nan]
+        out = []
+        for step, owners in sorted(steps.items()):
+            for owner, (_, _, p) in owners.items():  # |p|² carried to the steps between
+                self._sizes[owner] = self._sizes.get(owner, math.nan) if math.isnan(p) else p
+            g = sum(v[0] for v in owners.values())
+            u = sum(v[1] for v in owners.values())
+            p = sum(self._sizes[owner] for owner in owners)
+            out.append(UpdateStats(step, g**0.5, u**0.5, p**0.5, self._lrs.get(step)))
         self._rows.clear()
         self._lrs.clear()
-        return out
+        return tuple(out)
 
     def _fail(self, exc: Exception) -> None:
         self.part.fail(exc)

@@ -107,8 +107,9 @@ def _compile_counts() -> tuple[int, int]:
 
 
 def run(rounds: int, steps: int, hidden: int, layers: int, batch: int, seq: int,
-        only: list[str] | None = None) -> list[Row]:
-    """Return ``(mode, median step ms, median paired ratio, compile counts)`` rows."""
+        only: list[str] | None = None, clip: bool = False) -> list[Row]:
+    """Return ``(mode, median step ms, median paired ratio, compile counts)`` rows;
+    ``clip``: every loop clips its gradients (``clip_grad_norm_``) before the step."""
     torch.manual_seed(0)
     base = tiny_llama(hidden, layers)
     selected = [m for m in modes() if only is None or m.name in only or
@@ -134,6 +135,8 @@ def run(rounds: int, steps: int, hidden: int, layers: int, batch: int, seq: int,
                 with mode.context():
                     loss = model(tokens, labels=tokens, use_cache=False).loss
                     loss.backward()
+                if clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 if isinstance(watcher, normwatch.Watch):
@@ -216,8 +219,8 @@ def timed_entry_points(total: list[float]) -> Iterator[None]:
             setattr(cls, name, real)
 
 
-def direct(hidden: int, layers: int, batch: int, seq: int, steps: int, mode: str
-           ) -> tuple[float, float]:
+def direct(hidden: int, layers: int, batch: int, seq: int, steps: int, mode: str,
+           clip: bool = False) -> tuple[float, float]:
     """``(ms per step inside normwatch, ms per step of the whole watched step)`` for a
     :data:`SWEPT` ``mode``, timed around normwatch's own code (not noisy like a ratio of
     two step times: it does not depend on the other process's luck)."""
@@ -235,6 +238,8 @@ def direct(hidden: int, layers: int, batch: int, seq: int, steps: int, mode: str
                 total[0], start = 0.0, time.perf_counter()
             loss = model(tokens, labels=tokens, use_cache=False).loss
             loss.backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
             watcher.step(loss)
@@ -243,15 +248,16 @@ def direct(hidden: int, layers: int, batch: int, seq: int, steps: int, mode: str
     return total[0] / steps * 1e3, elapsed / steps * 1e3
 
 
-def sweep(rounds: int, steps: int, sizes: tuple[tuple[int, int, int, int], ...] = SWEEP
-          ) -> str:
+def sweep(rounds: int, steps: int, sizes: tuple[tuple[int, int, int, int], ...] = SWEEP,
+          clip: bool = False) -> str:
     """Per model size, the paired ratio of each :data:`SWEPT` mode and what it adds per
     norm per step (µs): a Llama has ``2 * layers + 1`` norms."""
     head = " | ".join(f"{m.removeprefix('normwatch ')}" for m in SWEPT)
     lines = [f"| model | unmonitored step (ms) | {head} |",
              "|---|---:|" + "---:|" * len(SWEPT)]
     for hidden, layers, batch, seq in sizes:
-        rows = {r[0]: r for r in run(rounds, steps, hidden, layers, batch, seq, list(SWEPT))}
+        rows = {r[0]: r for r in run(rounds, steps, hidden, layers, batch, seq, list(SWEPT),
+                                     clip)}
         norms = 2 * layers + 1
         cells = [f"{rows[m][2]:.3f}x ({rows[m][4] * 1e3 / norms:.0f} µs)" for m in SWEPT]
         lines.append(f"| d={hidden}, {layers} layers, {batch}x{seq} tokens | "
@@ -262,7 +268,7 @@ def sweep(rounds: int, steps: int, sizes: tuple[tuple[int, int, int, int], ...] 
     for hidden, layers, batch, seq in sizes:
         cells = []
         for mode in SWEPT:
-            inside, whole = direct(hidden, layers, batch, seq, 4 * steps, mode)
+            inside, whole = direct(hidden, layers, batch, seq, 4 * steps, mode, clip)
             cells.append(f"{inside / (whole - inside):.2%} ({inside * 1e3 / (2 * layers + 1):.0f}"
                          " µs)")
         lines.append(f"| d={hidden}, {layers} layers, {batch}x{seq} tokens | "
@@ -281,6 +287,9 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--only", nargs="*", help="mode names (the baselines always run)")
+    parser.add_argument("--clip", action="store_true",
+                        help="every loop clips its gradients (clip_grad_norm_, max norm 1) "
+                             "before the step, as most training loops do")
     parser.add_argument("--sweep", action="store_true",
                         help="the size sweep: ratios and µs per norm per step of "
                              "defaults, the optimizer watched and stats_every=1")
@@ -288,13 +297,15 @@ def main(argv: list[str] | None = None) -> str:
     if args.sweep:
         text = (f"size sweep, {args.rounds} rounds x {args.steps} steps, torch "
                 f"{torch.__version__}, {torch.get_num_threads()} threads; in brackets what "
-                f"a mode adds per norm per step\n\n{sweep(args.rounds, args.steps)}")
+                f"a mode adds per norm per step{'; every loop clips' if args.clip else ''}\n\n"
+                f"{sweep(args.rounds, args.steps, clip=args.clip)}")
         print(text)
         return text
     rows = run(args.rounds, args.steps, args.hidden, args.layers, args.batch, args.seq,
-               args.only)
+               args.only, args.clip)
     text = (f"tiny Llama (hidden {args.hidden}, {args.layers} layers, batch {args.batch} x "
-            f"{args.seq} tokens), {args.rounds} rounds x {args.steps} steps, "
+            f"{args.seq} tokens{', clipped' if args.clip else ''}), {args.rounds} rounds x "
+            f"{args.steps} steps, "
             f"torch {torch.__version__}, {torch.get_num_threads()} threads\n\n{table(rows)}")
     print(text)
     return text
