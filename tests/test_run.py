@@ -229,3 +229,40 @@ def test_normwatch_guard_keeps_a_poisoned_step_from_an_unmodified_script(
     (tmp_path / "off").mkdir()
     unguarded = normwatch_run(tmp_path / "off", GUARDED, "--flush-every", "4")
     assert "finite False" in unguarded.stdout  # without it, the step poisons the weights
+
+
+CLIPPED = """
+import torch
+from torch.nn.utils import clip_grad_norm_  # bound at import, before any watch exists
+from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
+torch.manual_seed(0)
+model = TinyLM(dim=64, depth=2)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+gen = torch.Generator().manual_seed(0)
+for step in range(1, 9):
+    model.blocks[1].mlp.fault = step == 7
+    tokens = synthetic_batch(gen, batch=4, seq=16)
+    lm_loss(model(tokens), tokens).backward()
+    print("norm", step, float(clip_grad_norm_(model.parameters(), 1e9)))
+    opt.step(); opt.zero_grad()
+print("finite", all(bool(p.isfinite().all()) for p in model.parameters()))
+"""
+
+
+def test_under_normwatch_run_the_scripts_own_clip_norm_is_the_reported_one(
+        tmp_path: Path) -> None:
+    """``clip_grad_norm_`` imported by name at the top of the script: ``normwatch run``
+    wrapped it before the script started, so the guard and the update monitor take the
+    norm it computed (exact; the monitor's own sample of these 16k-element weights is an
+    estimate) and the poisoned step is still skipped."""
+    result = normwatch_run(tmp_path, CLIPPED, "--flush-every", "4", NORMWATCH_GUARD="1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "finite True" in result.stdout
+    printed = {int(s): float(v) for _, s, v in (line.split() for line in
+                                                 result.stdout.splitlines()
+                                                 if line.startswith("norm "))}
+    [report] = reports(tmp_path)
+    assert report["guard"]["skipped_steps"] == [7]  # type: ignore[index]
+    history = {u["step"]: u["grad_norm"] for u in report["update_history"]}  # type: ignore[attr-defined]
+    watched = [s for s in history if s != 1 and isinstance(history[s], float)]
+    assert watched and all(history[s] == pytest.approx(printed[s], rel=1e-6) for s in watched)

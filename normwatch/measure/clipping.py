@@ -140,7 +140,7 @@ def _record(params: list[Any], total: torch.Tensor, max_norm: float, norm_type: 
              if isinstance(p, torch.Tensor) and p.grad is not None}
     total = local(total)
     sumsq = None
-    if float(norm_type) == 2.0 and math.isfinite(float(max_norm)):
+    if float(norm_type) == 2.0:  # max_norm=inf (the HF Trainer's way to only measure): 1
         norm = total.double()  # torch's clip: g * min(1, max_norm / (|g| + 1e-6))
         sumsq = (norm * torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)).square()
     _calls[:] = [c for c in _calls if not c.grads.keys() & grads.keys()][-KEEP + 1:]

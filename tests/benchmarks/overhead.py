@@ -184,8 +184,10 @@ ENTRY_POINTS = (
     ("normwatch.measure.updates", "UpdateMonitor", ("_pre", "_post")),
     ("normwatch.measure.guard", "StepGuard", ("_flags", "_decide_on_host")),
     ("normwatch.watching", "Watch", ("step",)),
+    ("normwatch.measure.clipping", None, ("_record",)),
 )
-"""Everything normwatch runs during a training step: its hooks and ``watch.step``."""
+"""Everything normwatch runs during a training step: its hooks, ``watch.step``, and what
+it records of the loop's ``clip_grad_norm_`` (``None``: a module's function)."""
 
 
 @contextlib.contextmanager
@@ -197,7 +199,8 @@ def timed_entry_points(total: list[float]) -> Iterator[None]:
     depth = [0]
     saved = []
     for module, owner, names in ENTRY_POINTS:
-        cls = getattr(importlib.import_module(module), owner)
+        imported = importlib.import_module(module)
+        cls = imported if owner is None else getattr(imported, owner)
         for name in names:
             real = getattr(cls, name)
 

@@ -193,3 +193,32 @@ def test_clipping_inside_a_compiled_step_records_nothing_and_breaks_no_graph() -
                                                        for g in grads)), rel=1e-5)
     assert clipping._calls == []
     w.close()
+
+
+def test_a_lightning_trainer_that_clips_gives_its_norm_to_the_guard_and_the_monitor(
+        tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``gradient_clip_val``: Lightning clips inside the closure the guarded step runs;
+    the gradient norm of every step is the clipped one, and nothing reads the gradients
+    a second time."""
+    import lightning.pytorch as pl
+
+    from normwatch.integrations.lightning import NormWatchCallback
+    from tests.lightning_helpers import LitLM
+
+    def no_reading(*args: object) -> None:
+        raise AssertionError("read the gradients again")
+
+    monkeypatch.setattr(guard, "_sumsq", no_reading)
+    monkeypatch.setattr(normwatch.measure.updates, "_values", no_reading)
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    callback = NormWatchCallback(report_dir=None, guard=True, flush_every=3)
+    t = pl.Trainer(callbacks=[callback], default_root_dir=str(tmp_path), accelerator="cpu",
+                   devices=1, max_steps=6, gradient_clip_val=0.05, logger=False,
+                   enable_progress_bar=False, enable_model_summary=False,
+                   enable_checkpointing=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a part that failed would warn
+        t.fit(LitLM())
+    assert callback.watch is not None
+    norms = [u.grad_norm for u in callback.watch.court.updates]
+    assert len(norms) == 6 and norms == pytest.approx([0.05] * 6, rel=1e-4)
