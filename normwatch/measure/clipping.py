@@ -27,7 +27,6 @@ norms are then read as without it.
 from __future__ import annotations
 
 import functools
-import math
 import types
 import weakref
 from collections.abc import Callable

@@ -201,8 +201,8 @@ def test_a_lightning_trainer_that_clips_gives_its_norm_to_the_guard_and_the_moni
     the gradient norm of every step is the clipped one, and nothing reads the gradients
     a second time."""
     import lightning.pytorch as pl
-
     from normwatch.integrations.lightning import NormWatchCallback
+
     from tests.lightning_helpers import LitLM
 
     def no_reading(*args: object) -> None:
