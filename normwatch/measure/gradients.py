@@ -53,6 +53,8 @@ assert all(COLUMNS[SUM_AT[s]:SUM_AT[s] + len(GRAD_SUMS)] == tuple(f"{s}_{c}" for
            for s in GRAD_SITES)
 assert COLUMNS[WEIGHT_AT + 1] == "weight_grad_sumsq"
 SITES = tuple(GRAD_SITES)
+assert all(SUM_AT[s] == SUM_AT[SITES[0]] + i * len(GRAD_SUMS) and
+           PEAK_AT[s] == PEAK_AT[SITES[0]] + i for i, s in enumerate(SITES))  # one slice each
 OUT, IN, HIDDEN = (SITES.index(s) for s in ("grad_out", "grad_in", "grad_hidden"))
 WEIGHT = len(SITES)
 """The weight gradient's site index in :class:`GradRows` (after :data:`SITES`)."""
@@ -219,11 +221,11 @@ def fold_grads(block: torch.Tensor, staged: Sequence[GradRows], plan: GradPlan) 
         known = torch.where(whole, peak, -math.inf)
         peaks = known.new_full((n_rows * len(SITES),), -math.inf).scatter_reduce_(
             0, plan.where, known, "amax")
-        total, peaks = total.view(n_rows, len(SITES), n), peaks.view(n_rows, len(SITES))
-        for i, site in enumerate(SITES):
-            block[:, SUM_AT[site]:SUM_AT[site] + n] += total[:, i].to(block.dtype)
-            cells = block[:, PEAK_AT[site]]
-            cells.copy_(torch.fmax(cells, peaks[:, i].to(block.dtype)))
+        sums_at, peaks_at = SUM_AT[SITES[0]], PEAK_AT[SITES[0]]  # every site's, adjacent
+        block[:, sums_at:sums_at + n * len(SITES)] += \
+            total.view(n_rows, len(SITES) * n).to(block.dtype)
+        cells = block[:, peaks_at:peaks_at + len(SITES)]
+        torch.fmax(cells, peaks.view(n_rows, len(SITES)).to(block.dtype), out=cells)
     weights = [s.norms for s in staged if s.site == WEIGHT]
     if weights:
         norms = torch.stack([w.reshape(()) for w in weights]).to(block.dtype)

@@ -104,11 +104,15 @@ class HostCounts:
     """Calls not counted for eval mode, since the watch began (never reset)."""
     no_grad_calls: int = 0
     """Calls not counted for running without grad, since the watch began (never reset)."""
+    output_checked: bool = False
+    """This interval's output check ran (once per layer per checked interval: it looks for
+    a wrong formula, eps or dtype, which one call shows; each check is ~30 small ops)."""
 
     def reset(self) -> None:
         self.calls = 0
         self.tokens = 0
         self.empty_calls = 0
+        self.output_checked = False
 
 
 class LayerHook:
@@ -257,8 +261,10 @@ class LayerHook:
             call = self._reduce(x, out, float(rt.step * KEY_STRIDE + rt.calls_this_step))
             n_tokens = call.n
             rt.accumulator.stage(call)
-            if rt.check_outputs and out is not None and alone:
+            if rt.check_outputs and out is not None and alone and \
+                    not self.counts.output_checked:
                 check = output_check(self.layer, module, x, out, call, self._tokens)
+                self.counts.output_checked = True
                 if check is not None:
                     rt.accumulator.update_check(self.row, check[0], check[1])
         # Host bookkeeping last, so a failed measurement leaves no half-counted call.
