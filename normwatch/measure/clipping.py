@@ -51,8 +51,9 @@ class _Call(NamedTuple):
     """Per parameter id: the gradient it clipped (not kept alive) and its version after."""
     total: torch.Tensor
     """The total norm it returned (before clipping; this rank's part under FSDP2)."""
-    sumsq: torch.Tensor | None
-    """``|g|²`` after clipping, float64 (a 2-norm call), else ``None``."""
+    max_norm: float | None
+    """Its ``max_norm`` where ``|g|`` after clipping follows from it (a 2-norm call of
+    unsharded gradients), else ``None``."""
 
 
 class Clipped(NamedTuple):
@@ -137,13 +138,12 @@ def _record(params: list[Any], total: torch.Tensor, max_norm: float, norm_type: 
         return
     grads = {id(p): (weakref.ref(p.grad), p.grad._version) for p in params
              if isinstance(p, torch.Tensor) and p.grad is not None}
-    total = local(total)
-    sumsq = None
-    if float(norm_type) == 2.0:  # max_norm=inf (the HF Trainer's way to only measure): 1
-        norm = total.double()  # torch's clip: g * min(1, max_norm / (|g| + 1e-6))
-        sumsq = (norm * torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)).square()
+    mine = local(total)
+    sharded, total = mine is not total, mine
+    # sharded (FSDP2): this rank's part of the norm, while the clip used the whole one
+    known = float(norm_type) == 2.0 and not sharded
     _calls[:] = [c for c in _calls if not c.grads.keys() & grads.keys()][-KEEP + 1:]
-    _calls.append(_Call(grads, total, sumsq))
+    _calls.append(_Call(grads, total, float(max_norm) if known else None))
 
 
 def take(optimizer: torch.optim.Optimizer) -> Clipped | None:
@@ -170,14 +170,18 @@ def take(optimizer: torch.optim.Optimizer) -> Clipped | None:
         return None  # some gradient was not clipped
     _calls[:] = [c for c in _calls if all(c is not u for u in used)]
     first = used[0].total
-    finite = torch.stack([c.total.to(first.device).isfinite() for c in used]).all()
+    finite = first.isfinite() if len(used) == 1 else \
+        torch.stack([c.total.to(first.device).isfinite() for c in used]).all()
     sumsq: dict[torch.device, torch.Tensor] | None = {}
     for call in used:
-        if call.sumsq is None or sumsq is None:
+        if call.max_norm is None or sumsq is None:
             sumsq = None
             continue
-        device = call.sumsq.device
-        sumsq[device] = sumsq[device] + call.sumsq if device in sumsq else call.sumsq
+        # torch's clip: g * min(1, max_norm / (|g| + 1e-6)); max_norm=inf (measuring): 1
+        norm = call.total.double()
+        part = (norm * torch.clamp(call.max_norm / (norm + 1e-6), max=1.0)).square()
+        device = part.device
+        sumsq[device] = sumsq[device] + part if device in sumsq else part
     return Clipped(finite, sumsq)
 
 
