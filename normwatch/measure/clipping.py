@@ -94,7 +94,7 @@ def install() -> Handle:
     if not _real and part.failed is None:
         for owner in _OWNERS:
             real = owner.clip_grad_norm_
-            if getattr(real, "__wrapped_by_normwatch__", False):
+            if hasattr(real, "__normwatch_real__"):
                 continue
             _real[owner] = real
             owner.clip_grad_norm_ = _wrap(real)  # type: ignore[attr-defined]
@@ -103,7 +103,7 @@ def install() -> Handle:
 
 def _uninstall() -> None:
     for owner, real in _real.items():
-        if getattr(owner.clip_grad_norm_, "__wrapped_by_normwatch__", False):
+        if hasattr(owner.clip_grad_norm_, "__normwatch_real__"):
             owner.clip_grad_norm_ = real
     _real.clear()
     _calls.clear()
@@ -128,7 +128,7 @@ def _wrap(real: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
             part.fail(exc)
         return total
 
-    clip_grad_norm_.__wrapped_by_normwatch__ = True  # type: ignore[attr-defined]
+    clip_grad_norm_.__normwatch_real__ = real  # type: ignore[attr-defined]
     return clip_grad_norm_
 
 

@@ -279,6 +279,68 @@ def sweep(rounds: int, steps: int, sizes: tuple[tuple[int, int, int, int], ...] 
     return "\n".join(lines)
 
 
+TURNED = ("normwatch (defaults)", "normwatch + optimizer", "normwatch + optimizer + guard")
+"""The modes of ``--turns``."""
+
+
+def turns(hidden: int, layers: int, batch: int, seq: int, steps: int,
+          names: tuple[str, ...] = TURNED) -> str:
+    """Every mode of ``names`` with the loop plain and clipping (``clip_grad_norm_``), and
+    both unmonitored loops, in one process, stepping in turn one step each (the same
+    machine state for all: the pairing is per step, not per 10-step block). Per mode, over
+    10-step blocks (one flush each): the median time inside normwatch per step, and the
+    median ratio to the unmonitored loop of the same kind (which calls torch's own
+    ``clip_grad_norm_``, not the wrapper the watches installed)."""
+    kinds = [("unmonitored", False), ("unmonitored", True),
+             *((name, clip) for clip in (False, True) for name in names)]
+    attach = {m.name: m.attach for m in modes()}
+    torch.manual_seed(0)
+    base = tiny_llama(hidden, layers)
+    tokens = torch.randint(0, 1024, (batch, seq), generator=torch.Generator().manual_seed(0))
+    total = [0.0]
+    inside: dict[tuple[str, bool], list[float]] = {k: [] for k in kinds}
+    whole: dict[tuple[str, bool], list[float]] = {k: [] for k in kinds}
+    with timed_entry_points(total):
+        runs = []
+        for name, clip in kinds:
+            model = copy.deepcopy(base)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            runs.append(((name, clip), model, opt, attach[name](model, opt)))
+        for i in range(steps + 10):  # 10 warm-up steps each (the first interval)
+            for key, model, opt, watcher in runs:
+                before, start = total[0], time.perf_counter()
+                loss = model(tokens, labels=tokens, use_cache=False).loss
+                loss.backward()
+                if key[1]:
+                    clip = torch.nn.utils.clip_grad_norm_
+                    if watcher is None:  # torch's own, not the wrapper a watch installed
+                        clip = getattr(clip, "__normwatch_real__", clip)
+                    clip(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if isinstance(watcher, normwatch.Watch):
+                    watcher.step(loss)
+                if i >= 10:
+                    inside[key].append(total[0] - before)
+                    whole[key].append(time.perf_counter() - start)
+        for _, _, _, watcher in runs:
+            if isinstance(watcher, normwatch.Watch):
+                watcher.close()
+    blocks = [slice(j, j + 10) for j in range(0, steps, 10)]
+    lines = [f"tiny Llama (hidden {hidden}, {layers} layers, batch {batch} x {seq} tokens), "
+             f"{steps} steps per mode taken in turn, torch {torch.__version__}, "
+             f"{torch.get_num_threads()} threads", "",
+             "| mode | loop | inside normwatch (ms/step) | ratio | step (ms) |",
+             "|---|---|---:|---:|---:|"]
+    for key in kinds:
+        ratio = statistics.median(sum(whole[key][b]) / sum(whole["unmonitored", key[1]][b])
+                                  for b in blocks)
+        ms = statistics.median(sum(inside[key][b]) / len(inside[key][b]) * 1e3 for b in blocks)
+        lines.append(f"| {key[0]} | {'clips' if key[1] else 'plain'} | {ms:.2f} | "
+                     f"{ratio:.3f}x | {statistics.median(whole[key]) * 1e3:.1f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
@@ -296,7 +358,14 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--sweep", action="store_true",
                         help="the size sweep: ratios and µs per norm per step of "
                              "defaults, the optimizer watched and stats_every=1")
+    parser.add_argument("--turns", type=int, metavar="STEPS",
+                        help="defaults, optimizer and guard, each plain and clipping, "
+                             "stepping in turn for STEPS steps (a multiple of 10)")
     args = parser.parse_args(argv)
+    if args.turns:
+        text = turns(args.hidden, args.layers, args.batch, args.seq, args.turns)
+        print(text)
+        return text
     if args.sweep:
         text = (f"size sweep, {args.rounds} rounds x {args.steps} steps, torch "
                 f"{torch.__version__}, {torch.get_num_threads()} threads; in brackets what "

@@ -17,3 +17,10 @@ def test_size_sweep_runs() -> None:
     text = overhead.sweep(1, 1, ((32, 1, 2, 8),))
     assert text.count("| d=32, 1 layers, 2x8 tokens |") == 2 and text.count("µs)") == 6
     assert "Timed inside normwatch" in text
+
+
+def test_turns_run() -> None:
+    text = overhead.turns(32, 1, 2, 8, 10, ("normwatch + optimizer + guard",))
+    for loop in ("plain", "clips"):
+        assert f"| unmonitored | {loop} | 0.00 | 1.000x |" in text
+        assert f"| normwatch + optimizer + guard | {loop} |" in text

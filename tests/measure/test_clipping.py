@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -14,7 +15,22 @@ import normwatch
 from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
 from normwatch.measure import clipping, guard
 
-REAL = torch.nn.utils.clip_grad_norm_
+REAL = getattr(torch.nn.utils.clip_grad_norm_, "__normwatch_real__",
+               torch.nn.utils.clip_grad_norm_)
+
+
+@pytest.fixture(autouse=True)
+def unwrapped() -> Iterator[None]:
+    """Each test starts with torch's own function and no user of the wrapper (watches
+    other tests left open hold it); theirs are given back after."""
+    held = clipping._installed[0]
+    clipping._uninstall()
+    clipping._installed[0] = 0
+    yield
+    clipping._uninstall()
+    if held:
+        clipping.install()
+    clipping._installed[0] = held
 
 
 def backward(model: torch.nn.Module, gen: torch.Generator) -> None:
