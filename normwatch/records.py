@@ -273,7 +273,8 @@ class UpdateStats:
     update_norm: float
     """The L2 norm of the parameter change the step made."""
     param_norm: float
-    """The L2 norm of the parameters after the step."""
+    """The L2 norm of the parameters after the step (measured on full-tier steps, the
+    last measured one on the steps between: it moves slowly)."""
     lr: float | None
     """The largest learning rate of the optimizers' groups (``None`` when not a number)."""
 
