@@ -172,16 +172,15 @@ def take(optimizer: torch.optim.Optimizer) -> Clipped | None:
     first = used[0].total
     finite = first.isfinite() if len(used) == 1 else \
         torch.stack([c.total.to(first.device).isfinite() for c in used]).all()
-    sumsq: dict[torch.device, torch.Tensor] | None = {}
-    for call in used:
-        if call.max_norm is None or sumsq is None:
-            sumsq = None
-            continue
+    known = [(c.total, c.max_norm) for c in used if c.max_norm is not None]
+    if len(known) < len(used):
+        return Clipped(finite, None)
+    sumsq: dict[torch.device, torch.Tensor] = {}
+    for total, max_norm in known:
         # torch's clip: g * min(1, max_norm / (|g| + 1e-6)); max_norm=inf (measuring): 1
-        norm = call.total.double()
-        part = (norm * torch.clamp(call.max_norm / (norm + 1e-6), max=1.0)).square()
-        device = part.device
-        sumsq[device] = sumsq[device] + part if device in sumsq else part
+        norm = total.double()
+        part = (norm * torch.clamp(max_norm / (norm + 1e-6), max=1.0)).square()
+        sumsq[part.device] = sumsq[part.device] + part if part.device in sumsq else part
     return Clipped(finite, sumsq)
 
 
