@@ -106,6 +106,27 @@ def _compile_counts() -> tuple[int, int]:
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor,
+               watcher: object, clip: bool = False,
+               context: Callable[[], contextlib.AbstractContextManager[object]] =
+               contextlib.nullcontext) -> None:
+    """One training step of the benchmark loop; ``clip``: clip the gradients first (a loop
+    without a normwatch watch calls torch's own ``clip_grad_norm_``, not the wrapper
+    another mode's watch installed in this process)."""
+    with context():
+        loss = model(tokens, labels=tokens, use_cache=False).loss
+        loss.backward()
+    if clip:
+        clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
+        if not isinstance(watcher, normwatch.Watch):
+            clip_grad_norm_ = getattr(clip_grad_norm_, "__normwatch_real__", clip_grad_norm_)
+        clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if isinstance(watcher, normwatch.Watch):
+        watcher.step(loss)
+
+
 def run(rounds: int, steps: int, hidden: int, layers: int, batch: int, seq: int,
         only: list[str] | None = None, clip: bool = False) -> list[Row]:
     """Return ``(mode, median step ms, median paired ratio, compile counts)`` rows;
@@ -132,15 +153,7 @@ def run(rounds: int, steps: int, hidden: int, layers: int, batch: int, seq: int,
             graphs, breaks = _compile_counts()
             start = time.perf_counter()
             for _ in range(steps):
-                with mode.context():
-                    loss = model(tokens, labels=tokens, use_cache=False).loss
-                    loss.backward()
-                if clip:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                if isinstance(watcher, normwatch.Watch):
-                    watcher.step(loss)
+                train_step(model, opt, tokens, watcher, clip, mode.context)
             elapsed = time.perf_counter() - start
             new_graphs, new_breaks = (a - b for a, b in zip(_compile_counts(), (graphs, breaks),
                                                             strict=True))
@@ -239,13 +252,7 @@ def direct(hidden: int, layers: int, batch: int, seq: int, steps: int, mode: str
         for i in range(steps + 10):  # 10 warm-up steps
             if i == 10:
                 total[0], start = 0.0, time.perf_counter()
-            loss = model(tokens, labels=tokens, use_cache=False).loss
-            loss.backward()
-            if clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            watcher.step(loss)
+            train_step(model, opt, tokens, watcher, clip)
         elapsed = time.perf_counter() - start
         watcher.close()
     return total[0] / steps * 1e3, elapsed / steps * 1e3
@@ -309,17 +316,7 @@ def turns(hidden: int, layers: int, batch: int, seq: int, steps: int,
         for i in range(steps + 10):  # 10 warm-up steps each (the first interval)
             for key, model, opt, watcher in runs:
                 before, start = total[0], time.perf_counter()
-                loss = model(tokens, labels=tokens, use_cache=False).loss
-                loss.backward()
-                if key[1]:
-                    clip = torch.nn.utils.clip_grad_norm_
-                    if watcher is None:  # torch's own, not the wrapper a watch installed
-                        clip = getattr(clip, "__normwatch_real__", clip)
-                    clip(model.parameters(), 1.0)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                if isinstance(watcher, normwatch.Watch):
-                    watcher.step(loss)
+                train_step(model, opt, tokens, watcher, key[1])
                 if i >= 10:
                     inside[key].append(total[0] - before)
                     whole[key].append(time.perf_counter() - start)
