@@ -6,23 +6,25 @@
     >>> updates = monitor.resolve(copied)    # at the flush: (UpdateStats, ...)
 
 The pre-hook copies a fixed sample of each trainable parameter: every
-:data:`SAMPLE_STRIDE`-th block of :data:`BLOCK` elements (17, prime: it walks across the
+:data:`SAMPLE_STRIDE`-th block of :data:`BLOCK` elements (37, prime: it walks across the
 columns of any power-of-two width instead of always reading the same ones), tensors
 smaller than :data:`EXACT_BELOW` whole; the samples are views made once per parameter
 list, packed per device and dtype end to end into one buffer by one copy
-(:class:`_Pack`). The post-hook reuses that buffer for the change, then (on full-tier
-steps: ``|p|`` moves slowly, and is carried to the steps between) the values, then the
-same sample of the gradients the step used, and reduces each with one norm, every tensor
-scaled by its elements per sampled element (an estimate of each sum of squares where the
-values are spread like the tensor; the relative error of a norm is about
-``sqrt(SAMPLE_STRIDE / (2 n))`` for ``n`` elements of similar size: 0.3 % at 1M
-elements): a few ops per step whatever the number of tensors, reading 1/17 of the
-parameters and gradients. Where the guard already read every gradient before the step
-(``exact``), its exact gradient norm is taken instead of the sample's.
+(:class:`_Pack`). The post-hook copies the same sample after the step into a second
+buffer and subtracts it from the first (the change), then refills the first with the
+same sample of the gradients the step used (one view per gradient, made from the
+parameter's layout), and reduces each buffer with one norm, every tensor scaled by its
+elements per sampled element (an estimate of each sum of squares where the values are
+spread like the tensor; the relative error of a norm is about ``sqrt(SAMPLE_STRIDE / (2
+n))`` for ``n`` elements of similar size: 0.4 % at 1M elements): a few ops per step
+whatever the number of tensors, reading 1/37 of the parameters (twice) and gradients.
+``|p|`` is reduced from the second buffer on full-tier steps only (it moves slowly, and
+is carried to the steps between). Where the guard already read every gradient before
+the step (``exact``), its exact gradient norm is taken instead of the sample's.
 A non-finite gradient element outside the sample is not seen here (the norms' gradient
-hooks and the loss see it). The copy costs 1/17 of the optimizer's local parameters (a
-shard under FSDP2) in memory: for the duration of ``step()`` on accelerators, kept
-between steps on the CPU (:meth:`_Pack.fill`). Everything stays on the
+hooks and the loss see it). The two buffers cost 2/37 of the optimizer's local
+parameters (a shard under FSDP2) in memory: for the duration of ``step()`` on
+accelerators, kept between steps on the CPU (:data:`KEEP_ON`). Everything stays on the
 parameters' devices (no host sync) until the flush copies the rows along with the
 statistics. Several optimizers stepping in one training step add up into one row. A
 failure in a hook detaches the monitor with one warning; training goes on.
@@ -46,16 +48,17 @@ from normwatch.measure.sharding import local
 from normwatch.records import UpdateStats
 
 KEEP_ON = frozenset({"cpu"})
-"""Device types whose parameter copies are kept between steps (:meth:`_Pack.fill`)."""
+"""Device types whose sample buffers are kept between steps (:meth:`_Pack.release`)."""
 WIDTH = 3
 """Values per device row: gradient, update and parameter sums of squares."""
-SAMPLE_STRIDE = 17
-"""The update is measured on every 17th block of a tensor (5.9 %)."""
+SAMPLE_STRIDE = 37
+"""The update is measured on every 37th block of a tensor (2.7 %: two buffers of it, the
+values before and after the step, stay under 1/16 of the parameters)."""
 BLOCK = 16
-"""Elements per sampled block (64 bytes of fp32: one cache line, so the sample reads 1/17
+"""Elements per sampled block (64 bytes of fp32: one cache line, so the sample reads 1/37
 of the memory too)."""
-EXACT_BELOW = 16 * SAMPLE_STRIDE * BLOCK
-"""Tensors with fewer elements are copied whole (a sample of under 16 blocks says little)."""
+EXACT_BELOW = 8 * SAMPLE_STRIDE * BLOCK
+"""Tensors with fewer elements are copied whole (a sample of under 8 blocks says little)."""
 
 
 def sample(t: torch.Tensor) -> torch.Tensor:
@@ -81,11 +84,17 @@ def unwrap(optimizer: object) -> torch.optim.Optimizer:
     return inner
 
 
+BEFORE, AFTER = 0, 1
+"""A :class:`_Pack`'s two slots: the samples before the step (then the change, then the
+gradients), and after it."""
+
+
 class _Pack:
-    """The samples of one device and dtype laid end to end in one buffer (one op to fill,
-    one to reduce, whatever the number of tensors): the sampled tensors' blocks as
-    ``(rows, BLOCK)``, the small tensors flat; each block row weighted by its tensor's
-    elements per sampled element (the small ones are whole: weight 1)."""
+    """The samples of one device and dtype laid end to end (one op to fill a slot, one to
+    reduce it, whatever the number of tensors), in two slots (:data:`BEFORE`,
+    :data:`AFTER`): the sampled tensors' blocks as ``(rows, BLOCK)``, the small tensors
+    flat; each block row weighted by its tensor's elements per sampled element (the small
+    ones are whole: weight 1)."""
 
     def __init__(self, samples: list[torch.Tensor], scales: list[float]) -> None:
         self.blocked = [i for i, s in enumerate(samples) if s.dim() == 2]
@@ -107,32 +116,35 @@ class _Pack:
         elif self.blocked:
             self.weights = runs([scales[i] for i in self.blocked], counts, torch.float64,
                                 first.device)
-        self.buffers: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
-        self.views: list[torch.Tensor] = []
-        """Views of :attr:`buffers`, one per sample, in sample order."""
+        self.buffers: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * 2
+        """Per slot: the blocked and the flat buffer (``None``: none made, or released)."""
 
-    def fill(self, tensors: list[torch.Tensor], keep: bool) -> None:
-        """Copy ``tensors`` (laid out like the samples) into the buffers: into the kept
-        ones (``keep``), else into new ones."""
-        kept = self.buffers if keep else (None, None)
+    def fill(self, tensors: list[torch.Tensor], slot: int) -> None:
+        """Copy ``tensors`` (laid out like the samples) into ``slot``'s buffers, made on the
+        first fill (or after :meth:`release`)."""
         parts = []
-        for index, buffer in zip((self.blocked, self.flat), kept, strict=True):
+        for index, buffer in zip((self.blocked, self.flat), self.buffers[slot], strict=True):
             picked = [tensors[i] for i in index]
             parts.append(None if not picked else torch.cat(picked) if buffer is None
                          else torch.cat(picked, out=buffer))
-        self.buffers = (parts[0], parts[1])
-        if not keep or not self.views:
-            self.views = [None] * (len(self.blocked) + len(self.flat))  # type: ignore[list-item]
-            for index, buffer in ((self.blocked, parts[0]), (self.flat, parts[1])):
-                if buffer is not None:
-                    sizes = [tensors[i].shape[0] for i in index]
-                    for i, view in zip(index, torch.split(buffer, sizes), strict=True):
-                        self.views[i] = view
+        self.buffers[slot] = (parts[0], parts[1])
 
-    def sumsq(self) -> torch.Tensor:
-        """The buffers' weighted float64 sum of squares (0-d, on their device); full
-        precision buffers are scaled in place on the way (refill before reuse)."""
-        blocked, flat = self.buffers
+    def copy(self, source: int, slot: int) -> None:
+        """Copy slot ``source``'s buffers into ``slot``'s (both filled)."""
+        for into, values in zip(self.buffers[slot], self.buffers[source], strict=True):
+            if into is not None and values is not None:
+                into.copy_(values)
+
+    def subtract(self) -> None:
+        """:data:`BEFORE` minus :data:`AFTER`, in place: the change, negated."""
+        for before, after in zip(*self.buffers, strict=True):
+            if before is not None and after is not None:
+                before.sub_(after)
+
+    def sumsq(self, slot: int) -> torch.Tensor:
+        """``slot``'s weighted float64 sum of squares (0-d, on its device); full precision
+        buffers are scaled in place on the way (refill before reuse)."""
+        blocked, flat = self.buffers[slot]
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         if blocked is not None and self.roots is not None:
             total = torch.linalg.vector_norm(blocked.mul_(self.roots)).double().square()
@@ -144,7 +156,9 @@ class _Pack:
         return total
 
     def release(self) -> None:
-        self.buffers, self.views = (None, None), []
+        """Drop the buffers unless they are kept between steps."""
+        if not self.keep:
+            self.buffers = [(None, None)] * 2
 
 
 class _Sampled:
@@ -155,20 +169,55 @@ class _Sampled:
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.params = params
         self.addresses = [p.data_ptr() for p in params]
+        self.versions: list[int] | None = None
+        """The parameters' versions when last copied into :data:`AFTER` (see
+        :meth:`unchanged`)."""
         self.samples = [sample(local(p).detach()) for p in params]
         self.scales = [_scale(p, s) for p, s in zip(params, self.samples, strict=True)]
+        self.layouts = [(s.shape, s.stride(), local(p).numel(), s.dtype)
+                        for p, s in zip(params, self.samples, strict=True)]
+        """Per parameter, what a gradient laid out like it is sampled by: the sample's
+        size and strides (a flat sample: the whole tensor), its elements and dtype."""
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for i, s in enumerate(self.samples):
             groups.setdefault((s.device, s.dtype), []).append(i)
         self.packs = [(index, _Pack([self.samples[i] for i in index],
                                     [self.scales[i] for i in index]))
                       for index in groups.values()]
+        self.kept = any(pack.keep for _, pack in self.packs)
+        """Whether some buffers are kept between steps (then the versions are noted)."""
+
+    def seen(self) -> None:
+        """The parameters were just copied into :data:`AFTER`: note their versions."""
+        self.versions = [p._version for p in self.params]
+
+    def unchanged(self) -> bool:
+        """Whether no parameter was written since :meth:`seen` (once: the next call says
+        ``False`` until :meth:`seen` again). In-place writes bump a tensor's version; a
+        write through ``.data`` bypasses it (and is not seen)."""
+        versions, self.versions = self.versions, None
+        return versions is not None and versions == [p._version for p in self.params]
 
     def fits(self, params: list[torch.Tensor]) -> bool:
         """Whether ``params`` are these, in place (no parameter replaced or re-allocated)."""
         return len(params) == len(self.params) and all(
-            a is b and a.data_ptr() == address
-            for a, b, address in zip(params, self.params, self.addresses, strict=True))
+            a is b for a, b in zip(params, self.params, strict=True)) and \
+            [p.data_ptr() for p in params] == self.addresses
+
+    def grad_samples(self) -> list[torch.Tensor] | None:
+        """The same sample of every gradient, or ``None`` unless every one is laid out like
+        its parameter (dense, contiguous, same elements and dtype): one view each, made
+        from the parameters' layouts (the hot path: no per-tensor arithmetic)."""
+        out = []
+        for p, (size, stride, n, dtype) in zip(self.params, self.layouts, strict=True):
+            g = p.grad
+            if g is None or g.layout != torch.strided or g.dtype != dtype:
+                return None
+            g = local(g)
+            if not g.is_contiguous() or g.numel() != n:
+                return None
+            out.append(g.as_strided(size, stride) if len(size) == 2 else g.reshape(-1))
+        return out
 
 
 def _scale(t: torch.Tensor, s: torch.Tensor) -> float:
@@ -219,8 +268,12 @@ class UpdateMonitor:
         sampled = self._sampled.get(id(optimizer))
         if sampled is None or not sampled.fits(params):
             sampled = self._sampled[id(optimizer)] = _Sampled(params)
+        unchanged = sampled.kept and sampled.unchanged()
         for index, pack in sampled.packs:  # the samples' values before the step
-            pack.fill([sampled.samples[i] for i in index], pack.keep)
+            if unchanged and pack.keep:  # the last step's values after: nothing wrote since
+                pack.buffers.reverse()
+            else:
+                pack.fill([sampled.samples[i] for i in index], BEFORE)
         self._pending.add(id(optimizer))
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -238,37 +291,35 @@ class UpdateMonitor:
         exact = None if self._exact is None else self._exact(optimizer)
         sized = self._full() or id(optimizer) not in self._sizes
         rows: dict[torch.device, torch.Tensor] = {}
+        picked = None
         if exact is None:
             # the gradients are read after the step: a closure (LBFGS, Lightning)
             # computes them inside step(), after the pre-hook
-            grads = [None if p.grad is None else _values(local(p.grad)).detach()
-                     for p in sampled.params]
-            picked = [None if g is None else sample(g) for g in grads]
-            alike = all(g is not None and g.shape == s.shape and g.dtype == s.dtype
-                        for g, s in zip(picked, sampled.samples, strict=True))
+            picked = sampled.grad_samples()
         else:
             rows = {device: torch.stack([g, torch.zeros_like(g), torch.zeros_like(g)])
                     for device, g in exact.items()}
         for index, pack in sampled.packs:
-            samples = [sampled.samples[i] for i in index]
-            torch._foreach_sub_(pack.views, samples)  # the buffers: -Δp
             zero = torch.zeros((), dtype=torch.float64, device=pack.device)
-            change = pack.sumsq()
+            pack.fill([sampled.samples[i] for i in index], AFTER)
+            pack.subtract()  # BEFORE: -Δp
+            change = pack.sumsq(BEFORE)
             size = zero
-            if sized:
-                pack.fill(samples, keep=True)
-                size = pack.sumsq()
+            if sized:  # AFTER stays as it is: the next step's values before
+                pack.copy(AFTER, BEFORE)
+                size = pack.sumsq(BEFORE)
             grad = zero
-            if exact is None and alike:  # the gradients' samples have the params' layout
-                pack.fill([picked[i] for i in index], keep=True)  # type: ignore[misc]
-                grad = pack.sumsq()
+            if picked is not None:  # the gradients' samples: the params' layout
+                pack.fill([picked[i] for i in index], BEFORE)
+                grad = pack.sumsq(BEFORE)
             elif exact is None:  # missing or sparse gradients: one norm per tensor
-                grad = _grad_sumsq([(grads[i], picked[i]) for i in index], pack.device)
-            if not pack.keep:
-                pack.release()
+                grad = _grad_sumsq([sampled.params[i].grad for i in index], pack.device)
+            pack.release()
             row = torch.stack([grad, change, size])
             device = row.device
             rows[device] = rows[device] + row if device in rows else row
+        if sampled.kept:
+            sampled.seen()
         step = self._step()
         for device, row in rows.items():
             self._rows.append((step, id(optimizer), device, row, sized))
@@ -321,16 +372,16 @@ class UpdateMonitor:
         self._sampled.clear()
 
 
-def _grad_sumsq(grads: list[tuple[torch.Tensor | None, torch.Tensor | None]],
-                device: torch.device) -> torch.Tensor:
+def _grad_sumsq(grads: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
     """``|g|²`` estimated tensor by tensor, for gradients not laid out like their
-    parameters (missing, sparse): ``(gradient, its sample)`` pairs on ``device``; one norm
-    call per dtype, each norm scaled by the square root of its tensor's elements per
-    sampled element."""
+    parameters (missing, sparse), on ``device``: one norm call per dtype, each sample's
+    norm scaled by the square root of its tensor's elements per sampled element."""
     by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, float]]] = {}
-    for g, s in grads:
-        if g is not None and s is not None:
-            by_dtype.setdefault(s.dtype, []).append((s, math.sqrt(_scale(g, s))))
+    for g in grads:
+        if g is not None:
+            values = _values(local(g))
+            s = sample(values)
+            by_dtype.setdefault(s.dtype, []).append((s, math.sqrt(_scale(values, s))))
     total = torch.zeros((), dtype=torch.float64, device=device)
     for dtype, group in by_dtype.items():
         norms = torch._foreach_norm([s for s, _ in group], 2, dtype=summed_dtype(dtype))

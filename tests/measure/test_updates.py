@@ -19,7 +19,7 @@ from normwatch.errors import ConfigError
 def reference(params: list[torch.nn.Parameter], before: list[torch.Tensor]
               ) -> tuple[float, ...]:
     """Gradient, update and parameter L2 norms in float64, one parameter at a time, and
-    the same three estimated from every 17th block of 16 elements of each tensor of 4352
+    the same three estimated from every 37th block of 16 elements of each tensor of 4736
     or more (the documented sample), scaled by elements per sampled element."""
     def norm(ts: list[torch.Tensor]) -> float:
         return math.sqrt(sum(float(t.double().square().sum()) for t in ts))
@@ -27,7 +27,7 @@ def reference(params: list[torch.nn.Parameter], before: list[torch.Tensor]
     def sampled(t: torch.Tensor) -> float:
         flat = t.double().flatten()
         n = flat.numel()
-        picked = flat if n < 4352 else flat[:n - n % 16].view(-1, 16)[::17].flatten()
+        picked = flat if n < 4736 else flat[:n - n % 16].view(-1, 16)[::37].flatten()
         return float(picked.square().sum()) * n / picked.numel()
     with_grad = [(p, b) for p, b in zip(params, before, strict=True) if b is not None]
     changes = [p.detach() - b[0] for p, b in with_grad]
@@ -83,7 +83,7 @@ def test_norms_match_a_float64_reference_with_two_optimizers_and_accumulation(
         assert u.lr == 0.05 and u.update_ratio == pytest.approx(d / measured[2], rel=3e-2)
     assert w._updates._pending == set()
     buffers = [b for s in w._updates._sampled.values() for _, pack in s.packs
-               for b in pack.buffers if b is not None]
+               for slot in pack.buffers for b in slot if b is not None]
     assert bool(buffers) == kept  # on accelerators the copy lives for the step only
     w.close()
     assert w._updates._sampled == {}
@@ -91,9 +91,9 @@ def test_norms_match_a_float64_reference_with_two_optimizers_and_accumulation(
 
 
 def test_the_update_copy_holds_a_sixteenth_of_the_parameters() -> None:
-    """What the monitor keeps between steps (CPU) or allocates for a step: every 17th
-    element of the large tensors; the estimated update norm within 1 % of the exact one
-    over a real loop (AdamW, a learning-rate spike included)."""
+    """What the monitor keeps between steps (CPU) or allocates for a step: every 37th
+    block of the large tensors, before and after the step; the estimated update norm
+    within 1 % of the exact one over a real loop (AdamW, a learning-rate spike included)."""
     torch.manual_seed(0)
     model = TinyLM(dim=128, depth=2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -113,12 +113,41 @@ def test_the_update_copy_holds_a_sixteenth_of_the_parameters() -> None:
                                    for p, b in zip(params, before, strict=True))))
         w.step()
     kept = sum(b.numel() for s in w._updates._sampled.values() for _, pack in s.packs
-               for b in pack.buffers if b is not None)
+               for slot in pack.buffers for b in slot if b is not None)
     total = sum(p.numel() for p in params)
     assert 0 < kept <= total / 16, (kept, total)
     got = [u.update_norm for u in w.flush().updates]
     assert got == pytest.approx(exact, rel=1e-2)
     assert max(got) == got[5]  # the spike stands out as it does exactly
+    w.close()
+
+
+def test_a_write_between_steps_is_not_taken_for_the_update() -> None:
+    """On the CPU the values after one step stand for the values before the next; a
+    parameter written in place between steps (here: halved) is copied again, so each
+    update is the optimizer's own change, within the sample's error of the exact one."""
+    torch.manual_seed(0)
+    model = TinyLM(dim=128, depth=2)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    w = normwatch.watch(model, opt, flush_every=100, report_dir=None)
+    params = [p for p in model.parameters() if p.requires_grad]
+    gen = torch.Generator().manual_seed(0)
+    exact = []
+    for step in range(1, 6):
+        if step == 3:
+            with torch.no_grad():
+                model.embed.weight.mul_(0.5)
+                model.blocks[0].mlp.up.weight.mul_(0.5)
+        tokens = synthetic_batch(gen, batch=4, seq=16)
+        lm_loss(model(tokens), tokens).backward()
+        before = [p.detach().clone() for p in params]
+        opt.step()
+        opt.zero_grad()
+        exact.append(math.sqrt(sum(float((p.detach() - b).double().square().sum())
+                                   for p, b in zip(params, before, strict=True))))
+        w.step()
+    got = [u.update_norm for u in w.flush().updates]
+    assert got == pytest.approx(exact, rel=6e-2)  # the halving moved them 10x more
     w.close()
 
 
