@@ -23,8 +23,9 @@ eager hooks do (:meth:`GradHooks.measure`); the hidden state keeps its tensor ho
 host sync. Hooks and taps live on the step's autograd graph and go with it: no tensor is
 kept past the step.
 
-The weight's gradient is measured by a hook on the parameter, registered once: it fires
-with each backward's local gradient, before DDP reduces it.
+The weight's gradient is measured by a hook on the parameter, registered for the steps
+whose backward is measured (:meth:`GradHooks.arm`, between steps): it fires with each
+backward's local gradient, before DDP reduces it.
 """
 
 from __future__ import annotations
@@ -179,6 +180,11 @@ class GradPlan:
     segment: torch.Tensor
     where: torch.Tensor
     weights: torch.Tensor
+    uniform: int = 0
+    """Tokens per gradient when every gradient has the same count (then each one's sums
+    are plain reductions over a view, and only those are scattered), else 0."""
+    widths: torch.Tensor | None = None
+    """Per gradient, its width (``uniform`` plans)."""
 
 
 def grad_plan(staged: Sequence[GradRows], device: torch.device) -> GradPlan:
@@ -187,12 +193,15 @@ def grad_plan(staged: Sequence[GradRows], device: torch.device) -> GradPlan:
     counts = [s.norms.numel() for s in acts]
     where = [s.layer * len(SITES) + s.site for s in acts]
     weights = [s.layer for s in staged if s.site == WEIGHT]
+    widths = [float(s.width) for s in acts]
     return GradPlan(
         index=runs(where, counts, torch.int64, device),
-        width=runs([s.width for s in acts], counts, torch.float32, device),
+        width=runs(widths, counts, torch.float32, device),
         segment=runs(list(range(len(acts))), counts, torch.int64, device),
         where=runs(where, [1] * len(where), torch.int64, device),
-        weights=runs(weights, [1] * len(weights), torch.int64, device))
+        weights=runs(weights, [1] * len(weights), torch.int64, device),
+        uniform=counts[0] if counts and len(set(counts)) == 1 else 0,
+        widths=runs(widths, [1] * len(widths), torch.float32, device))
 
 
 def fold_grads(block: torch.Tensor, staged: Sequence[GradRows], plan: GradPlan) -> None:
@@ -212,12 +221,22 @@ def fold_grads(block: torch.Tensor, staged: Sequence[GradRows], plan: GradPlan) 
                              ).float().view(-1, 2)
         peak = torch.maximum(bounds[:, 1], -bounds[:, 0])  # NaN/inf: the gradient holds them
         whole = peak.isfinite()
-        ok = norms.isfinite() | whole[plan.segment]
-        okf = ok.float()
-        sums = torch.stack([torch.ones_like(okf), okf, torch.where(ok, norms * norms, 0.0),
-                            okf * plan.width], 1)
         n_rows, n = block.shape[0], len(GRAD_SUMS)
-        total = sums.new_zeros(n_rows * len(SITES), n).index_add_(0, plan.index, sums)
+        if plan.uniform and plan.widths is not None:  # per gradient, then scattered
+            norms = norms.view(len(acts), plan.uniform)
+            ok = norms.isfinite() | whole[:, None]
+            okf = ok.float().sum(1)
+            sums = torch.stack([torch.full_like(okf, plan.uniform), okf,
+                                torch.where(ok, norms * norms, 0.0).sum(1),
+                                okf * plan.widths], 1)
+            index = plan.where
+        else:  # per token
+            ok = norms.isfinite() | whole[plan.segment]
+            okf = ok.float()
+            sums = torch.stack([torch.ones_like(okf), okf, torch.where(ok, norms * norms, 0.0),
+                                okf * plan.width], 1)
+            index = plan.index
+        total = sums.new_zeros(n_rows * len(SITES), n).index_add_(0, index, sums)
         known = torch.where(whole, peak, -math.inf)
         peaks = known.new_full((n_rows * len(SITES),), -math.inf).scatter_reduce_(
             0, plan.where, known, "amax")
@@ -307,6 +326,9 @@ class GradHooks:
         self._fail = fail
         self._weight: torch.Tensor | None = None
         self._weight_handle: RemovableHandle | None = None
+        self._armed = True
+        """Whether the weight's hook is registered (on steps whose backward is measured:
+        a hook that fires only to return costs ~40 µs inside a backward, :meth:`arm`)."""
 
     def watch_call(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Eager: hook one call's gradients (input ``x``, output ``y``) without touching
@@ -348,8 +370,19 @@ class GradHooks:
             return
         self.remove()
         self._weight = weight
-        self._weight_handle = weight.register_hook(  # type: ignore[no-untyped-call]
-            self._weight_grad)
+        self.arm(self._armed)
+
+    def arm(self, on: bool) -> None:
+        """Register the weight's hook (``on``: this step's backward is measured) or take it
+        off until the next measured step (between steps: no recompile, the hooks of a
+        leaf are run outside compiled graphs)."""
+        self._armed = on
+        if on and self._weight_handle is None and self._weight is not None:
+            self._weight_handle = self._weight.register_hook(  # type: ignore[no-untyped-call]
+                self._weight_grad)
+        elif not on and self._weight_handle is not None:
+            self._weight_handle.remove()
+            self._weight_handle = None
 
     def remove(self) -> None:
         """Remove the weight's hook (the activation hooks go with their graphs)."""

@@ -95,8 +95,11 @@ class Measurement:
         rt.update(step=step, calls_this_step=0, full_stats=full)
         if self._find_unsharded:
             self._follow_unsharded()
+        measured = rt.gradients and full
         for hook in self._hooks:
             hook.pending_recompute = 0
+            if hook.grads is not None:
+                hook.grads.arm(measured)
             if hook.state is None:  # built on the meta device, materialised since?
                 device = module_device(hook.module)
                 if device is not None and device.type != "meta":

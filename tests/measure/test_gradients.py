@@ -40,9 +40,9 @@ def model(pre: bool = True, depth: int = 3, d: int = 16) -> nn.Sequential:
     return nn.Sequential(nn.Linear(d, d), *blocks)
 
 
-def batch(seed: int = 1, d: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(seed: int = 1, d: int = 16, seq: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(3, 5, d, generator=g), torch.randn(3, 5, d, generator=g)
+    return torch.randn(3, seq, d, generator=g), torch.randn(3, seq, d, generator=g)
 
 
 def reference(net: nn.Sequential, batches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -117,10 +117,14 @@ def train(net: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
 
 
 @pytest.mark.parametrize("pre", [True, False], ids=["pre-norm", "post-norm"])
-@pytest.mark.parametrize("micro", [1, 3], ids=["one-batch", "accumulate-3"])
-def test_gradient_statistics_match_a_float64_reference(pre: bool, micro: int) -> None:
+@pytest.mark.parametrize("seqs", [(5,), (5, 5, 5), (5, 7, 2)],
+                         ids=["one-batch", "accumulate-3", "ragged-3"])
+def test_gradient_statistics_match_a_float64_reference(pre: bool, seqs: tuple[int, ...]
+                                                       ) -> None:
+    """Ragged micro-batches: gradients of different token counts fold token by token,
+    alike ones gradient by gradient."""
     net = model(pre)
-    batches = [batch(seed) for seed in range(micro)]
+    batches = [batch(seed, seq=seq) for seed, seq in enumerate(seqs)]
     ref = reference(net, batches)
     snap = train(net, batches)
     for name, expected in ref.items():
@@ -178,16 +182,24 @@ def test_activation_checkpointing_measures_each_backward_once(reentrant: bool) -
 def test_only_full_tier_steps_are_measured_and_the_option_turns_it_off() -> None:
     net = model()
     w = normwatch.watch(net, flush_every=4, stats_every=2, report_dir=None)
+    weights = [m.weight for m in net.modules() if isinstance(m, nn.LayerNorm)]
+    hooked = []
     for _ in range(4):  # full tier: steps 1 and 3
+        hooked.append([bool(p._backward_hooks) for p in weights])
         x, target = batch()
         (net(x) * target).sum().backward()
         w.step()
+    # the weights' hooks are registered for the measured backwards only
+    assert hooked == [[True] * len(weights), [False] * len(weights)] * 2
     snap = w.last_snapshot
     assert snap is not None
     one = train(model(), [batch()])
     for name, stats in snap.layers.items():
         assert stats.grad_out_rms == pytest.approx(one.layers[name].grad_out_rms, rel=1e-5)
+        assert stats.weight_grad_norm == pytest.approx(one.layers[name].weight_grad_norm,
+                                                       rel=1e-5)
     w.close()
+    assert not any(p._backward_hooks for p in weights)
     off = train(model(), [batch()], gradients=False)
     assert all(s.grad_out_rms is None and s.weight_grad_norm is None
                for s in off.layers.values())
