@@ -234,26 +234,30 @@ class LayerHook:
     ) -> None:
         # The common case first, in few lines: inside a training step every line of
         # Python costs several times what it costs warm.
-        x = input_of(args, kwargs)
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else input_of(args, kwargs)
         if x is None or not x.is_floating_point() or x.is_meta:
             return self._skip(x)
         if not self._counted(module):
             return
-        y = output_of(output)
-        alone = not self.rt.check_outputs or not other_tensor(args, kwargs, x)
+        y = output if isinstance(output, torch.Tensor) else output_of(output)
+        rt = self.rt
+        # only where this call may be the interval's output check (see measure)
+        alone = rt.check_outputs and not self.counts.output_checked and \
+            not other_tensor(args, kwargs, x)
         # Detached tensors record no autograd graph: no no_grad() context needed.
         self.measure(module, x.detach(), None if y is None else y.detach(), alone)
-        if self.grads is not None and self.rt.grads_now:
+        if self.grads is not None and rt.grads_now:
             if y is not None and y.requires_grad:
                 self.grads.watch_call(x, y)
             self.grads.watch_weight(getattr(module, "weight", None))  # FSDP2 swaps it
-        if self.rt.full_stats or self.counts.calls == 1:  # each interval's first call, and
-            self.record_dtypes(module, x, y)              # the full-tier steps' calls
+        if rt.full_stats or self.counts.calls == 1:  # each interval's first call, and
+            self.record_dtypes(module, x, y)         # the full-tier steps' calls
 
     def measure(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None,
                 alone: bool) -> None:
         """Reduce and stage one counted call (``x``, ``y`` detached; ``alone``: ``x`` was
-        its only tensor input); count it. Eager and compiled calls alike."""
+        its only tensor input, which only an output check reads); count it. Eager and
+        compiled calls alike."""
         rt = self.rt
         n_tokens = 0
         if x.numel():
@@ -272,10 +276,11 @@ class LayerHook:
         c = self.counts
         c.calls += 1
         c.tokens += n_tokens
-        c.empty_calls += not n_tokens
-        c.input_shape = x.shape
+        if not n_tokens:
+            c.empty_calls += 1
         if c.calls == 1:
             rt.forward_order.setdefault(self.layer.name, len(rt.forward_order))
+        c.input_shape = x.shape
 
     def _reduce(self, x: torch.Tensor, out: torch.Tensor | None, key: float) -> CallRows:
         """One call's per-token rows (``out``: a non-empty floating output, or ``None``):
@@ -288,8 +293,9 @@ class LayerHook:
         if out is not None:  # the input's layout, or for a wrong-shaped output its last dim
             out_tokens = (out if whole else self._tokens(out)) if out.shape == x.shape else \
                 out.reshape(-1, out.shape[-1]) if out.dim() else out.reshape(1, 1)
-        if not self.rt.fused(x):
-            return reduce_call(tokens, out_tokens, kind, eps, self.rt.full_stats, self.row, key)
+        rt = self.rt
+        if rt.kernel == "torch" or not (rt.kernel == "triton" or x.is_cuda) or not rt.fused(x):
+            return reduce_call(tokens, out_tokens, kind, eps, rt.full_stats, self.row, key)
         tokens = tokens.reshape(-1, tokens.shape[-1])
         same = out_tokens is not None and out.shape == x.shape  # type: ignore[union-attr]
         if same:
