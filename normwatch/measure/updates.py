@@ -61,13 +61,30 @@ EXACT_BELOW = 8 * SAMPLE_STRIDE * BLOCK
 """Tensors with fewer elements are copied whole (a sample of under 8 blocks says little)."""
 
 
+def dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill one block of memory in some order of its dims
+    (contiguous, channels_last, transposed): then it is read in memory order."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape, strict=True)
+                               if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def sample(t: torch.Tensor) -> torch.Tensor:
-    """The elements of ``t`` the norms are measured on: every :data:`SAMPLE_STRIDE`-th
-    block of :data:`BLOCK` (a view, no copy; the last partial block left out), or all of
-    them (flattened)."""
+    """The elements of ``t`` the norms are measured on, in memory order: every
+    :data:`SAMPLE_STRIDE`-th block of :data:`BLOCK` (the last partial block left out), or
+    all of them; a view, no copy, where ``t`` is :func:`dense` (else a flat copy: a
+    snapshot of its values, to be taken again for new ones)."""
     n = t.numel()
-    if n < EXACT_BELOW or not t.is_contiguous():
+    if not dense(t):
         return t.reshape(-1)
+    if n < EXACT_BELOW:
+        return t.view(-1) if t.is_contiguous() else t.as_strided((n,), (1,))
     blocks = -(-(n // BLOCK) // SAMPLE_STRIDE)
     return t.as_strided((blocks, BLOCK), (SAMPLE_STRIDE * BLOCK, 1))
 
@@ -145,15 +162,18 @@ class _Pack:
         """``slot``'s weighted float64 sum of squares (0-d, on its device); full precision
         buffers are scaled in place on the way (refill before reuse)."""
         blocked, flat = self.buffers[slot]
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        norms = []
         if blocked is not None and self.roots is not None:
-            total = torch.linalg.vector_norm(blocked.mul_(self.roots)).double().square()
+            norms.append(torch.linalg.vector_norm(blocked.mul_(self.roots)))
         elif blocked is not None and self.weights is not None:  # half: per row, in fp32
             rows = torch.linalg.vector_norm(blocked, dim=1, dtype=self.summed)
-            total = rows.double().square() @ self.weights
+            norms.append((rows.double().square() @ self.weights).sqrt())
         if flat is not None:
-            total = total + torch.linalg.vector_norm(flat, dtype=self.summed).double().square()
-        return total
+            norms.append(torch.linalg.vector_norm(flat, dtype=self.summed))
+        if not norms:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        both = norms[0] if len(norms) == 1 else torch.stack([n.double() for n in norms])
+        return both.double().square().sum()
 
     def release(self) -> None:
         """Drop the buffers unless they are kept between steps."""
@@ -173,11 +193,14 @@ class _Sampled:
         """The parameters' versions when last copied into :data:`AFTER` (see
         :meth:`unchanged`)."""
         self.samples = [sample(local(p).detach()) for p in params]
+        self.copied = [i for i, p in enumerate(params) if not dense(local(p))]
+        """Parameters whose samples are copies (not :func:`dense`): taken again for each
+        fill (:meth:`current`)."""
         self.scales = [_scale(p, s) for p, s in zip(params, self.samples, strict=True)]
-        self.layouts = [(s.shape, s.stride(), local(p).numel(), s.dtype)
+        self.layouts = [(s.shape, s.stride(), local(p).shape, local(p).stride(), s.dtype)
                         for p, s in zip(params, self.samples, strict=True)]
         """Per parameter, what a gradient laid out like it is sampled by: the sample's
-        size and strides (a flat sample: the whole tensor), its elements and dtype."""
+        size and strides, the (local) parameter's shape, strides and dtype."""
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for i, s in enumerate(self.samples):
             groups.setdefault((s.device, s.dtype), []).append(i)
@@ -204,19 +227,32 @@ class _Sampled:
             a is b for a, b in zip(params, self.params, strict=True)) and \
             [p.data_ptr() for p in params] == self.addresses
 
+    def current(self, index: list[int]) -> list[torch.Tensor]:
+        """The samples of the parameters ``index`` names, copies taken again."""
+        if not self.copied:
+            return [self.samples[i] for i in index]
+        return [sample(local(self.params[i]).detach()) if i in self.copied else
+                self.samples[i] for i in index]
+
     def grad_samples(self) -> list[torch.Tensor] | None:
         """The same sample of every gradient, or ``None`` unless every one is laid out like
-        its parameter (dense, contiguous, same elements and dtype): one view each, made
-        from the parameters' layouts (the hot path: no per-tensor arithmetic)."""
+        its dense parameter (same strides and dtype, not sparse): one view each, made from
+        the parameters' layouts (the hot path: no per-tensor arithmetic)."""
+        if self.copied:
+            return None
         out = []
-        for p, (size, stride, n, dtype) in zip(self.params, self.layouts, strict=True):
+        plain, strided = torch.Tensor, torch.strided
+        for p, (size, stride, shape, strides, dtype) in zip(self.params, self.layouts,
+                                                             strict=True):
             g = p.grad
-            if g is None or g.layout != torch.strided or g.dtype != dtype:
+            if g is None:
                 return None
-            g = local(g)
-            if not g.is_contiguous() or g.numel() != n:
+            if type(g) is not plain:  # a DTensor's: its shard
+                g = local(g)
+            if g.dtype != dtype or g.layout != strided or g.shape != shape \
+                    or g.stride() != strides:
                 return None
-            out.append(g.as_strided(size, stride) if len(size) == 2 else g.reshape(-1))
+            out.append(g.as_strided(size, stride))
         return out
 
 
@@ -273,7 +309,7 @@ class UpdateMonitor:
             if unchanged and pack.keep:  # the last step's values after: nothing wrote since
                 pack.buffers.reverse()
             else:
-                pack.fill([sampled.samples[i] for i in index], BEFORE)
+                pack.fill(sampled.current(index), BEFORE)
         self._pending.add(id(optimizer))
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -301,7 +337,7 @@ class UpdateMonitor:
                     for device, g in exact.items()}
         for index, pack in sampled.packs:
             zero = torch.zeros((), dtype=torch.float64, device=pack.device)
-            pack.fill([sampled.samples[i] for i in index], AFTER)
+            pack.fill(sampled.current(index), AFTER)
             pack.subtract()  # BEFORE: -Δp
             change = pack.sumsq(BEFORE)
             size = zero

@@ -301,3 +301,37 @@ def test_sparse_embedding_gradients_are_counted_by_their_values() -> None:
     w.step()
     (u,) = w.flush().updates
     assert u.grad_norm == pytest.approx(float(grad), rel=1e-6) and u.update_norm > 0
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["copies kept", "copies per step"])
+def test_channels_last_and_transposed_parameters_are_measured_in_memory_order(
+        kept: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A channels_last conv (weights and gradients not contiguous, dense in another order),
+    a parameter stored transposed and one with gaps in memory: their update norms against
+    float64, step by step (a sample taken as a copy once would read stale values)."""
+    if not kept:
+        monkeypatch.setattr(normwatch.measure.updates, "KEEP_ON", frozenset())
+    torch.manual_seed(0)
+    conv = nn.Sequential(nn.Conv2d(16, 64, 3), nn.GroupNorm(4, 64), nn.Conv2d(64, 64, 3))
+    conv = conv.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    assert not conv[2].weight.is_contiguous()
+    head = nn.Parameter((0.1 * torch.randn(96, 64)).t())  # (64, 96), stored transposed
+    gaps = nn.Parameter((0.1 * torch.randn(96, 200))[:, :96])  # not dense: sampled as a copy
+    assert not head.is_contiguous() and not gaps.is_contiguous()
+    params = [*conv.parameters(), head, gaps]
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    w = normwatch.watch(conv, opt, flush_every=100, report_dir=None)
+    gen = torch.Generator().manual_seed(0)
+    exact = []
+    for _ in range(4):
+        x = torch.randn(2, 16, 12, 12, generator=gen).to(memory_format=torch.channels_last)
+        ((conv(x).mean((2, 3)) @ head @ gaps).square().mean() + gaps.square().sum()).backward()
+        before = [p.detach().clone() for p in params]
+        opt.step()
+        opt.zero_grad()
+        exact.append(math.sqrt(sum(float((p.detach() - b).double().square().sum())
+                                   for p, b in zip(params, before, strict=True))))
+        w.step()
+    got = [u.update_norm for u in w.flush().updates]
+    assert got == pytest.approx(exact, rel=8e-2)  # a stale copy: 25-50 % off
+    w.close()
