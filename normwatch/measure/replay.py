@@ -74,6 +74,7 @@ class ReplayLog:
         self._hashed = False
         self._pending: list[tuple[int, torch.device, torch.Tensor, list[str]]] = []
         self._cached: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._names: dict[tuple[torch.dtype, torch.Size], str] = {}
 
     def begin_step(self, step: int) -> None:
         """Step ``step`` begins."""
@@ -91,7 +92,7 @@ class ReplayLog:
         self._hashed = True
         rng: dict[str, Any] = {"torch_initial_seed": str(torch.initial_seed()),
                                "torch_cpu": torch.get_rng_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # never without CUDA
             rng["torch_cuda"] = torch.cuda.get_rng_state()
         point = self._points.get(self._step)
         if point is not None:
@@ -99,11 +100,28 @@ class ReplayLog:
         tensors = list(_integer_tensors((*args, *kwargs.values())))
         if not tensors:
             return
-        device = tensors[0].device
-        hashes = torch.stack([fingerprint_of(t, self._weights(t)).to(device) for t in tensors])
-        shapes = [f"{str(t.dtype).removeprefix('torch.')}[{'x'.join(map(str, t.shape))}]"
-                  for t in tensors]
-        self._pending.append((self._step, device, hashes, shapes))
+        first = tensors[0]
+        device = first.device
+        if len(tensors) > 1 and all(t.shape == first.shape and t.dtype == first.dtype and
+                                    t.device == device for t in tensors):
+            # alike (a language model's input ids and labels): hashed together, row by row
+            flat = torch.stack(tensors).reshape(len(tensors), -1).long()
+            hashes = (flat * self._weights(first)).sum(1).remainder(MODULUS)
+        else:
+            hashes = torch.stack([fingerprint_of(t, self._weights(t)).to(device)
+                                  for t in tensors])
+        self._pending.append((self._step, device, hashes, [self._name(t) for t in tensors]))
+
+    def _name(self, t: torch.Tensor) -> str:
+        """``dtype[shape]`` of ``t`` (``int64[4x16]``), made once per dtype and shape."""
+        key = (t.dtype, t.shape)
+        name = self._names.get(key)
+        if name is None:
+            if len(self._names) >= 64:
+                self._names.clear()
+            name = self._names[key] = \
+                f"{str(t.dtype).removeprefix('torch.')}[{'x'.join(map(str, t.shape))}]"
+        return name
 
     def _weights(self, t: torch.Tensor) -> torch.Tensor:
         key = (t.numel(), t.device)
