@@ -26,3 +26,11 @@ def test_turns_run() -> None:
     for loop in ("plain", "clips"):
         assert f"| unmonitored | {loop} | 0.00 | 1.000x |" in text
         assert f"| normwatch + optimizer + guard | {loop} |" in text
+
+
+def test_comparison_with_a_commit_runs() -> None:
+    from tests.benchmarks import compare
+
+    text = compare.main(["HEAD", "--hidden", "32", "--layers", "1", "--batch", "2", "--seq",
+                         "8", "--steps", "10", "--optimizer"])
+    assert "| HEAD |" in text and "| this tree |" in text and "optimizer watched" in text

@@ -1,0 +1,160 @@
+"""This tree's normwatch against an earlier commit's, side by side in one process (CPU).
+
+Run: ``python -m tests.benchmarks.compare REV [--hidden 256 --batch 4 --seq 128]
+[--steps 100] [--optimizer]``.
+
+``REV``'s ``normwatch/`` is exported (``git archive``) into a temporary folder as the
+package ``normwatch_then``, its imports rewritten to that name. Three copies of one tiny
+Llama (unwatched, watched by ``REV``'s normwatch, watched by this tree's) take the same
+batches, one step each in turn, in alternating order; per 10-step block (one flush each)
+the time inside each normwatch (its entry points, :data:`overhead.ENTRY_POINTS`) and its
+step time over the unwatched one's. Medians over blocks: what a change saved, measured
+in one machine state (runs of separate processes on this machine differ by more than
+most changes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from tests.benchmarks import overhead
+
+ROOT = Path(__file__).resolve().parents[2]
+THEN = "normwatch_then"
+
+
+def export(rev: str, into: Path) -> ModuleType:
+    """``rev``'s ``normwatch`` package, importable as :data:`THEN` from ``into``."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "normwatch"],
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    package = into / THEN
+    (into / "normwatch").rename(package)
+    for path in package.rglob("*.py"):
+        text = path.read_text()
+        text = re.sub(r"\bfrom normwatch([. ])", rf"from {THEN}\1", text)
+        text = re.sub(r"\bimport normwatch\.", f"import {THEN}.", text)
+        text = re.sub(r"^(\s*)import normwatch$", rf"\1import {THEN} as normwatch", text,
+                      flags=re.M)
+        text = re.sub(r"(['\"])normwatch\.", rf"\1{THEN}.", text)  # lazy imports by name
+        text = text.replace("normwatch::", f"{THEN}::")  # its own custom operators
+        path.write_text(text)
+    sys.path.insert(0, str(into))
+    return importlib.import_module(THEN)
+
+
+def timed(package: str, total: list[float]) -> None:
+    """Add the seconds spent inside ``package``'s entry points to ``total[0]``
+    (outermost calls only; entry points the package lacks are skipped)."""
+    depth = [0]
+    for module, owner, names in overhead.ENTRY_POINTS:
+        try:
+            imported = importlib.import_module(module.replace("normwatch", package, 1))
+        except ImportError:
+            continue
+        holder = imported if owner is None else getattr(imported, owner, None)
+        for name in names:
+            real = getattr(holder, name, None)
+            if real is None:
+                continue
+
+            def wrapper(*args: object, _real: Callable[..., object] = real,
+                        **kw: object) -> object:
+                depth[0] += 1
+                start = time.perf_counter()
+                try:
+                    return _real(*args, **kw)
+                finally:
+                    depth[0] -= 1
+                    if depth[0] == 0:
+                        total[0] += time.perf_counter() - start
+            setattr(holder, name, wrapper)
+
+
+def blocks(values: Iterable[float]) -> list[float]:
+    """Means of consecutive 10-step blocks."""
+    v = list(values)
+    return [statistics.fmean(v[i:i + 10]) for i in range(0, len(v) - 9, 10)]
+
+
+def compare(rev: str, hidden: int, layers: int, batch: int, seq: int, steps: int,
+            optimizer: bool) -> str:
+    import normwatch
+
+    with tempfile.TemporaryDirectory() as folder:
+        then = export(rev, Path(folder))
+        totals = {"then": [0.0], "now": [0.0]}
+        timed(THEN, totals["then"])
+        timed("normwatch", totals["now"])
+        torch.manual_seed(0)
+        base = overhead.tiny_llama(hidden, layers)
+        models = {k: copy.deepcopy(base) for k in ("plain", "then", "now")}
+        opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
+        watches = {k: package.watch(models[k], opts[k] if optimizer else None,
+                                    report_dir=None)
+                   for k, package in (("then", then), ("now", normwatch))}
+        gen = torch.Generator().manual_seed(0)
+        times: dict[str, list[float]] = {k: [] for k in models}
+        inside: dict[str, list[float]] = {k: [] for k in watches}
+        for i in range(steps + 10):  # the first 10: warm-up
+            tokens = torch.randint(0, 1024, (batch, seq), generator=gen)
+            for k in ("plain", "then", "now") if i % 2 else ("now", "then", "plain"):
+                before = totals[k][0] if k in totals else 0.0
+                start = time.perf_counter()
+                loss = models[k](tokens, labels=tokens, use_cache=False).loss
+                loss.backward()
+                opts[k].step()
+                opts[k].zero_grad(set_to_none=True)
+                if k in watches:
+                    watches[k].step(loss)
+                if i >= 10:
+                    times[k].append(time.perf_counter() - start)
+                    if k in totals:
+                        inside[k].append(totals[k][0] - before)
+        for w in watches.values():
+            w.close()
+    plain = blocks(times["plain"])
+    ms = statistics.median(plain) * 1e3
+    lines = [f"tiny Llama (hidden {hidden}, {layers} layers, batch {batch} x {seq} tokens"
+             f"{', optimizer watched' if optimizer else ''}), {steps} steps each in turn, "
+             f"torch {torch.__version__}, {torch.get_num_threads()} threads; unwatched step "
+             f"{ms:.1f} ms", "", "| normwatch | inside (ms/step) | share of the step | ratio |",
+             "|---|---:|---:|---:|"]
+    for k, label in (("then", rev), ("now", "this tree")):
+        spent = statistics.median(blocks(inside[k])) * 1e3
+        ratio = statistics.median(a / b for a, b in zip(blocks(times[k]), plain, strict=True))
+        lines.append(f"| {label} | {spent:.2f} | {spent / ms:.2%} | {ratio:.3f}x |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("rev", help="the commit to compare with (e.g. HEAD~3)")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=100, help="a multiple of 10")
+    parser.add_argument("--optimizer", action="store_true", help="watch the optimizer too")
+    args = parser.parse_args(argv)
+    text = compare(args.rev, args.hidden, args.layers, args.batch, args.seq, args.steps,
+                   args.optimizer)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
