@@ -16,6 +16,7 @@ most changes).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import importlib
 import re
@@ -24,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from types import ModuleType
 
@@ -56,32 +57,11 @@ def export(rev: str, into: Path) -> ModuleType:
     return importlib.import_module(THEN)
 
 
-def timed(package: str, total: list[float]) -> None:
-    """Add the seconds spent inside ``package``'s entry points to ``total[0]``
-    (outermost calls only; entry points the package lacks are skipped)."""
-    depth = [0]
-    for module, owner, names in overhead.ENTRY_POINTS:
-        try:
-            imported = importlib.import_module(module.replace("normwatch", package, 1))
-        except ImportError:
-            continue
-        holder = imported if owner is None else getattr(imported, owner, None)
-        for name in names:
-            real = getattr(holder, name, None)
-            if real is None:
-                continue
-
-            def wrapper(*args: object, _real: Callable[..., object] = real,
-                        **kw: object) -> object:
-                depth[0] += 1
-                start = time.perf_counter()
-                try:
-                    return _real(*args, **kw)
-                finally:
-                    depth[0] -= 1
-                    if depth[0] == 0:
-                        total[0] += time.perf_counter() - start
-            setattr(holder, name, wrapper)
+def forget(folder: str) -> None:
+    """Take the exported package out of the import system again."""
+    sys.path.remove(folder)
+    for name in [m for m in sys.modules if m == THEN or m.startswith(f"{THEN}.")]:
+        del sys.modules[name]
 
 
 def blocks(values: Iterable[float]) -> list[float]:
@@ -94,11 +74,12 @@ def compare(rev: str, hidden: int, layers: int, batch: int, seq: int, steps: int
             optimizer: bool) -> str:
     import normwatch
 
-    with tempfile.TemporaryDirectory() as folder:
+    with tempfile.TemporaryDirectory() as folder, contextlib.ExitStack() as stack:
         then = export(rev, Path(folder))
+        stack.callback(forget, folder)
         totals = {"then": [0.0], "now": [0.0]}
-        timed(THEN, totals["then"])
-        timed("normwatch", totals["now"])
+        stack.enter_context(overhead.timed_entry_points(totals["then"], THEN))
+        stack.enter_context(overhead.timed_entry_points(totals["now"]))
         torch.manual_seed(0)
         base = overhead.tiny_llama(hidden, layers)
         models = {k: copy.deepcopy(base) for k in ("plain", "then", "now")}
