@@ -234,12 +234,12 @@ class LayerHook:
     ) -> None:
         # The common case first, in few lines: inside a training step every line of
         # Python costs several times what it costs warm.
-        x = args[0] if args and isinstance(args[0], torch.Tensor) else input_of(args, kwargs)
+        x = input_of(args, kwargs)
         if x is None or not x.is_floating_point() or x.is_meta:
             return self._skip(x)
         if not self._counted(module):
             return
-        y = output if isinstance(output, torch.Tensor) else output_of(output)
+        y = output_of(output)
         rt = self.rt
         # only where this call may be the interval's output check (see measure)
         alone = rt.check_outputs and not self.counts.output_checked and \
@@ -276,11 +276,10 @@ class LayerHook:
         c = self.counts
         c.calls += 1
         c.tokens += n_tokens
-        if not n_tokens:
-            c.empty_calls += 1
+        c.empty_calls += not n_tokens
+        c.input_shape = x.shape
         if c.calls == 1:
             rt.forward_order.setdefault(self.layer.name, len(rt.forward_order))
-        c.input_shape = x.shape
 
     def _reduce(self, x: torch.Tensor, out: torch.Tensor | None, key: float) -> CallRows:
         """One call's per-token rows (``out``: a non-empty floating output, or ``None``):
@@ -293,9 +292,8 @@ class LayerHook:
         if out is not None:  # the input's layout, or for a wrong-shaped output its last dim
             out_tokens = (out if whole else self._tokens(out)) if out.shape == x.shape else \
                 out.reshape(-1, out.shape[-1]) if out.dim() else out.reshape(1, 1)
-        rt = self.rt
-        if rt.kernel == "torch" or not (rt.kernel == "triton" or x.is_cuda) or not rt.fused(x):
-            return reduce_call(tokens, out_tokens, kind, eps, rt.full_stats, self.row, key)
+        if not self.rt.fused(x):
+            return reduce_call(tokens, out_tokens, kind, eps, self.rt.full_stats, self.row, key)
         tokens = tokens.reshape(-1, tokens.shape[-1])
         same = out_tokens is not None and out.shape == x.shape  # type: ignore[union-attr]
         if same:
