@@ -180,11 +180,11 @@ class GradPlan:
     segment: torch.Tensor
     where: torch.Tensor
     weights: torch.Tensor
-    uniform: int = 0
+    uniform: int
     """Tokens per gradient when every gradient has the same count (then each one's sums
     are plain reductions over a view, and only those are scattered), else 0."""
-    widths: torch.Tensor | None = None
-    """Per gradient, its width (``uniform`` plans)."""
+    widths: torch.Tensor
+    """Per gradient, its width."""
 
 
 def grad_plan(staged: Sequence[GradRows], device: torch.device) -> GradPlan:
@@ -222,20 +222,18 @@ def fold_grads(block: torch.Tensor, staged: Sequence[GradRows], plan: GradPlan) 
         peak = torch.maximum(bounds[:, 1], -bounds[:, 0])  # NaN/inf: the gradient holds them
         whole = peak.isfinite()
         n_rows, n = block.shape[0], len(GRAD_SUMS)
-        if plan.uniform and plan.widths is not None:  # per gradient, then scattered
+        if plan.uniform:  # summed per gradient over a view, then scattered
             norms = norms.view(len(acts), plan.uniform)
             ok = norms.isfinite() | whole[:, None]
-            okf = ok.float().sum(1)
-            sums = torch.stack([torch.full_like(okf, plan.uniform), okf,
-                                torch.where(ok, norms * norms, 0.0).sum(1),
-                                okf * plan.widths], 1)
-            index = plan.where
-        else:  # per token
+            index, width = plan.where, plan.widths
+        else:  # scattered per token
             ok = norms.isfinite() | whole[plan.segment]
-            okf = ok.float()
-            sums = torch.stack([torch.ones_like(okf), okf, torch.where(ok, norms * norms, 0.0),
-                                okf * plan.width], 1)
-            index = plan.index
+            index, width = plan.index, plan.width
+        okf, squares = ok.float(), torch.where(ok, norms * norms, 0.0)
+        if plan.uniform:
+            okf, squares = okf.sum(1), squares.sum(1)
+        sums = torch.stack([torch.full_like(okf, plan.uniform or 1), okf, squares, okf * width],
+                           1)
         total = sums.new_zeros(n_rows * len(SITES), n).index_add_(0, index, sums)
         known = torch.where(whole, peak, -math.inf)
         peaks = known.new_full((n_rows * len(SITES),), -math.inf).scatter_reduce_(
