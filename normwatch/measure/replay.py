@@ -42,7 +42,13 @@ def fingerprint_of(x: torch.Tensor, weights: torch.Tensor | None = None) -> torc
     flat = x.reshape(-1).long()
     if weights is None:
         weights = hash_weights(flat.numel(), flat.device)
-    return (flat * weights).sum().remainder(MODULUS)
+    return hashed(flat, weights)
+
+
+def hashed(flat: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The hash of the last dim of ``flat`` (int64): 0-d for one tensor flattened, one per
+    row for alike tensors stacked."""
+    return (flat * weights).sum(-1).remainder(MODULUS)
 
 
 def hash_weights(n: int, device: torch.device) -> torch.Tensor:
@@ -105,8 +111,8 @@ class ReplayLog:
         if len(tensors) > 1 and all(t.shape == first.shape and t.dtype == first.dtype and
                                     t.device == device for t in tensors):
             # alike (a language model's input ids and labels): hashed together, row by row
-            flat = torch.stack(tensors).reshape(len(tensors), -1).long()
-            hashes = (flat * self._weights(first)).sum(1).remainder(MODULUS)
+            hashes = hashed(torch.stack(tensors).reshape(len(tensors), -1).long(),
+                            self._weights(first))
         else:
             hashes = torch.stack([fingerprint_of(t, self._weights(t)).to(device)
                                   for t in tensors])
