@@ -109,10 +109,10 @@ def _compile_counts() -> tuple[int, int]:
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor,
                watcher: object, clip: bool = False,
                context: Callable[[], contextlib.AbstractContextManager[object]] =
-               contextlib.nullcontext) -> None:
-    """One training step of the benchmark loop; ``clip``: clip the gradients first (a loop
-    without a normwatch watch calls torch's own ``clip_grad_norm_``, not the wrapper
-    another mode's watch installed in this process)."""
+               contextlib.nullcontext) -> torch.Tensor:
+    """One training step of the benchmark loop, its loss returned; ``clip``: clip the
+    gradients first (a loop without a normwatch watch calls torch's own
+    ``clip_grad_norm_``, not the wrapper another mode's watch installed in this process)."""
     with context():
         loss = model(tokens, labels=tokens, use_cache=False).loss
         loss.backward()
@@ -125,6 +125,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch
     opt.zero_grad(set_to_none=True)
     if isinstance(watcher, normwatch.Watch):
         watcher.step(loss)
+    return loss
 
 
 def run(rounds: int, steps: int, hidden: int, layers: int, batch: int, seq: int,
