@@ -18,6 +18,7 @@ def test_wheel_layout(tmp_path: Path) -> None:
     assert "normwatch/integrations/__init__.py" in names
     assert "normwatch/py.typed" in names
     assert "normwatch/_boot/sitecustomize.py" in names  # what `normwatch run` starts
+    assert "normwatch/measure/native_rows.c" in names  # the CPU sentinel, compiled at first use
     assert not [n for n in names if n.startswith("integrations/")]
     assert not [n for n in names if n.startswith("tests/")]
     meta = next(n for n in names if n.endswith("entry_points.txt"))

@@ -293,7 +293,8 @@ class LayerHook:
             out_tokens = (out if whole else self._tokens(out)) if out.shape == x.shape else \
                 out.reshape(-1, out.shape[-1]) if out.dim() else out.reshape(1, 1)
         if not self.rt.fused(x):
-            return reduce_call(tokens, out_tokens, kind, eps, self.rt.full_stats, self.row, key)
+            return reduce_call(tokens, out_tokens, kind, eps, self.rt.full_stats, self.row, key,
+                               native=self.rt.kernel == "auto")
         tokens = tokens.reshape(-1, tokens.shape[-1])
         same = out_tokens is not None and out.shape == x.shape  # type: ignore[union-attr]
         if same:

@@ -25,6 +25,7 @@ from typing import NamedTuple, cast
 import torch
 
 from normwatch.catalog import COLUMNS, SCORE_BASE, identity_row
+from normwatch.measure.native import row_extremes
 from normwatch.records import Kind, Limits
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -152,16 +153,24 @@ CHUNK_ELEMENTS = 1 << 18
 
 
 def reduce_call(tokens: torch.Tensor, out: torch.Tensor | None, kind: Kind, eps: float,
-                full: bool, row: int, key: float | torch.Tensor) -> CallRows:
+                full: bool, row: int, key: float | torch.Tensor, native: bool = False) -> CallRows:
     """Read one call: ``tokens`` is the input with one token per element of its leading
     dims (the last dim: see :func:`token_view`), never empty; ``out`` the output, lined
     up when its leading dims are the input's, else as ``(tokens, elements)`` (any count),
     or ``None``. Plain row reductions stacked into one allocation: no temporary for the
     sentinel tier, nor for the full tier of an fp32 RMS norm; otherwise temporaries of
-    at most :data:`CHUNK_ELEMENTS` (see :func:`_moments`)."""
+    at most :data:`CHUNK_ELEMENTS` (see :func:`_moments`). ``native``: the sentinel tier
+    reads the CPU tensors it covers in one pass (:func:`~normwatch.measure.native.
+    row_extremes`)."""
     x = tokens
     lined_up = out is not None and out.shape[:-1] == x.shape[:-1]
     centred = kind != "rmsnorm"
+    if native and not full:
+        v = row_extremes(x, out if lined_up else None)
+        if v is not None:
+            spare = out_rows(out) if out is not None and not lined_up and out.numel() else None
+            return CallRows(row, key, x.shape[-1], eps, v, x.shape[:-1].numel(), lined_up,
+                            False, centred=centred, out=spare)
     if full and x.dim() != 2 and (centred or x.dtype not in _WIDE):  # chunked: tokens as rows
         x = x.reshape(-1, x.shape[-1])
         out = out.reshape(-1, out.shape[-1]) if lined_up else out  # type: ignore[union-attr]

@@ -71,7 +71,7 @@ def blocks(values: Iterable[float]) -> list[float]:
 
 
 def compare(rev: str, hidden: int, layers: int, batch: int, seq: int, steps: int,
-            optimizer: bool) -> str:
+            optimizer: bool, dtype: torch.dtype = torch.float32) -> str:
     import normwatch
 
     with tempfile.TemporaryDirectory() as folder, contextlib.ExitStack() as stack:
@@ -81,7 +81,7 @@ def compare(rev: str, hidden: int, layers: int, batch: int, seq: int, steps: int
         stack.enter_context(overhead.timed_entry_points(totals["then"], THEN))
         stack.enter_context(overhead.timed_entry_points(totals["now"]))
         torch.manual_seed(0)
-        base = overhead.tiny_llama(hidden, layers)
+        base = overhead.tiny_llama(hidden, layers).to(dtype)
         models = {k: copy.deepcopy(base) for k in ("plain", "then", "now")}
         opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
         watches = {k: package.watch(models[k], opts[k] if optimizer else None,
@@ -107,7 +107,8 @@ def compare(rev: str, hidden: int, layers: int, batch: int, seq: int, steps: int
             w.close()
     plain = blocks(times["plain"])
     ms = statistics.median(plain) * 1e3
-    lines = [f"tiny Llama (hidden {hidden}, {layers} layers, batch {batch} x {seq} tokens"
+    lines = [f"tiny Llama (hidden {hidden}, {layers} layers, batch {batch} x {seq} tokens, "
+             f"{str(dtype).removeprefix('torch.')}"
              f"{', optimizer watched' if optimizer else ''}), {steps} steps each in turn, "
              f"torch {torch.__version__}, {torch.get_num_threads()} threads; unwatched step "
              f"{ms:.1f} ms", "", "| normwatch | inside (ms/step) | share of the step | ratio |",
@@ -128,9 +129,11 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=100, help="a multiple of 10")
     parser.add_argument("--optimizer", action="store_true", help="watch the optimizer too")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                        default="float32", help="the model's parameters and activations")
     args = parser.parse_args(argv)
     text = compare(args.rev, args.hidden, args.layers, args.batch, args.seq, args.steps,
-                   args.optimizer)
+                   args.optimizer, getattr(torch, args.dtype))
     print(text)
     return text
 

@@ -29,6 +29,8 @@ import normwatch
 from normwatch.measure.gradients import HIDDEN, IN, OUT
 
 LAUNCH = "triton launch"
+NATIVE = "native pass"
+"""One read of a tensor by the CPU sentinel's compiled kernel (:mod:`normwatch.measure.native`)."""
 
 
 class OpCounter(TorchDispatchMode):
@@ -69,10 +71,11 @@ class Count:
 @contextmanager
 def _one_launch() -> Iterator[None]:
     """The fused kernel as the GPU runs it: one launch and its output (Triton's CPU
-    interpreter copies tensors around; those ops are not the kernel's)."""
+    interpreter copies tensors around; those ops are not the kernel's); each pass of the
+    CPU sentinel's compiled kernel, which no dispatch mode sees."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from normwatch.measure import hooks
+    from normwatch.measure import hooks, reductions
 
     real = hooks.row_stats_triton
 
@@ -85,11 +88,21 @@ def _one_launch() -> Iterator[None]:
             mode.kernels["empty"] += 1  # its output
         return rows
 
+    def native(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
+        rows = real_native(x, out)
+        mode = torch.utils._python_dispatch._get_current_dispatch_mode()
+        if rows is not None and isinstance(mode, OpCounter):
+            mode.kernels[NATIVE] += 1 if out is None else 2
+        return rows
+
+    real_native = reductions.row_extremes
     hooks.row_stats_triton = counted  # type: ignore[assignment]
+    reductions.row_extremes = native
     try:
         yield
     finally:
         hooks.row_stats_triton = real  # type: ignore[assignment]
+        reductions.row_extremes = real_native
 
 
 def count(fn: Callable[[], object]) -> Count:

@@ -256,10 +256,10 @@ def test_a_failing_compiled_measurement_disables_that_layer_only(monkeypatch: py
 
     real = hooks.reduce_call
 
-    def broken(tokens, *args):  # type: ignore[no-untyped-def]
+    def broken(tokens, *args, **kwargs):  # type: ignore[no-untyped-def]
         if tokens.shape[1] == 48:
             raise RuntimeError("kernel exploded")
-        return real(tokens, *args)
+        return real(tokens, *args, **kwargs)
 
     monkeypatch.setattr(hooks, "reduce_call", broken)
     model = nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 48), nn.LayerNorm(48))

@@ -7,13 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from normwatch.measure.native import library
 from normwatch.measure.triton_kernel import usable
 from tests.benchmarks import opcount
 
-BUDGETS = {  # path: (kernels, views), as measured on 2026-12-01
-    "sentinel": ((lambda: opcount.forward_call()), (5, 2)),
+NATIVE = library() is not None
+"""Whether the CPU sentinel's compiled kernel runs here (a C compiler is on PATH)."""
+
+BUDGETS = {  # path: (kernels, views), as measured on 2026-12-01 (the sentinel: 12-02)
+    "sentinel": ((lambda: opcount.forward_call()), (5, 2)),  # fp32: see test_native
     "sentinel bf16 layernorm": ((lambda: opcount.forward_call("layernorm",
-                                                              dtype=torch.bfloat16)), (5, 2)),
+                                                              dtype=torch.bfloat16)),
+                                (3 if NATIVE else 5, 2)),
+    "sentinel, torch's reductions": ((lambda: opcount.forward_call(kernel="torch")), (5, 2)),
     "full rmsnorm": ((lambda: opcount.forward_call(full=True)), (7, 2)),
     "full layernorm": ((lambda: opcount.forward_call("layernorm", full=True)), (10, 6)),
     "full layernorm bf16": ((lambda: opcount.forward_call("layernorm", True, torch.bfloat16)),
@@ -37,10 +43,22 @@ def test_each_path_stays_within_its_op_budget(path: str) -> None:
     assert got.n_kernels <= kernels and got.n_views <= views, (got.names(), got.views)
 
 
+@pytest.mark.skipif(not NATIVE, reason="no C compiler: the sentinel runs torch's reductions")
+def test_the_cpu_sentinel_is_one_pass_per_tensor_into_one_buffer() -> None:
+    """16-bit activations, and float32 ones below torch's grain size (see
+    :data:`normwatch.measure.native.GRAIN`)."""
+    for kind, dtype, tokens in (("rmsnorm", torch.float32, 64), ("layernorm", torch.bfloat16,
+                                512), ("layernorm", torch.float16, 512)):
+        got = opcount.forward_call(kind, dtype=dtype, tokens=tokens)
+        assert dict(got.kernels) == {opcount.NATIVE: 2, "empty": 1}, (kind, dtype, got.names())
+
+
 def test_the_sentinel_is_four_row_reductions_stacked_and_a_gradient_two() -> None:
-    """What the budgets are made of (the fastest CPU kernels: one-pass ``aminmax`` or an
-    inf-norm along rows run 5-8x slower there, docs/performance.md)."""
-    assert dict(opcount.forward_call().kernels) == {"amax": 2, "amin": 2, "stack": 1}
+    """What the budgets are made of without the compiled kernel (the fastest torch
+    kernels: one-pass ``aminmax`` or an inf-norm along rows run 5-8x slower on the CPU,
+    docs/performance.md)."""
+    assert dict(opcount.forward_call(kernel="torch").kernels) == {"amax": 2, "amin": 2,
+                                                                  "stack": 1}
     assert dict(opcount.gradient("grad_out").kernels) == {"aminmax": 1,
                                                           "linalg_vector_norm": 1}
 

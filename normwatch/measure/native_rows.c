@@ -1,0 +1,96 @@
+/* normwatch's CPU sentinel: each row's max and min of up to two 2-D tensors in one
+ * pass, written as float32 (exact: a max or min is one of the values). Compiled at
+ * first use by normwatch.measure.native; see there.
+ *
+ * float32 is compared as floats; the 16-bit formats as order-preserving integers (sign-magnitude to two's complement:
+ * an integer max, which compilers vectorise without fast-math), and a row holding a
+ * NaN gives NaN for both, as torch's amax and amin do. */
+#include <stdint.h>
+#include <string.h>
+
+#define ROWS(NAME, S, U, MAG, INF, TOFLOAT)                                            \
+    __attribute__((target_clones("avx2", "default")))                                 \
+    static void NAME(const U *p, int64_t n, int64_t w, int64_t stride, float *hi,     \
+                     float *lo) {                                                     \
+        for (int64_t i = 0; i < n; i++, p += stride) {                                \
+            S top = (S)((U)1 << (8 * sizeof(U) - 1)), bottom = (S)~(U)top;            \
+            U bad = 0;                                                                \
+            for (int64_t j = 0; j < w; j++) {                                         \
+                U b = p[j];                                                           \
+                S k = (S)(b ^ ((U)((S)b >> (8 * sizeof(U) - 1)) & MAG));              \
+                top = k > top ? k : top;                                              \
+                bottom = k < bottom ? k : bottom;                                     \
+                bad |= (U)((b & MAG) > INF);                                          \
+            }                                                                         \
+            U t = (U)top ^ ((U)(top >> (8 * sizeof(U) - 1)) & MAG);                   \
+            U m = (U)bottom ^ ((U)(bottom >> (8 * sizeof(U) - 1)) & MAG);             \
+            hi[i] = bad ? __builtin_nanf("") : TOFLOAT(t);                               \
+            lo[i] = bad ? __builtin_nanf("") : TOFLOAT(m);                               \
+        }                                                                             \
+    }
+
+static float from_f32(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
+static float from_bf16(uint16_t b) { return from_f32((uint32_t)b << 16); }
+static float from_f16(uint16_t b) {
+    uint32_t sign = (uint32_t)(b & 0x8000) << 16, e = (b >> 10) & 0x1f, m = b & 0x3ff;
+    if (e == 0x1f) return from_f32(sign | 0x7f800000u | (m << 13));    /* inf, NaN */
+    if (e) return from_f32(sign | ((e + 112) << 23) | (m << 13));       /* normal */
+    float f = (float)m * (1.0f / 16777216.0f);                         /* subnormal: m 2^-24 */
+    return sign ? -f : f;
+}
+
+/* float32: float compares, 16 lanes in two accumulators, NaN noted apart */
+typedef float f8 __attribute__((vector_size(32)));
+typedef int32_t m8 __attribute__((vector_size(32)));
+static inline f8 pick(m8 take, f8 a, f8 b) { return (f8)((take & (m8)a) | (~take & (m8)b)); }
+
+__attribute__((target_clones("avx2", "default")))
+static void rows_f32(const uint32_t *bits, int64_t n, int64_t w, int64_t stride, float *hi,
+                     float *lo) {
+    const float *p = (const float *)bits;
+    for (int64_t i = 0; i < n; i++, p += stride) {
+        float top = -__builtin_inff(), bottom = __builtin_inff();
+        int bad = 0;
+        int64_t j = 0;
+        if (w >= 16) {
+            f8 t0 = {0}, t1, b0, b1;
+            m8 n0 = {0}, n1 = {0};
+            t0 += top; t1 = t0; b0 = -t0; b1 = b0;
+            for (; j + 16 <= w; j += 16) {
+                f8 u, v;
+                memcpy(&u, p + j, 32);
+                memcpy(&v, p + j + 8, 32);
+                t0 = pick(u > t0, u, t0); t1 = pick(v > t1, v, t1);
+                b0 = pick(u < b0, u, b0); b1 = pick(v < b1, v, b1);
+                n0 |= u != u; n1 |= v != v;
+            }
+            t0 = pick(t1 > t0, t1, t0); b0 = pick(b1 < b0, b1, b0); n0 |= n1;
+            for (int k = 0; k < 8; k++) {
+                top = t0[k] > top ? t0[k] : top;
+                bottom = b0[k] < bottom ? b0[k] : bottom;
+                bad |= n0[k];
+            }
+        }
+        for (; j < w; j++) {
+            float v = p[j];
+            top = v > top ? v : top;
+            bottom = v < bottom ? v : bottom;
+            bad |= v != v;
+        }
+        hi[i] = bad ? __builtin_nanf("") : top;
+        lo[i] = bad ? __builtin_nanf("") : bottom;
+    }
+}
+ROWS(rows_bf16, int16_t, uint16_t, 0x7fff, 0x7f80, from_bf16)
+ROWS(rows_f16, int16_t, uint16_t, 0x7fff, 0x7c00, from_f16)
+
+/* kind: 0 float32, 1 bfloat16, 2 float16. Writes hi to out[0:n], lo to out[n:2n]. */
+int normwatch_rows(const void *p, int kind, int64_t n, int64_t w, int64_t stride,
+                   float *out) {
+    switch (kind) {
+    case 0: rows_f32((const uint32_t *)p, n, w, stride, out, out + n); return 0;
+    case 1: rows_bf16((const uint16_t *)p, n, w, stride, out, out + n); return 0;
+    case 2: rows_f16((const uint16_t *)p, n, w, stride, out, out + n); return 0;
+    default: return -1;
+    }
+}

@@ -1,0 +1,158 @@
+"""The CPU sentinel's compiled kernel: each row's max and min, exact against float64,
+NaN where torch's ``amax``/``amin`` give NaN; torch's reductions wherever it does not
+run (no compiler, switched off, what it does not cover), with the same statistics."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import normwatch
+from normwatch.measure import native
+from normwatch.measure.native import GRAIN, MAX_ELEMENTS, library, row_extremes
+
+pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler here")
+
+
+def reference(t: torch.Tensor) -> torch.Tensor:
+    """Each row's max and min in float64, NaN for a row holding one."""
+    d = t.double().reshape(-1, t.shape[-1])
+    bad = d.isnan().any(1)
+    hi = torch.where(bad, torch.nan, d.nan_to_num(-torch.inf).max(1).values)
+    lo = torch.where(bad, torch.nan, d.nan_to_num(torch.inf).min(1).values)
+    return torch.stack([hi, lo])
+
+
+def same(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return torch.equal(got.isnan(), want.isnan()) and \
+        torch.equal(got.double().nan_to_num(0.0), want.nan_to_num(0.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", [1, 7, 16, 33, 256, 1000])
+def test_rows_are_exact_with_nan_inf_and_subnormals(dtype: torch.dtype, width: int) -> None:
+    gen = torch.Generator().manual_seed(width)
+    x = (torch.randn(3, 10, width, generator=gen) * 300).to(dtype)  # under GRAIN
+    x[0, 0] = -0.0
+    x[1, 2, width // 2] = torch.nan
+    x[2, 3, -1] = torch.inf
+    x[2, 4, 0] = -torch.inf
+    x[1, 5] = torch.finfo(dtype).tiny / 4 * (1 + torch.arange(width)).to(dtype)  # subnormal
+    x[0, 6] = -torch.finfo(dtype).max
+    y = torch.randn(3, 10, width, generator=gen).to(dtype)
+    y[0, 1, 0] = torch.nan
+    rows = row_extremes(x, y)
+    assert rows is not None and rows.shape == (4, 3, 10) and rows.dtype == torch.float32
+    flat = rows.reshape(4, -1)
+    assert same(flat[:2], reference(x)) and same(flat[2:], reference(y))
+    assert flat[0].isnan().sum() == 1 and flat[2].isnan().sum() == 1
+
+
+def test_strided_rows_and_what_it_leaves_to_torch() -> None:
+    base = torch.randn(40, 70)
+    rows = base[:, 5:37]  # rows 70 apart
+    got = row_extremes(rows, None)
+    assert got is not None and same(got, reference(rows))
+    assert row_extremes(base.double(), None) is None  # float64
+    assert row_extremes(base.t(), None) is None  # columns
+    assert row_extremes(torch.randn(4, 5, 6).transpose(0, 1), None) is None
+    assert row_extremes(torch.zeros(MAX_ELEMENTS + 1), None) is None  # torch's threads
+    assert row_extremes(base, base.double()) is None  # one tensor it cannot read: neither
+    assert torch.func.vmap(lambda t: torch.tensor(row_extremes(t, None) is None))(base).all()
+    big = torch.randn(GRAIN // 64 + 1, 64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # float32 past the grain: torch's threads
+        assert row_extremes(big, None) is None
+        assert row_extremes(big.bfloat16(), None) is not None
+        torch.set_num_threads(1)
+        got = row_extremes(big, None)
+        assert got is not None and same(got, reference(big))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def no_library(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    library.cache_clear()
+    monkeypatch.setenv("NORMWATCH_NATIVE", "0")
+    yield
+    library.cache_clear()
+
+
+def test_without_the_library_the_sentinel_runs_torch(no_library: None) -> None:
+    assert library() is None and row_extremes(torch.randn(4, 8), None) is None
+
+
+def test_a_missing_compiler_is_no_error(monkeypatch: pytest.MonkeyPatch, tmp_path: object
+                                        ) -> None:
+    library.cache_clear()
+    monkeypatch.setenv("NORMWATCH_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    try:
+        assert library() is None
+    finally:
+        library.cache_clear()
+
+
+def test_built_into_a_private_cache_named_by_the_source(monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path: object) -> None:
+    library.cache_clear()
+    monkeypatch.setenv("NORMWATCH_CACHE", str(tmp_path))
+    try:
+        assert library() is not None
+        built = list(native.cache_dir().iterdir())
+        assert len(built) == 1 and built[0].suffix == ".so"
+        assert native.cache_dir().stat().st_mode & 0o077 == 0
+    finally:
+        library.cache_clear()
+
+
+def train(kernel: str, steps: int = 6) -> tuple[list[dict[str, float]], list[float]]:
+    """Per-layer statistics of every flush and the losses of a small bf16 training run."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 48), nn.LayerNorm(48), nn.GELU(), nn.Linear(48, 48),
+                          nn.RMSNorm(48), nn.Linear(48, 1)).to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    snaps: list[dict[str, float]] = []
+    watch = normwatch.watch(model, kernel=kernel, flush_every=1, stats_every=3,
+                            report_dir=None)
+    losses = []
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        x = torch.randn(16, 32, generator=gen).to(torch.bfloat16) * (1 + 100 * (step == 4))
+        loss = model(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        snap = watch.step(loss)
+        assert snap is not None
+        snaps.append({f"{k}/{f}": getattr(v, f) for k, v in snap.layers.items()
+                      for f in ("absmax", "out_absmax", "nonfinite", "fp16_overflow_tokens")})
+        losses.append(loss.item())
+    watch.close()
+    return snaps, losses
+
+
+def test_a_watched_run_sees_the_same_with_either_kernel(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    """Sentinel and full-tier steps alike, the spike included (step 5: |x| past 256)."""
+    from normwatch.measure import reductions
+
+    passes: list[bool] = []
+
+    def counted(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
+        rows = row_extremes(x, out)
+        passes.append(rows is not None)
+        return rows
+
+    monkeypatch.setattr(reductions, "row_extremes", counted)
+    native_snaps, native_losses = train("auto")
+    assert len(passes) == 2 * 4 and all(passes)  # two norms, four sentinel steps
+    torch_snaps, torch_losses = train("torch")
+    assert native_losses == torch_losses
+    assert native_snaps == torch_snaps and len(native_snaps) == 6
+    assert any(v > 0 for s in native_snaps for k, v in s.items() if "fp16_overflow" in k)
