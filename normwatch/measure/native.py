@@ -12,8 +12,7 @@ system's C compiler into a per-user cache (``$NORMWATCH_CACHE``, else
 and the compiler; without a compiler, or for what it does not cover (other dtypes, rows
 that are not contiguous, tensors past :data:`MAX_ELEMENTS`, and float32 where torch's
 reductions run on several threads: see :data:`GRAIN`), the caller uses torch's
-reductions. Set
-``NORMWATCH_NATIVE=0`` (or ``kernel="torch"``) to never use it.
+reductions. Set ``NORMWATCH_NATIVE=0`` (or ``kernel="torch"``) to never use it.
 """
 
 from __future__ import annotations
@@ -113,10 +112,12 @@ def row_extremes(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | No
     """``(2 or 4, *x.shape[:-1])`` float32: each row's max and min of ``x`` (then of
     ``out``, whose leading dims are ``x``'s), or ``None`` where torch's reductions must
     do it (see the module docstring)."""
-    lib = library()
     shape_x = _rowwise(x)
     shape_out = None if out is None else _rowwise(out)
-    if lib is None or shape_x is None or (out is not None and shape_out is None):
+    if shape_x is None or (out is not None and shape_out is None):
+        return None
+    lib = library()  # only once a tensor it covers comes: no compiler run for CUDA ones
+    if lib is None:
         return None
     rows = torch.empty(2 if out is None else 4, *x.shape[:-1], dtype=torch.float32)
     fn, n, ptr = lib.normwatch_rows, shape_x[0], rows.data_ptr()

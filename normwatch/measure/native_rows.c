@@ -2,9 +2,10 @@
  * pass, written as float32 (exact: a max or min is one of the values). Compiled at
  * first use by normwatch.measure.native; see there.
  *
- * float32 is compared as floats; the 16-bit formats as order-preserving integers (sign-magnitude to two's complement:
- * an integer max, which compilers vectorise without fast-math), and a row holding a
- * NaN gives NaN for both, as torch's amax and amin do. */
+ * float32 is compared as floats; the 16-bit formats as order-preserving integers
+ * (sign-magnitude to two's complement: an integer max, which compilers vectorise
+ * without fast-math). A row holding a NaN gives NaN for both, as torch's amax and amin
+ * do. */
 #include <stdint.h>
 #include <string.h>
 
@@ -24,8 +25,8 @@
             }                                                                         \
             U t = (U)top ^ ((U)(top >> (8 * sizeof(U) - 1)) & MAG);                   \
             U m = (U)bottom ^ ((U)(bottom >> (8 * sizeof(U) - 1)) & MAG);             \
-            hi[i] = bad ? __builtin_nanf("") : TOFLOAT(t);                               \
-            lo[i] = bad ? __builtin_nanf("") : TOFLOAT(m);                               \
+            hi[i] = bad ? __builtin_nanf("") : TOFLOAT(t);                            \
+            lo[i] = bad ? __builtin_nanf("") : TOFLOAT(m);                            \
         }                                                                             \
     }
 
@@ -45,9 +46,8 @@ typedef int32_t m8 __attribute__((vector_size(32)));
 static inline f8 pick(m8 take, f8 a, f8 b) { return (f8)((take & (m8)a) | (~take & (m8)b)); }
 
 __attribute__((target_clones("avx2", "default")))
-static void rows_f32(const uint32_t *bits, int64_t n, int64_t w, int64_t stride, float *hi,
+static void rows_f32(const float *p, int64_t n, int64_t w, int64_t stride, float *hi,
                      float *lo) {
-    const float *p = (const float *)bits;
     for (int64_t i = 0; i < n; i++, p += stride) {
         float top = -__builtin_inff(), bottom = __builtin_inff();
         int bad = 0;
@@ -88,7 +88,7 @@ ROWS(rows_f16, int16_t, uint16_t, 0x7fff, 0x7c00, from_f16)
 int normwatch_rows(const void *p, int kind, int64_t n, int64_t w, int64_t stride,
                    float *out) {
     switch (kind) {
-    case 0: rows_f32((const uint32_t *)p, n, w, stride, out, out + n); return 0;
+    case 0: rows_f32((const float *)p, n, w, stride, out, out + n); return 0;
     case 1: rows_bf16((const uint16_t *)p, n, w, stride, out, out + n); return 0;
     case 2: rows_f16((const uint16_t *)p, n, w, stride, out, out + n); return 0;
     default: return -1;

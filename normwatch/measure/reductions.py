@@ -165,23 +165,20 @@ def reduce_call(tokens: torch.Tensor, out: torch.Tensor | None, kind: Kind, eps:
     x = tokens
     lined_up = out is not None and out.shape[:-1] == x.shape[:-1]
     centred = kind != "rmsnorm"
-    if native and not full:
-        v = row_extremes(x, out if lined_up else None)
-        if v is not None:
-            spare = out_rows(out) if out is not None and not lined_up and out.numel() else None
-            return CallRows(row, key, x.shape[-1], eps, v, x.shape[:-1].numel(), lined_up,
-                            False, centred=centred, out=spare)
-    if full and x.dim() != 2 and (centred or x.dtype not in _WIDE):  # chunked: tokens as rows
-        x = x.reshape(-1, x.shape[-1])
-        out = out.reshape(-1, out.shape[-1]) if lined_up else out  # type: ignore[union-attr]
-    rows = [x.amax(-1), x.amin(-1)]
-    if lined_up:
-        rows += [out.amax(-1), out.amin(-1)]  # type: ignore[union-attr]
-    if full:
-        rows += _moments(x, centred)
+    v = row_extremes(x, out if lined_up else None) if native and not full else None
+    if v is None:
+        if full and x.dim() != 2 and (centred or x.dtype not in _WIDE):  # chunked: rows
+            x = x.reshape(-1, x.shape[-1])
+            out = out.reshape(-1, out.shape[-1]) if lined_up else out  # type: ignore[union-attr]
+        rows = [x.amax(-1), x.amin(-1)]
+        if lined_up:
+            rows += [out.amax(-1), out.amin(-1)]  # type: ignore[union-attr]
+        if full:
+            rows += _moments(x, centred)
+        v = torch.stack(rows)
     spare = out_rows(out) if out is not None and not lined_up and out.numel() else None
-    return CallRows(row, key, x.shape[-1], eps, torch.stack(rows), x.shape[:-1].numel(),
-                    lined_up, full, centred=centred, out=spare)
+    return CallRows(row, key, x.shape[-1], eps, v, x.shape[:-1].numel(), lined_up, full,
+                    centred=centred, out=spare)
 
 
 def out_rows(out: torch.Tensor) -> torch.Tensor:

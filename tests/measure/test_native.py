@@ -156,3 +156,13 @@ def test_a_watched_run_sees_the_same_with_either_kernel(monkeypatch: pytest.Monk
     assert native_losses == torch_losses
     assert native_snaps == torch_snaps and len(native_snaps) == 6
     assert any(v > 0 for s in native_snaps for k, v in s.items() if "fp16_overflow" in k)
+
+
+def test_tensors_it_does_not_cover_never_build_it() -> None:
+    """A CUDA run without Triton (or float64) runs no compiler inside its forward."""
+    library.cache_clear()
+    try:
+        assert row_extremes(torch.randn(4, 8).double(), None) is None
+        assert library.cache_info().currsize == 0
+    finally:
+        library.cache_clear()
