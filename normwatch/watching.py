@@ -149,7 +149,8 @@ class Watch:
         every poisoned step)."""
         self._updates = UpdateMonitor(
             lambda: self.step_count + 1, full=lambda: self._measure.full_stats,
-            exact=clipping.sumsq if self.guard is None else self.guard.grad_sumsq)
+            exact=clipping.sumsq if self.guard is None else self.guard.grad_sumsq,
+            native=c.kernel == "auto")
         self._clipping: clipping.Handle | None = None
         """The loop's ``clip_grad_norm_`` norms, read while an optimizer is watched."""
         self.step_count = 0

@@ -1,4 +1,6 @@
-"""The CPU sentinel in one pass: each token's max and min of a norm's input and output.
+"""Native CPU kernels: the sentinel in one pass (each token's max and min of a norm's
+input and output, here), and the update monitor's sample (:mod:`~normwatch.measure.
+native_updates`), from one C library built at first use.
 
     >>> rows = row_extremes(tokens, out)   # (4, tokens) float32, or None: use torch's
 
@@ -68,6 +70,12 @@ def library() -> ctypes.CDLL | None:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
                    ctypes.c_int64, ctypes.c_void_p]
     fn.restype = ctypes.c_int
+    i64, ptrs = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_void_p)
+    sample = lib.normwatch_sample  # normwatch.measure.native_updates
+    sample.argtypes = [ctypes.c_int64, ctypes.c_int, i64, i64, i64,
+                       ctypes.POINTER(ctypes.c_double), ptrs, ptrs, ctypes.c_void_p,
+                       ctypes.c_int, ctypes.c_void_p]
+    sample.restype = ctypes.c_int
     return lib
 
 

@@ -94,3 +94,67 @@ int normwatch_rows(const void *p, int kind, int64_t n, int64_t w, int64_t stride
     default: return -1;
     }
 }
+
+/* The update monitor's sample (normwatch.measure.native_updates): per tensor, `blocks`
+ * blocks of `width` elements `stride` elements apart, read from its parameter (and its
+ * gradient, laid out alike), against the values kept from the last read (`kept`, the
+ * samples end to end, in the parameters' format). Sums of squares in float64, each
+ * tensor's weighted by its elements per sampled element (`scale`):
+ *   out[0] = gradients (grads not NULL), out[1] = kept minus now (MEASURE),
+ *   out[2] = now (SIZE); then kept = now. Without MEASURE it only keeps. */
+#define MEASURE 1
+#define SIZE 2
+#define SAMPLE(NAME, T, TOFLOAT)                                                      \
+    __attribute__((target_clones("avx2", "default")))                                 \
+    static void NAME(int64_t n, const int64_t *blocks, const int64_t *width,          \
+                     const int64_t *stride, const double *scale, void *const *params, \
+                     void *const *grads, T *kept, int mode, double *out) {            \
+        double gs = 0, us = 0, ss = 0;                                                \
+        for (int64_t i = 0; i < n; i++) {                                             \
+            const T *p = (const T *)params[i];                                        \
+            const T *q = grads ? (const T *)grads[i] : 0;                             \
+            int64_t w = width[i], step = stride[i];                                   \
+            double g = 0, u = 0, s = 0;                                               \
+            for (int64_t b = 0; b < blocks[i]; b++, kept += w) {                      \
+                const T *row = p + b * step;                                          \
+                if (mode & MEASURE)                                                   \
+                    for (int64_t j = 0; j < w; j++) {                                 \
+                        double d = (double)TOFLOAT(kept[j]) - (double)TOFLOAT(row[j]);\
+                        u += d * d;                                                   \
+                    }                                                                 \
+                if (mode & SIZE)                                                      \
+                    for (int64_t j = 0; j < w; j++) {                                 \
+                        double x = TOFLOAT(row[j]);                                   \
+                        s += x * x;                                                   \
+                    }                                                                 \
+                if (q)                                                                \
+                    for (int64_t j = 0, o = b * step; j < w; j++) {                   \
+                        double y = TOFLOAT(q[o + j]);                                 \
+                        g += y * y;                                                   \
+                    }                                                                 \
+                memcpy(kept, row, (size_t)w * sizeof(T));                             \
+            }                                                                         \
+            gs += g * scale[i]; us += u * scale[i]; ss += s * scale[i];               \
+        }                                                                             \
+        out[0] = gs; out[1] = us; out[2] = ss;                                        \
+    }
+
+static float same(float f) { return f; }
+SAMPLE(sample_f32, float, same)
+SAMPLE(sample_bf16, uint16_t, from_bf16)
+SAMPLE(sample_f16, uint16_t, from_f16)
+
+/* kind as for normwatch_rows; mode: MEASURE | SIZE bits (0: keep the values only). */
+int normwatch_sample(int64_t n, int kind, const int64_t *blocks, const int64_t *width,
+                     const int64_t *stride, const double *scale, void *const *params,
+                     void *const *grads, void *kept, int mode, double *out) {
+    switch (kind) {
+    case 0: sample_f32(n, blocks, width, stride, scale, params, grads, kept, mode, out);
+        return 0;
+    case 1: sample_bf16(n, blocks, width, stride, scale, params, grads, kept, mode, out);
+        return 0;
+    case 2: sample_f16(n, blocks, width, stride, scale, params, grads, kept, mode, out);
+        return 0;
+    default: return -1;
+    }
+}

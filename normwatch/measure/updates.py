@@ -43,6 +43,7 @@ from torch.utils.hooks import RemovableHandle
 from normwatch.errors import ConfigError
 from normwatch.guarded import Part, guarded
 from normwatch.measure.losses import ride_along
+from normwatch.measure.native_updates import NativePack
 from normwatch.measure.reductions import runs, summed_dtype
 from normwatch.measure.sharding import local
 from normwatch.records import UpdateStats
@@ -186,7 +187,7 @@ class _Sampled:
     tensor's elements per sampled element, and per device and dtype the :class:`_Pack`
     the sums are taken on."""
 
-    def __init__(self, params: list[torch.Tensor]) -> None:
+    def __init__(self, params: list[torch.Tensor], native: bool = True) -> None:
         self.params = params
         self.addresses = [p.data_ptr() for p in params]
         self.versions: list[int] | None = None
@@ -204,10 +205,13 @@ class _Sampled:
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for i, s in enumerate(self.samples):
             groups.setdefault((s.device, s.dtype), []).append(i)
-        self.packs = [(index, _Pack([self.samples[i] for i in index],
-                                    [self.scales[i] for i in index]))
-                      for index in groups.values()]
-        self.kept = any(pack.keep for _, pack in self.packs)
+        self.packs: list[tuple[list[int], _Pack | NativePack]] = []
+        for index in groups.values():
+            samples, scales = [self.samples[i] for i in index], [self.scales[i] for i in index]
+            made = NativePack.make(samples, scales) if native and not self.copied \
+                and samples[0].device.type in KEEP_ON else None
+            self.packs.append((index, made or _Pack(samples, scales)))
+        self.kept = any(isinstance(pack, NativePack) or pack.keep for _, pack in self.packs)
         """Whether some buffers are kept between steps (then the versions are noted)."""
 
     def seen(self) -> None:
@@ -234,16 +238,15 @@ class _Sampled:
         return [sample(local(self.params[i]).detach()) if i in self.copied else
                 self.samples[i] for i in index]
 
-    def grad_samples(self) -> list[torch.Tensor] | None:
-        """The same sample of every gradient, or ``None`` unless every one is laid out like
-        its dense parameter (same strides and dtype, not sparse): one view each, made from
-        the parameters' layouts (the hot path: no per-tensor arithmetic)."""
+    def grads_alike(self) -> list[torch.Tensor] | None:
+        """Every (local) gradient, or ``None`` unless every one is laid out like its dense
+        parameter (same strides and dtype, not sparse): then the parameters' samples
+        sample them too (the hot path: no per-tensor arithmetic)."""
         if self.copied:
             return None
         out = []
         plain, strided = torch.Tensor, torch.strided
-        for p, (size, stride, shape, strides, dtype) in zip(self.params, self.layouts,
-                                                             strict=True):
+        for p, (_, _, shape, strides, dtype) in zip(self.params, self.layouts, strict=True):
             g = p.grad
             if g is None:
                 return None
@@ -252,8 +255,13 @@ class _Sampled:
             if g.dtype != dtype or g.layout != strided or g.shape != shape \
                     or g.stride() != strides:
                 return None
-            out.append(g.as_strided(size, stride))
+            out.append(g)
         return out
+
+    def grad_samples(self, grads: list[torch.Tensor], index: list[int]) -> list[torch.Tensor]:
+        """The samples of ``grads`` (:meth:`grads_alike`) of the parameters ``index``
+        names: one view each, made from the parameters' layouts."""
+        return [grads[i].as_strided(*self.layouts[i][:2]) for i in index]
 
 
 def _scale(t: torch.Tensor, s: torch.Tensor) -> float:
@@ -268,8 +276,11 @@ class UpdateMonitor:
     def __init__(self, step: Callable[[], int], full: Callable[[], bool] = lambda: True,
                  exact: Callable[[torch.optim.Optimizer],
                                  Mapping[torch.device, torch.Tensor] | None] | None = None,
-                 ) -> None:
+                 native: bool = True) -> None:
         self._step = step
+        self._native = native
+        """Whether CPU samples are read by the C kernel (:mod:`~normwatch.measure.
+        native_updates`) where it covers them."""
         self._full = full
         """Whether the step under way measures every statistic (then ``|p|²`` too)."""
         self._exact = exact
@@ -303,10 +314,13 @@ class UpdateMonitor:
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         sampled = self._sampled.get(id(optimizer))
         if sampled is None or not sampled.fits(params):
-            sampled = self._sampled[id(optimizer)] = _Sampled(params)
+            sampled = self._sampled[id(optimizer)] = _Sampled(params, self._native)
         unchanged = sampled.kept and sampled.unchanged()
         for index, pack in sampled.packs:  # the samples' values before the step
-            if unchanged and pack.keep:  # the last step's values after: nothing wrote since
+            if isinstance(pack, NativePack):
+                if not unchanged:  # else it holds the last step's values after
+                    pack.keep()
+            elif unchanged and pack.keep:  # the last step's values after: nothing wrote since
                 pack.buffers.reverse()
             else:
                 pack.fill(sampled.current(index), BEFORE)
@@ -327,15 +341,21 @@ class UpdateMonitor:
         exact = None if self._exact is None else self._exact(optimizer)
         sized = self._full() or id(optimizer) not in self._sizes
         rows: dict[torch.device, torch.Tensor] = {}
-        picked = None
+        grads = None
         if exact is None:
             # the gradients are read after the step: a closure (LBFGS, Lightning)
             # computes them inside step(), after the pre-hook
-            picked = sampled.grad_samples()
+            grads = sampled.grads_alike()
         else:
             rows = {device: torch.stack([g, torch.zeros_like(g), torch.zeros_like(g)])
                     for device, g in exact.items()}
         for index, pack in sampled.packs:
+            if isinstance(pack, NativePack):
+                row = pack.measure(None if grads is None else [grads[i] for i in index], sized)
+                if grads is None and exact is None:  # missing or sparse gradients
+                    row[0] = _grad_sumsq([sampled.params[i].grad for i in index], pack.device)
+                rows[pack.device] = rows[pack.device] + row if pack.device in rows else row
+                continue
             zero = torch.zeros((), dtype=torch.float64, device=pack.device)
             pack.fill(sampled.current(index), AFTER)
             pack.subtract()  # BEFORE: -Δp
@@ -345,8 +365,8 @@ class UpdateMonitor:
                 pack.copy(AFTER, BEFORE)
                 size = pack.sumsq(BEFORE)
             grad = zero
-            if picked is not None:  # the gradients' samples: the params' layout
-                pack.fill([picked[i] for i in index], BEFORE)
+            if grads is not None:  # the gradients' samples: the params' layout
+                pack.fill(sampled.grad_samples(grads, index), BEFORE)
                 grad = pack.sumsq(BEFORE)
             elif exact is None:  # missing or sparse gradients: one norm per tensor
                 grad = _grad_sumsq([sampled.params[i].grad for i in index], pack.device)

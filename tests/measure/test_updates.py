@@ -14,6 +14,19 @@ import normwatch
 import normwatch.measure.updates
 from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
 from normwatch.errors import ConfigError
+from normwatch.measure.native import library
+from normwatch.measure.native_updates import NativePack
+from normwatch.measure.updates import _Pack
+
+NATIVE = pytest.mark.skipif(library() is None, reason="no C compiler: no native kernel")
+
+
+def held(w: normwatch.Watch) -> tuple[int, set[type]]:
+    """``(elements the update monitor's buffers hold now, the kinds of its packs)``."""
+    packs = [pack for s in w._updates._sampled.values() for _, pack in s.packs]
+    return sum(pack.kept.numel() if isinstance(pack, NativePack) else
+               sum(b.numel() for slot in pack.buffers for b in slot if b is not None)
+               for pack in packs), {type(pack) for pack in packs}
 
 
 def reference(params: list[torch.nn.Parameter], before: list[torch.Tensor]
@@ -49,9 +62,13 @@ def exact_step(params: list[torch.nn.Parameter], opt: torch.optim.Optimizer,
                          for p, b in zip(params, before, strict=True)))
 
 
-@pytest.mark.parametrize("kept", [True, False], ids=["copies kept", "copies per step"])
+@pytest.mark.parametrize(("kept", "kernel"), [
+    pytest.param(True, "auto", marks=NATIVE), (True, "torch"), (False, "auto")],
+    ids=["copies kept, native", "copies kept, torch", "copies per step"])
 def test_norms_match_a_float64_reference_with_two_optimizers_and_accumulation(
-        kept: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+        kept: bool, kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU's C kernel (copies kept: ``kernel="auto"``), torch's ops on kept copies,
+    and the accelerators' path (a transient copy per step, torch's ops)."""
     if not kept:  # the accelerator path: a transient copy per step
         monkeypatch.setattr(normwatch.measure.updates, "KEEP_ON", frozenset())
     model = TinyLM(dim=32, depth=2)
@@ -61,7 +78,7 @@ def test_norms_match_a_float64_reference_with_two_optimizers_and_accumulation(
             if not n.startswith(("blocks.0", "blocks.1"))]
     adam = torch.optim.AdamW(head, lr=1e-2, weight_decay=0.1)
     sgd = torch.optim.SGD(rest, lr=0.05, momentum=0.9)
-    w = normwatch.watch(model, adam, flush_every=3, report_dir=None)
+    w = normwatch.watch(model, adam, flush_every=3, report_dir=None, kernel=kernel)
     w.watch_optimizer(sgd)
     w.watch_optimizer(sgd)  # twice: still one set of hooks
     params = head + rest
@@ -93,22 +110,24 @@ def test_norms_match_a_float64_reference_with_two_optimizers_and_accumulation(
         assert u.param_norm == pytest.approx(measured[2], rel=3e-2)
         assert u.lr == 0.05 and u.update_ratio == pytest.approx(d / measured[2], rel=3e-2)
     assert w._updates._pending == set()
-    buffers = [b for s in w._updates._sampled.values() for _, pack in s.packs
-               for slot in pack.buffers for b in slot if b is not None]
-    assert bool(buffers) == kept  # on accelerators the copy lives for the step only
+    elements, kinds = held(w)
+    assert bool(elements) == kept  # on accelerators the copy lives for the step only
+    assert kinds == {NativePack if kept and kernel == "auto" else _Pack}
     w.close()
     assert w._updates._sampled == {}
     assert not adam._optimizer_step_pre_hooks and not sgd._optimizer_step_post_hooks
 
 
-def test_the_update_copy_holds_a_sixteenth_of_the_parameters() -> None:
+@pytest.mark.parametrize("kernel", [pytest.param("auto", marks=NATIVE), "torch"])
+def test_the_update_copy_holds_a_sixteenth_of_the_parameters(kernel: str) -> None:
     """What the monitor keeps between steps (CPU) or allocates for a step: every 37th
-    block of the large tensors, before and after the step; the estimated update norm
-    within 1 % of the exact one over a real loop (AdamW, a learning-rate spike included)."""
+    block of the large tensors, before and after the step (torch's ops) or the values
+    read last (the C kernel); the estimated update norm within 1 % of the exact one over
+    a real loop (AdamW, a learning-rate spike included)."""
     torch.manual_seed(0)
     model = TinyLM(dim=128, depth=2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    w = normwatch.watch(model, opt, flush_every=100, report_dir=None)
+    w = normwatch.watch(model, opt, flush_every=100, report_dir=None, kernel=kernel)
     params = [p for p in model.parameters() if p.requires_grad]
     gen = torch.Generator().manual_seed(0)
     exact = []
@@ -118,24 +137,25 @@ def test_the_update_copy_holds_a_sixteenth_of_the_parameters() -> None:
         tokens = synthetic_batch(gen, batch=4, seq=16)
         exact.append(exact_step(params, opt, lm_loss(model(tokens), tokens)))
         w.step()
-    kept = sum(b.numel() for s in w._updates._sampled.values() for _, pack in s.packs
-               for slot in pack.buffers for b in slot if b is not None)
+    kept, kinds = held(w)
     total = sum(p.numel() for p in params)
-    assert 0 < kept <= total / 16, (kept, total)
+    assert 0 < kept <= total / (16 if kernel == "torch" else 32), (kept, total)
+    assert kinds == {NativePack if kernel == "auto" else _Pack}
     got = [u.update_norm for u in w.flush().updates]
     assert got == pytest.approx(exact, rel=1e-2)
     assert max(got) == got[5]  # the spike stands out as it does exactly
     w.close()
 
 
-def test_a_write_between_steps_is_not_taken_for_the_update() -> None:
+@pytest.mark.parametrize("kernel", [pytest.param("auto", marks=NATIVE), "torch"])
+def test_a_write_between_steps_is_not_taken_for_the_update(kernel: str) -> None:
     """On the CPU the values after one step stand for the values before the next; a
     parameter written in place between steps (here: halved) is copied again, so each
     update is the optimizer's own change, within the sample's error of the exact one."""
     torch.manual_seed(0)
     model = TinyLM(dim=128, depth=2)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    w = normwatch.watch(model, opt, flush_every=100, report_dir=None)
+    w = normwatch.watch(model, opt, flush_every=100, report_dir=None, kernel=kernel)
     params = [p for p in model.parameters() if p.requires_grad]
     gen = torch.Generator().manual_seed(0)
     exact = []
@@ -265,16 +285,19 @@ def test_wrappers_are_unwrapped_and_bad_input_names_the_argument() -> None:
         normwatch.watch(model, optimizer=[opt])
 
 
-def test_a_failing_hook_warns_once_and_training_goes_on(monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("kernel", [pytest.param("auto", marks=NATIVE), "torch"])
+def test_a_failing_hook_warns_once_and_training_goes_on(kernel: str,
+                                                        monkeypatch: pytest.MonkeyPatch
                                                         ) -> None:
     model = TinyLM(dim=16, depth=1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    w = normwatch.watch(model, opt, report_dir=None)
+    w = normwatch.watch(model, opt, report_dir=None, kernel=kernel)
 
     def broken(*args: object) -> torch.Tensor:
         raise RuntimeError("no norms today")
 
-    monkeypatch.setattr(normwatch.measure.updates._Pack, "sumsq", broken)
+    monkeypatch.setattr(_Pack, "sumsq", broken)
+    monkeypatch.setattr(NativePack, "measure", broken)
     gen = torch.Generator().manual_seed(0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -331,4 +354,53 @@ def test_channels_last_and_transposed_parameters_are_measured_in_memory_order(
         w.step()
     got = [u.update_norm for u in w.flush().updates]
     assert got == pytest.approx(exact, rel=8e-2)  # stale copies: 1.3x to 470x off
+    w.close()
+
+
+def memory_order_sample(t: torch.Tensor) -> float:
+    """The documented sample's weighted sum of squares in float64, read in ``t``'s memory
+    order (a dense tensor's dims by falling stride)."""
+    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+    flat = t.detach().permute(*order).double().flatten()
+    n = flat.numel()
+    picked = flat if n < 4736 else flat[:n - n % 16].view(-1, 16)[::37].flatten()
+    return float(picked.square().sum()) * n / picked.numel()
+
+
+@NATIVE
+def test_the_c_kernel_sums_the_documented_sample_in_float64() -> None:
+    """One C call per dtype (here fp32, bf16 and fp16 parameters: three packs) against
+    float64 sums of the documented sample, step by step: parameters stored channels_last
+    and transposed (read in memory order), small ones read whole; gradients, updates and
+    ``|p|`` on every step (``stats_every=1``)."""
+    torch.manual_seed(0)
+    conv = nn.Sequential(nn.Conv2d(16, 64, 3), nn.GroupNorm(4, 64))
+    conv = conv.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    head = nn.Parameter((0.1 * torch.randn(96, 64)).t())  # stored transposed
+    low = {dtype: nn.Parameter(torch.randn(80, 100, dtype=dtype)) for dtype in
+           (torch.bfloat16, torch.float16)}
+    params = [*conv.parameters(), head, *low.values()]
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    w = normwatch.watch(conv, opt, flush_every=100, stats_every=1, report_dir=None)
+    gen = torch.Generator().manual_seed(0)
+    expected = []
+    for _ in range(3):
+        x = torch.randn(2, 16, 12, 12, generator=gen).to(memory_format=torch.channels_last)
+        loss = (conv(x).mean((2, 3)) @ head).square().mean() + sum(
+            (p.float() - 0.5).square().mean() for p in low.values())
+        loss.backward()  # type: ignore[union-attr]
+        before = [(p.detach().clone(), p.grad.clone()) for p in params]  # type: ignore[union-attr]
+        opt.step()
+        expected.append([math.sqrt(sum(memory_order_sample(t) for t in ts)) for ts in (
+            [g for _, g in before], [p.detach() - b for p, (b, _) in zip(params, before,
+                                                                          strict=True)],
+            [p.detach() for p in params])])
+        opt.zero_grad()
+        w.step()
+    _, kinds = held(w)
+    assert kinds == {NativePack} and len(w._updates._sampled[id(opt)].packs) == 3
+    got = [[u.grad_norm, u.update_norm, u.param_norm] for u in w.flush().updates]
+    assert len(got) == 3
+    for row, want in zip(got, expected, strict=True):
+        assert row == pytest.approx(want, rel=1e-9)
     w.close()
