@@ -197,7 +197,7 @@ class _Sampled:
         self.copied = [i for i, p in enumerate(params) if not dense(local(p))]
         """Parameters whose samples are copies (not :func:`dense`): taken again for each
         fill (:meth:`current`)."""
-        self.scales = [_scale(p, s) for p, s in zip(params, self.samples, strict=True)]
+        self.scales = [_scale(local(p), s) for p, s in zip(params, self.samples, strict=True)]
         self.layouts = [(s.shape, s.stride(), local(p).shape, local(p).stride(), s.dtype)
                         for p, s in zip(params, self.samples, strict=True)]
         """Per parameter, what a gradient laid out like it is sampled by: the sample's
