@@ -103,38 +103,53 @@ int normwatch_rows(const void *p, int kind, int64_t n, int64_t w, int64_t stride
  *   out[0] = gradients (grads not NULL), out[1] = kept minus now (MEASURE),
  *   out[2] = now (SIZE); then kept = now. Without MEASURE it only keeps. */
 #define MEASURE 1
+#define AHEAD 16 /* blocks prefetched ahead: each is a miss of its own */
 #define SIZE 2
+/* Sum of squares of n values got by GET(j) into the 4 lanes of acc (four independent
+ * chains: a float64 add waits for the one before it in its own lane only) */
+#define SQUARES(acc, n, GET)                                                          \
+    do {                                                                              \
+        int64_t j = 0;                                                                \
+        for (; j + 4 <= (n); j += 4)                                                  \
+            for (int k = 0; k < 4; k++) {                                             \
+                double v = GET(j + k);                                                \
+                acc[k] += v * v;                                                      \
+            }                                                                         \
+        for (; j < (n); j++) {                                                        \
+            double v = GET(j);                                                        \
+            acc[0] += v * v;                                                          \
+        }                                                                             \
+    } while (0)
+#define CHANGE(j) ((double)conv(kept[j]) - (double)conv(row[j]))
+#define NOW(j) ((double)conv(row[j]))
+#define GRAD(j) ((double)conv(grow[j]))
 #define SAMPLE(NAME, T, TOFLOAT)                                                      \
     __attribute__((target_clones("avx2", "default")))                                 \
     static void NAME(int64_t n, const int64_t *blocks, const int64_t *width,          \
                      const int64_t *stride, const double *scale, void *const *params, \
                      void *const *grads, T *kept, int mode, double *out) {            \
+        float (*const conv)(T) = TOFLOAT;                                             \
         double gs = 0, us = 0, ss = 0;                                                \
         for (int64_t i = 0; i < n; i++) {                                             \
             const T *p = (const T *)params[i];                                        \
             const T *q = grads ? (const T *)grads[i] : 0;                             \
             int64_t w = width[i], step = stride[i];                                   \
-            double g = 0, u = 0, s = 0;                                               \
+            double g[4] = {0}, u[4] = {0}, s[4] = {0};                                \
             for (int64_t b = 0; b < blocks[i]; b++, kept += w) {                      \
                 const T *row = p + b * step;                                          \
-                if (mode & MEASURE)                                                   \
-                    for (int64_t j = 0; j < w; j++) {                                 \
-                        double d = (double)TOFLOAT(kept[j]) - (double)TOFLOAT(row[j]);\
-                        u += d * d;                                                   \
-                    }                                                                 \
-                if (mode & SIZE)                                                      \
-                    for (int64_t j = 0; j < w; j++) {                                 \
-                        double x = TOFLOAT(row[j]);                                   \
-                        s += x * x;                                                   \
-                    }                                                                 \
-                if (q)                                                                \
-                    for (int64_t j = 0, o = b * step; j < w; j++) {                   \
-                        double y = TOFLOAT(q[o + j]);                                 \
-                        g += y * y;                                                   \
-                    }                                                                 \
+                if (b + AHEAD < blocks[i]) {  /* memory-level parallelism */          \
+                    __builtin_prefetch(row + AHEAD * step);                           \
+                    if (q) __builtin_prefetch(q + (b + AHEAD) * step);                \
+                }                                                                     \
+                if (mode & MEASURE) SQUARES(u, w, CHANGE);                            \
+                if (mode & SIZE) SQUARES(s, w, NOW);                                  \
+                if (q) { const T *grow = q + b * step; SQUARES(g, w, GRAD); }         \
                 memcpy(kept, row, (size_t)w * sizeof(T));                             \
             }                                                                         \
-            gs += g * scale[i]; us += u * scale[i]; ss += s * scale[i];               \
+            double sc = scale[i];                                                     \
+            gs += (g[0] + g[1] + g[2] + g[3]) * sc;                                   \
+            us += (u[0] + u[1] + u[2] + u[3]) * sc;                                   \
+            ss += (s[0] + s[1] + s[2] + s[3]) * sc;                                   \
         }                                                                             \
         out[0] = gs; out[1] = us; out[2] = ss;                                        \
     }

@@ -5,13 +5,16 @@
     >>> row = pack.measure(grads, size=True)      # float64 [|g|², |Δp|², |p|²], then kept
 
 The torch path (:class:`normwatch.measure.updates._Pack`) copies each tensor's sample
-into a buffer, subtracts and reduces, one op per tensor or per buffer: ~1.5 ms per step
-for the 39 tensors of a 4-layer Llama on this CPU, nearly all of it dispatch. Here one C
-call (``normwatch_sample`` in ``native_rows.c``, built and loaded by
-:mod:`normwatch.measure.native`) walks the same blocks of every parameter and its
-gradient, sums the squares in float64 (each tensor's scaled by its elements per sampled
-element) and keeps the values it read for the next step in one buffer in the parameters'
-format (1/37 of them, where the torch path holds two). Tensors it covers: CPU, strided,
+into buffers, subtracts and reduces them: ~1.0 ms after each step of a d=256, 4-layer
+Llama (39 tensors, 3.7M parameters) on this CPU. Here one C call (``normwatch_sample`` in
+``native_rows.c``, built and loaded by :mod:`normwatch.measure.native`) walks the same
+blocks of every parameter and its gradient, sums the squares in float64 (four lanes:
+one chain of adds would wait on each add), each tensor's scaled by its elements per
+sampled element, and keeps the values it read for the next step in one buffer in the
+parameters' format (1/37 of them, where the torch path holds two): ~0.5 ms there. Its
+floor is memory latency, not arithmetic: every sampled block is a cache line 2.4 KB
+from the next, a miss of its own, so the kernel prefetches 16 blocks ahead.
+Tensors it covers: CPU, strided,
 float32, bfloat16 or float16, samples that are views (dense parameters); the pointers are
 taken from the samples, which hold the parameters' storage alive.
 """
