@@ -13,10 +13,10 @@ one chain of adds would wait on each add), each tensor's scaled by its elements 
 sampled element, and keeps the values it read for the next step in one buffer in the
 parameters' format (1/37 of them, where the torch path holds two): ~0.5 ms there. Its
 floor is memory latency, not arithmetic: every sampled block is a cache line 2.4 KB
-from the next, a miss of its own, so the kernel prefetches 16 blocks ahead.
-Tensors it covers: CPU, strided,
-float32, bfloat16 or float16, samples that are views (dense parameters); the pointers are
-taken from the samples, which hold the parameters' storage alive.
+from the next, a miss of its own, so the kernel prefetches 16 blocks ahead. Tensors it
+covers: CPU, strided, float32, bfloat16 or float16, samples that are views (dense
+parameters); the pointers are taken from the samples, which hold the parameters'
+storage alive.
 """
 
 from __future__ import annotations
