@@ -404,3 +404,18 @@ def test_the_c_kernel_sums_the_documented_sample_in_float64() -> None:
     for row, want in zip(got, expected, strict=True):
         assert row == pytest.approx(want, rel=1e-9)
     w.close()
+
+
+def test_a_shard_is_scaled_by_its_own_elements() -> None:
+    """Under FSDP2 each rank samples its local shard: the sample stands for the shard's
+    elements, not the whole parameter's (which would scale each rank's sums by the world
+    size). Here a parameter whose ``to_local()`` is half of it, as a DTensor's shard."""
+    class Sharded(nn.Parameter):
+        def to_local(self) -> torch.Tensor:
+            return self.detach()[: self.shape[0] // 2]
+
+    param = Sharded(torch.randn(200, 100))
+    sampled = normwatch.measure.updates._Sampled([param])
+    (shard,) = sampled.samples
+    assert shard.numel() == 17 * 16  # every 37th block of the shard's 625
+    assert sampled.scales == [100 * 100 / shard.numel()]
