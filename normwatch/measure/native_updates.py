@@ -1,7 +1,7 @@
 """The update monitor's sample on the CPU in one call, whatever the number of tensors.
 
     >>> pack = NativePack.make(samples, scales)   # None where the kernel does not cover them
-    >>> pack.keep()                               # the sampled values before the step
+    >>> pack.store()                              # the sampled values before the step
     >>> row = pack.measure(grads, size=True)      # float64 [|g|², |Δp|², |p|²], then kept
 
 The torch path (:class:`normwatch.measure.updates._Pack`) copies each tensor's sample
@@ -35,6 +35,10 @@ class NativePack:
     """The samples of one CPU dtype, measured by one C call per hook; see the module
     docstring. Make it with :meth:`make`."""
 
+    keep = True
+    """Its buffer is kept between steps (as a :class:`~normwatch.measure.updates._Pack`'s
+    on the CPU)."""
+
     def __init__(self, lib: ctypes.CDLL, samples: list[torch.Tensor],
                  scales: list[float]) -> None:
         self._fn = lib.normwatch_sample
@@ -42,7 +46,7 @@ class NativePack:
         self.device = samples[0].device
         self._kind = KINDS[samples[0].dtype]
         shapes = [(s.shape[0], s.shape[1], s.stride(0)) if s.dim() == 2
-                  else (1, s.numel(), s.numel()) for s in samples]
+                  else (int(s.numel() > 0), s.numel(), s.numel()) for s in samples]
         n = len(samples)
         self._blocks = (ctypes.c_int64 * n)(*(b for b, _, _ in shapes))
         self._width = (ctypes.c_int64 * n)(*(w for _, w, _ in shapes))
@@ -51,7 +55,7 @@ class NativePack:
         self._params = (ctypes.c_void_p * n)(*(s.data_ptr() for s in samples))
         self._grads = ctypes.c_void_p * n
         self._unused = (ctypes.c_double * 3)()
-        """Where :meth:`keep`'s call writes its sums (nothing is measured)."""
+        """Where :meth:`store`'s call writes its sums (nothing is measured)."""
         self.kept = torch.empty(sum(s.numel() for s in samples), dtype=samples[0].dtype)
         """The values read last, samples end to end (the next step's values before)."""
 
@@ -69,7 +73,7 @@ class NativePack:
         lib = library()
         return None if lib is None else cls(lib, samples, scales)
 
-    def keep(self) -> None:
+    def store(self) -> None:
         """Read the parameters' samples into :attr:`kept` (nothing measured)."""
         self._call(None, 0, None)
 

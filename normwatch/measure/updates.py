@@ -24,12 +24,13 @@ the step (``exact``), its exact gradient norm is taken instead of the sample's.
 A non-finite gradient element outside the sample is not seen here (the norms' gradient
 hooks and the loss see it). The two buffers cost 2/37 of the optimizer's local
 parameters (a shard under FSDP2) in memory: for the duration of ``step()`` on
-accelerators, kept between steps on the CPU (:data:`KEEP_ON`). There, where its C kernel
-covers the parameters (``native``), :class:`~normwatch.measure.native_updates.NativePack`
-does all of that in one call per dtype, with one kept buffer of 1/37. Everything stays on the
-parameters' devices (no host sync) until the flush copies the rows along with the
-statistics. Several optimizers stepping in one training step add up into one row. A
-failure in a hook detaches the monitor with one warning; training goes on.
+accelerators, kept between steps on the CPU (:data:`KEEP_ON`). There, where its C
+kernel covers the parameters (``native``), :class:`~normwatch.measure.native_updates.
+NativePack` does all of that in one call per dtype, with one kept buffer of 1/37.
+Everything stays on the parameters' devices (no host sync) until the flush copies the
+rows along with the statistics. Several optimizers stepping in one training step add up
+into one row. A failure in a hook detaches the monitor with one warning; training goes
+on.
 """
 
 from __future__ import annotations
@@ -213,7 +214,7 @@ class _Sampled:
             made = NativePack.make(samples, scales) if native and not self.copied \
                 and samples[0].device.type in KEEP_ON else None
             self.packs.append((index, made or _Pack(samples, scales)))
-        self.kept = any(isinstance(pack, NativePack) or pack.keep for _, pack in self.packs)
+        self.kept = any(pack.keep for _, pack in self.packs)
         """Whether some buffers are kept between steps (then the versions are noted)."""
 
     def seen(self) -> None:
@@ -321,7 +322,7 @@ class UpdateMonitor:
         for index, pack in sampled.packs:  # the samples' values before the step
             if isinstance(pack, NativePack):
                 if not unchanged:  # else it holds the last step's values after
-                    pack.keep()
+                    pack.store()
             elif unchanged and pack.keep:  # the last step's values after: nothing wrote since
                 pack.buffers.reverse()
             else:

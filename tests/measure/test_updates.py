@@ -419,3 +419,25 @@ def test_a_shard_is_scaled_by_its_own_elements() -> None:
     (shard,) = sampled.samples
     assert shard.numel() == 17 * 16  # every 37th block of the shard's 625
     assert sampled.scales == [100 * 100 / shard.numel()]
+
+
+@pytest.mark.parametrize("kernel", [pytest.param("auto", marks=NATIVE), "torch"])
+def test_an_empty_parameter_adds_nothing(kernel: str) -> None:
+    """A parameter with no elements (a zero-width layer) in the optimizer: read as nothing,
+    the norms those of the others."""
+    norms = []
+    for extra in (False, True):
+        torch.manual_seed(0)
+        model = TinyLM(dim=16, depth=1)
+        empty = nn.Parameter(torch.zeros(0))
+        params = [*model.parameters(), empty] if extra else list(model.parameters())
+        opt = torch.optim.SGD(params, lr=0.1)
+        w = normwatch.watch(model, opt, report_dir=None, kernel=kernel)
+        tokens = synthetic_batch(torch.Generator().manual_seed(0), batch=2, seq=8)
+        (lm_loss(model(tokens), tokens) + empty.sum()).backward()
+        opt.step()
+        w.step()
+        (u,) = w.flush().updates
+        norms.append((u.grad_norm, u.update_norm, u.param_norm))
+        w.close()
+    assert norms[1] == pytest.approx(norms[0], rel=1e-12) and norms[0][1] > 0
