@@ -64,6 +64,14 @@ def steps(run: torch.nn.Module, opt: torch.optim.Optimizer, watch: normwatch.Wat
     return losses
 
 
+def differing(got: list[torch.Tensor], want: list[torch.Tensor]) -> list[str]:
+    """The parameters of ``got`` not bit-equal to ``want``'s: position, shape, how many
+    elements differ and the largest difference (what a failure needs to be read)."""
+    return [f"#{i} {tuple(a.shape)}: {int((a != b).sum())} differ, max "
+            f"{float((a.double() - b.double()).abs().max()):.3g}"
+            for i, (a, b) in enumerate(zip(got, want, strict=True)) if not torch.equal(a, b)]
+
+
 @pytest.mark.parametrize("tier", sorted(TIERS))
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("norm", ["rmsnorm", "layernorm", "naive_rmsnorm"])
@@ -74,7 +82,7 @@ def test_a_watched_run_is_bit_identical_to_an_unwatched_one(norm: str, mode: str
         warnings.simplefilter("ignore", RuntimeWarning)  # alarms of fp16 are not the point
         watched = train(norm, mode, {"gradients": True, **TIERS[tier]})
     assert watched[0] == plain[0]  # every loss, to the last bit
-    assert all(torch.equal(a, b) for a, b in zip(watched[1], plain[1], strict=True))
+    assert not differing(watched[1], plain[1]), differing(watched[1], plain[1])
     assert torch.equal(watched[2], plain[2])  # normwatch drew no random number
 
 
@@ -98,4 +106,4 @@ def test_a_compiled_watched_run_is_bit_identical_to_a_compiled_unwatched_one() -
 
     plain, watched = compiled(False), compiled(True)
     assert watched[0] == plain[0]
-    assert all(torch.equal(a, b) for a, b in zip(watched[1], plain[1], strict=True))
+    assert not differing(watched[1], plain[1]), differing(watched[1], plain[1])
