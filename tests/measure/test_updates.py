@@ -29,6 +29,16 @@ def held(w: normwatch.Watch) -> tuple[int, set[type]]:
                for pack in packs), {type(pack) for pack in packs}
 
 
+def memory_order_sample(t: torch.Tensor) -> float:
+    """The documented sample's weighted sum of squares in float64, read in ``t``'s memory
+    order (a dense tensor's dims by falling stride)."""
+    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+    flat = t.detach().permute(*order).double().flatten()
+    n = flat.numel()
+    picked = flat if n < 4736 else flat[:n - n % 16].view(-1, 16)[::37].flatten()
+    return float(picked.square().sum()) * n / picked.numel()
+
+
 def reference(params: list[torch.nn.Parameter], before: list[torch.Tensor]
               ) -> tuple[float, ...]:
     """Gradient, update and parameter L2 norms in float64, one parameter at a time, and
@@ -37,18 +47,13 @@ def reference(params: list[torch.nn.Parameter], before: list[torch.Tensor]
     def norm(ts: list[torch.Tensor]) -> float:
         return math.sqrt(sum(float(t.double().square().sum()) for t in ts))
 
-    def sampled(t: torch.Tensor) -> float:
-        flat = t.double().flatten()
-        n = flat.numel()
-        picked = flat if n < 4736 else flat[:n - n % 16].view(-1, 16)[::37].flatten()
-        return float(picked.square().sum()) * n / picked.numel()
     with_grad = [(p, b) for p, b in zip(params, before, strict=True) if b is not None]
     changes = [p.detach() - b[0] for p, b in with_grad]
     now = [p.detach() for p, _ in with_grad]
     return (norm([b[1] for _, b in with_grad]), norm(changes), norm(now),
-            math.sqrt(sum(sampled(b[1]) for _, b in with_grad)),
-            math.sqrt(sum(sampled(c) for c in changes)),
-            math.sqrt(sum(sampled(t) for t in now)))
+            math.sqrt(sum(memory_order_sample(b[1]) for _, b in with_grad)),
+            math.sqrt(sum(memory_order_sample(c) for c in changes)),
+            math.sqrt(sum(memory_order_sample(t) for t in now)))
 
 
 def exact_step(params: list[torch.nn.Parameter], opt: torch.optim.Optimizer,
@@ -355,16 +360,6 @@ def test_channels_last_and_transposed_parameters_are_measured_in_memory_order(
     got = [u.update_norm for u in w.flush().updates]
     assert got == pytest.approx(exact, rel=8e-2)  # stale copies: 1.3x to 470x off
     w.close()
-
-
-def memory_order_sample(t: torch.Tensor) -> float:
-    """The documented sample's weighted sum of squares in float64, read in ``t``'s memory
-    order (a dense tensor's dims by falling stride)."""
-    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
-    flat = t.detach().permute(*order).double().flatten()
-    n = flat.numel()
-    picked = flat if n < 4736 else flat[:n - n % 16].view(-1, 16)[::37].flatten()
-    return float(picked.square().sum()) * n / picked.numel()
 
 
 @NATIVE
