@@ -179,6 +179,25 @@ class _Pack:
         both = norms[0] if len(norms) == 1 else torch.stack([n.double() for n in norms])
         return both.double().square().sum()
 
+    def measure(self, after: list[torch.Tensor], grads: list[torch.Tensor] | None,
+                size: bool) -> torch.Tensor:
+        """``[|g|², |Δp|², |p|²]`` (float64, on the device) from :data:`BEFORE` and the
+        samples ``after`` the step: ``|p|²`` only with ``size`` (else 0; :data:`AFTER`
+        stays as the next step's values before), ``|g|²`` from the gradients' samples
+        ``grads`` (``None``: 0); then :meth:`release`."""
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.fill(after, AFTER)
+        self.subtract()  # BEFORE: -Δp
+        change, norm, grad = self.sumsq(BEFORE), zero, zero
+        if size:
+            self.copy(AFTER, BEFORE)
+            norm = self.sumsq(BEFORE)
+        if grads is not None:
+            self.fill(grads, BEFORE)
+            grad = self.sumsq(BEFORE)
+        self.release()
+        return torch.stack([grad, change, norm])
+
     def release(self) -> None:
         """Drop the buffers unless they are kept between steps."""
         if not self.keep:
@@ -355,28 +374,12 @@ class UpdateMonitor:
         for index, pack in sampled.packs:
             if isinstance(pack, NativePack):
                 row = pack.measure(None if grads is None else [grads[i] for i in index], sized)
-                if grads is None and exact is None:  # missing or sparse gradients
-                    row[0] = _grad_sumsq([sampled.params[i].grad for i in index], pack.device)
-                rows[pack.device] = rows[pack.device] + row if pack.device in rows else row
-                continue
-            zero = torch.zeros((), dtype=torch.float64, device=pack.device)
-            pack.fill(sampled.current(index), AFTER)
-            pack.subtract()  # BEFORE: -Δp
-            change = pack.sumsq(BEFORE)
-            size = zero
-            if sized:  # AFTER stays as it is: the next step's values before
-                pack.copy(AFTER, BEFORE)
-                size = pack.sumsq(BEFORE)
-            grad = zero
-            if grads is not None:  # the gradients' samples: the params' layout
-                pack.fill(sampled.grad_samples(grads, index), BEFORE)
-                grad = pack.sumsq(BEFORE)
-            elif exact is None:  # missing or sparse gradients: one norm per tensor
-                grad = _grad_sumsq([sampled.params[i].grad for i in index], pack.device)
-            pack.release()
-            row = torch.stack([grad, change, size])
-            device = row.device
-            rows[device] = rows[device] + row if device in rows else row
+            else:
+                row = pack.measure(sampled.current(index), None if grads is None else
+                                   sampled.grad_samples(grads, index), sized)
+            if grads is None and exact is None:  # missing or sparse: one norm per tensor
+                row[0] = _grad_sumsq([sampled.params[i].grad for i in index], pack.device)
+            rows[pack.device] = rows[pack.device] + row if pack.device in rows else row
         if sampled.kept:
             sampled.seen()
         step = self._step()
