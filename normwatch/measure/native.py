@@ -10,11 +10,13 @@ tensor once, vectorised, into one float32 buffer (exact: a max or a min is one o
 values), with NaN where a row holds one, as ``amax``/``amin`` give. The C source
 (``native_rows.c``, shipped with the package) is compiled at first use with the
 system's C compiler into a per-user cache (``$NORMWATCH_CACHE``, else
-``$XDG_CACHE_HOME/normwatch`` or ``~/.cache/normwatch``), named by a hash of the source
-and the compiler; without a compiler, or for what it does not cover (other dtypes, rows
-that are not contiguous, tensors past :data:`MAX_ELEMENTS`, and float32 where torch's
-reductions run on several threads: see :data:`GRAIN`), the caller uses torch's
-reductions. Set ``NORMWATCH_NATIVE=0`` (or ``kernel="torch"``) to never use it.
+``$XDG_CACHE_HOME/normwatch`` or ``~/.cache/normwatch``), named by a hash of the source,
+the compiler and torch's OpenMP runtime. Built with OpenMP and linked to that runtime
+(:func:`openmp_runtime`), a pass past torch's grain size splits the rows over torch's
+own threads, as torch's reductions do; elsewhere it runs on one thread (see
+:data:`GRAIN`). Without a compiler, or for what it does not cover (other dtypes, rows
+that are not contiguous), the caller uses torch's reductions. Set
+``NORMWATCH_NATIVE=0`` (or ``kernel="torch"``) to never use it.
 """
 
 from __future__ import annotations
@@ -33,15 +35,18 @@ import torch
 
 SOURCE = Path(__file__).with_name("native_rows.c")
 MAX_ELEMENTS = 1 << 21
-"""The most elements per tensor read here (4 MiB of bf16): one thread; beyond, torch's
-reductions split the rows over its threads."""
+"""Without torch's threads (see :func:`threaded`): the most elements per tensor read here
+(4 MiB of bf16) on one thread; beyond, torch's reductions split the rows over its
+threads."""
 GRAIN = 32768
-"""Torch's grain size: below it its reductions run on one thread too. Above it, float32
-is left to them where torch has several threads: an activation a multi-threaded op just
-wrote lies in several cores' caches, and their passes, each core reading its part, beat
-one pass on one core there (measured: 146-194 µs against 181-196 µs for 512 x 256 after
-the caches were flushed, 370 against 440 µs at 512 x 1024; bf16 and fp16, whose torch
-reductions convert every element, 292 against 171 µs and 561 against 281 µs)."""
+"""Torch's grain size: below it its reductions run on one thread, and so does this kernel.
+Past it the kernel splits the rows over torch's threads, when it shares them
+(:func:`threaded`). Without them, float32 past the grain is left to torch's reductions
+where torch has several threads: an activation a multi-threaded op just wrote lies in
+several cores' caches, and their passes, each core reading its part, beat one pass on
+one core there (measured: 146-194 µs against 181-196 µs for 512 x 256 after the caches
+were flushed; bf16 and fp16, whose torch reductions convert every element, 292 against
+171 µs), and a single-thread pass lets torch's idle threads fall asleep."""
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 log = logging.getLogger(__name__)
@@ -67,16 +72,43 @@ def library() -> ctypes.CDLL | None:
     except Exception as exc:  # no compiler, a failed build or load: torch's reductions
         log.debug("normwatch: native row kernel unavailable (%s); using torch", exc)
         return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
-                   ctypes.c_int64, ctypes.c_void_p]
+    i64 = ctypes.c_int64
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, i64, i64, ctypes.c_void_p, ctypes.c_int,
+                   i64, i64, i64, ctypes.c_void_p, ctypes.c_int]
     fn.restype = ctypes.c_int
-    i64, ptrs = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_void_p)
+    i64s, ptrs = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_void_p)
     sample = lib.normwatch_sample  # normwatch.measure.native_updates
-    sample.argtypes = [ctypes.c_int64, ctypes.c_int, i64, i64, i64,
+    sample.argtypes = [ctypes.c_int64, ctypes.c_int, i64s, i64s, i64s,
                        ctypes.POINTER(ctypes.c_double), ptrs, ptrs, ctypes.c_void_p,
                        ctypes.c_int, ctypes.c_void_p]
     sample.restype = ctypes.c_int
+    lib.normwatch_threaded.restype = ctypes.c_int
     return lib
+
+
+def threaded() -> bool:
+    """Whether the kernel splits rows over torch's own threads: built with OpenMP and
+    linked to the runtime torch's threads run on (:func:`openmp_runtime`)."""
+    lib = library()
+    return lib is not None and bool(lib.normwatch_threaded())
+
+
+def openmp_runtime() -> str | None:
+    """The file of GNU OpenMP (libgomp) torch's threads run on, loaded in this process:
+    linked to it, the kernel's parallel regions use torch's thread pool (another
+    runtime would start threads of its own, competing with torch's). ``None``: another
+    backend or runtime, or not Linux; the kernel is then built single-threaded."""
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return None
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        path = line.split()[-1] if line.count("/") else ""
+        if Path(path).name.startswith("libgomp") and ".so" in Path(path).name:
+            return path
+    return None
 
 
 def _built() -> Path:
@@ -85,35 +117,58 @@ def _built() -> Path:
         raise RuntimeError("no C compiler (cc, gcc) on PATH")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode()).hexdigest()[:16]
+    runtime = openmp_runtime()
+    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + str(runtime).encode()
+                         ).hexdigest()[:16]
     folder = cache_dir()
     target = folder / f"rows-{key}.so"
     if target.exists():
         return target
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:  # then one atomic rename
-        built = Path(tmp) / target.name
-        subprocess.run([compiler, "-O3", "-shared", "-fPIC", "-o", str(built), str(SOURCE)],
-                       check=True, capture_output=True, timeout=120)
+        built, obj = Path(tmp) / target.name, Path(tmp) / "rows.o"
+        plain = [compiler, "-O3", "-shared", "-fPIC", "-o", str(built), str(SOURCE)]
+        steps = [[compiler, "-O3", "-fPIC", "-fopenmp", "-c", "-o", str(obj), str(SOURCE)],
+                 [compiler, "-shared", "-o", str(built), str(obj), str(runtime),
+                  f"-Wl,-rpath,{Path(str(runtime)).parent}"]]
+        try:
+            if runtime is None:
+                raise RuntimeError("no OpenMP runtime of torch's to share")
+            for cmd in steps:
+                subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            log.debug("normwatch: native kernel built single-threaded (%s)", exc)
+            subprocess.run(plain, check=True, capture_output=True, timeout=120)
         os.replace(built, target)
     return target
 
 
-def _rowwise(t: torch.Tensor) -> tuple[int, int, int] | None:
-    """``(rows, width, row stride)`` of ``t`` read as rows of its last dim, or ``None``
-    when the kernel does not cover it."""
+def _rowwise(t: torch.Tensor) -> tuple[int, int] | None:
+    """``(width, row stride)`` of ``t`` read as rows of its last dim, or ``None`` when
+    the kernel does not cover it."""
     if type(t) is not torch.Tensor or t.device.type != "cpu" or t.dtype not in KINDS \
-            or t.layout != torch.strided or t.dim() == 0 or t.numel() > MAX_ELEMENTS \
-            or not t.numel() or torch._C._functorch.is_functorch_wrapped_tensor(t):
+            or t.layout != torch.strided or t.dim() == 0 or not t.numel() \
+            or torch._C._functorch.is_functorch_wrapped_tensor(t):
         return None  # (vmap's and grad's wrappers have no data pointer)
-    if t.dtype == torch.float32 and t.numel() > GRAIN and torch.get_num_threads() > 1:
-        return None
-    width = t.shape[-1]
     if t.is_contiguous():
-        return t.numel() // width, width, width
+        return t.shape[-1], t.shape[-1]
     if t.dim() == 2 and t.stride(1) == 1:
-        return t.shape[0], width, t.stride(0)
+        return t.shape[1], t.stride(0)
     return None
+
+
+def _threads(x: torch.Tensor, out: torch.Tensor | None) -> int:
+    """The threads to read ``x`` and ``out`` on (torch's, past :data:`GRAIN`), or 0:
+    leave them to torch's reductions (see :data:`GRAIN`, :data:`MAX_ELEMENTS`)."""
+    big = max(x.numel(), 0 if out is None else out.numel())
+    threads = torch.get_num_threads()
+    if big <= GRAIN or threads == 1:
+        return 1
+    if threaded():
+        return threads
+    if big > MAX_ELEMENTS or torch.float32 in (x.dtype, None if out is None else out.dtype):
+        return 0
+    return 1
 
 
 def row_extremes(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
@@ -121,15 +176,16 @@ def row_extremes(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | No
     ``out``, whose leading dims are ``x``'s), or ``None`` where torch's reductions must
     do it (see the module docstring)."""
     shape_x = _rowwise(x)
-    shape_out = None if out is None else _rowwise(out)
-    if shape_x is None or (out is not None and shape_out is None):
+    shape_out = (0, 0) if out is None else _rowwise(out)
+    if shape_x is None or shape_out is None:
         return None
     lib = library()  # only once a tensor it covers comes: no compiler run for CUDA ones
-    if lib is None:
+    threads = 0 if lib is None else _threads(x, out)
+    if lib is None or not threads:
         return None
     rows = torch.empty(2 if out is None else 4, *x.shape[:-1], dtype=torch.float32)
-    fn, n, ptr = lib.normwatch_rows, shape_x[0], rows.data_ptr()
-    fn(x.data_ptr(), KINDS[x.dtype], *shape_x, ptr)
-    if out is not None and shape_out is not None:
-        fn(out.data_ptr(), KINDS[out.dtype], *shape_out, ptr + 8 * n)
+    lib.normwatch_rows(x.data_ptr(), KINDS[x.dtype], *shape_x,
+                       None if out is None else out.data_ptr(),
+                       0 if out is None else KINDS[out.dtype], *shape_out,
+                       x.shape[:-1].numel(), rows.data_ptr(), threads)
     return rows

@@ -8,6 +8,9 @@
  * do. */
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define ROWS(NAME, S, U, MAG, INF, TOFLOAT)                                            \
     __attribute__((target_clones("avx2", "default")))                                 \
@@ -84,15 +87,49 @@ static void rows_f32(const float *p, int64_t n, int64_t w, int64_t stride, float
 ROWS(rows_bf16, int16_t, uint16_t, 0x7fff, 0x7f80, from_bf16)
 ROWS(rows_f16, int16_t, uint16_t, 0x7fff, 0x7c00, from_f16)
 
-/* kind: 0 float32, 1 bfloat16, 2 float16. Writes hi to out[0:n], lo to out[n:2n]. */
-int normwatch_rows(const void *p, int kind, int64_t n, int64_t w, int64_t stride,
-                   float *out) {
+static void rows_of(const char *p, int kind, int64_t n, int64_t w, int64_t stride,
+                    float *hi, float *lo) {
     switch (kind) {
-    case 0: rows_f32((const float *)p, n, w, stride, out, out + n); return 0;
-    case 1: rows_bf16((const uint16_t *)p, n, w, stride, out, out + n); return 0;
-    case 2: rows_f16((const uint16_t *)p, n, w, stride, out, out + n); return 0;
-    default: return -1;
+    case 0: rows_f32((const float *)p, n, w, stride, hi, lo); break;
+    case 1: rows_bf16((const uint16_t *)p, n, w, stride, hi, lo); break;
+    default: rows_f16((const uint16_t *)p, n, w, stride, hi, lo); break;
     }
+}
+
+/* Each row's max and min of x (n rows of wx elements, sx apart) and, y not NULL, of y
+ * (n rows of wy, sy apart); kind: 0 float32, 1 bfloat16, 2 float16. Writes x's hi to
+ * out[0:n], lo to out[n:2n], then y's to out[2n:4n]. Built with OpenMP (linked to the
+ * runtime torch's threads run on, so they are the same threads), the rows are split
+ * over `threads` threads in contiguous runs, as torch's own row ops split them. */
+int normwatch_rows(const void *x, int kx, int64_t wx, int64_t sx, const void *y, int ky,
+                   int64_t wy, int64_t sy, int64_t n, float *out, int threads) {
+    if (kx < 0 || kx > 2 || (y && (ky < 0 || ky > 2))) return -1;
+    (void)threads;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads) if (threads > 1)
+#endif
+    {
+        int64_t t = 0, k = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        k = omp_get_num_threads();
+#endif
+        int64_t a = n * t / k, m = n * (t + 1) / k - a;
+        rows_of((const char *)x + a * sx * (kx ? 2 : 4), kx, m, wx, sx, out + a, out + n + a);
+        if (y)
+            rows_of((const char *)y + a * sy * (ky ? 2 : 4), ky, m, wy, sy, out + 2 * n + a,
+                    out + 3 * n + a);
+    }
+    return 0;
+}
+
+/* 1: built with OpenMP (normwatch_rows uses its `threads`) */
+int normwatch_threaded(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* The update monitor's sample (normwatch.measure.native_updates): per tensor, `blocks`

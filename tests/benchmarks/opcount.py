@@ -29,7 +29,7 @@ import normwatch
 from normwatch.measure.gradients import HIDDEN, IN, OUT
 
 LAUNCH = "triton launch"
-NATIVE = "native pass"
+NATIVE = "native call"
 """One read of a tensor by the CPU sentinel's compiled kernel (:mod:`normwatch.measure.native`)."""
 
 
@@ -71,8 +71,8 @@ class Count:
 @contextmanager
 def _one_launch() -> Iterator[None]:
     """The fused kernel as the GPU runs it: one launch and its output (Triton's CPU
-    interpreter copies tensors around; those ops are not the kernel's); each pass of the
-    CPU sentinel's compiled kernel, which no dispatch mode sees."""
+    interpreter copies tensors around; those ops are not the kernel's); each call of the
+    CPU sentinel's compiled kernel (one pass per tensor), which no dispatch mode sees."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     from normwatch.measure import hooks, reductions
@@ -92,7 +92,7 @@ def _one_launch() -> Iterator[None]:
         rows = real_native(x, out)
         mode = torch.utils._python_dispatch._get_current_dispatch_mode()
         if rows is not None and isinstance(mode, OpCounter):
-            mode.kernels[NATIVE] += 1 if out is None else 2
+            mode.kernels[NATIVE] += 1
         return rows
 
     real_native = reductions.row_extremes

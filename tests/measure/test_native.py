@@ -4,7 +4,10 @@ run (no compiler, switched off, what it does not cover), with the same statistic
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +15,7 @@ from torch import nn
 
 import normwatch
 from normwatch.measure import native
-from normwatch.measure.native import GRAIN, MAX_ELEMENTS, library, row_extremes
+from normwatch.measure.native import GRAIN, MAX_ELEMENTS, library, row_extremes, threaded
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler here")
 
@@ -59,20 +62,83 @@ def test_strided_rows_and_what_it_leaves_to_torch() -> None:
     assert row_extremes(base.double(), None) is None  # float64
     assert row_extremes(base.t(), None) is None  # columns
     assert row_extremes(torch.randn(4, 5, 6).transpose(0, 1), None) is None
-    assert row_extremes(torch.zeros(MAX_ELEMENTS + 1), None) is None  # torch's threads
     assert row_extremes(base, base.double()) is None  # one tensor it cannot read: neither
     assert torch.func.vmap(lambda t: torch.tensor(row_extremes(t, None) is None))(base).all()
-    big = torch.randn(GRAIN // 64 + 1, 64)
-    threads = torch.get_num_threads()
+
+
+@contextmanager
+def threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
     try:
-        torch.set_num_threads(2)  # float32 past the grain: torch's threads
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_without_torch_threads_shared_big_float32_is_left_to_torch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A single-threaded build (no OpenMP runtime of torch's to link to) leaves float32
+    past the grain to torch's threads, and anything past :data:`MAX_ELEMENTS`."""
+    monkeypatch.setattr(native, "threaded", lambda: False)
+    big = torch.randn(GRAIN // 64 + 1, 64)
+    with threads(2):
         assert row_extremes(big, None) is None
         assert row_extremes(big.bfloat16(), None) is not None
-        torch.set_num_threads(1)
+        assert row_extremes(torch.zeros(MAX_ELEMENTS + 1).bfloat16(), None) is None
+    with threads(1):
         got = row_extremes(big, None)
         assert got is not None and same(got, reference(big))
+
+
+def task_count() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(native.openmp_runtime() is None,
+                    reason="torch's threads are not GNU OpenMP's here: built single-threaded")
+def test_past_the_grain_the_rows_are_split_over_torchs_own_threads() -> None:
+    """Linked to the OpenMP runtime torch loaded (one runtime in the process), the kernel
+    starts no thread of its own: its parallel regions run on torch's pool. Rows split at
+    any count (odd, fewer than threads' worth, strided, outputs of another width and
+    dtype) are exact, NaN rows at the seams included."""
+    assert threaded()
+    loaded = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+              if "libgomp" in line}
+    assert loaded == {native.openmp_runtime()}
+    gen = torch.Generator().manual_seed(3)
+    with threads(2):
+        torch.randn(1 << 20).sum()  # torch's pool is up
+        started = task_count()
+        for n, width, dtype in ((1031, 64, torch.float32), (3, GRAIN, torch.bfloat16),
+                                (777, 130, torch.float16)):
+            x = (torch.randn(n, width + 9, generator=gen) * 100).to(dtype)[:, 4:-5]
+            y = torch.randn(n, 2 * width, generator=gen)
+            for row in (0, n // 2 - 1, n // 2, n - 1):
+                x[row, row % width] = torch.nan
+            y[n // 2, 0] = -torch.inf
+            got = row_extremes(x, y)
+            assert got is not None and same(got[:2], reference(x)) and same(got[2:],
+                                                                            reference(y))
+        assert task_count() == started
+
+
+def test_a_compiler_without_openmp_builds_it_single_threaded(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    compiler = tmp_path / "cc"
+    compiler.write_text('#!/bin/sh\ncase "$*" in *-fopenmp*) exit 1;; esac\nexec cc "$@"\n')
+    compiler.chmod(0o755)
+    library.cache_clear()
+    monkeypatch.setenv("NORMWATCH_CACHE", str(tmp_path / "made"))
+    monkeypatch.setenv("CC", str(compiler))
+    try:
+        assert library() is not None and not threaded()
+        x = torch.randn(GRAIN // 64 + 1, 64).bfloat16()
+        with threads(2):
+            got = row_extremes(x, None)
+        assert got is not None and same(got, reference(x))
     finally:
-        torch.set_num_threads(threads)
+        library.cache_clear()
 
 
 @pytest.fixture
@@ -99,9 +165,9 @@ def test_a_missing_compiler_is_no_error(monkeypatch: pytest.MonkeyPatch, tmp_pat
 
 
 def test_built_into_a_private_cache_named_by_the_source(monkeypatch: pytest.MonkeyPatch,
-                                                       tmp_path: object) -> None:
+                                                       tmp_path: Path) -> None:
     library.cache_clear()
-    monkeypatch.setenv("NORMWATCH_CACHE", str(tmp_path / "made"))  # type: ignore[operator]
+    monkeypatch.setenv("NORMWATCH_CACHE", str(tmp_path / "made"))
     try:
         assert library() is not None
         built = list(native.cache_dir().iterdir())
