@@ -2,7 +2,7 @@
 input and output, here), and the update monitor's sample (:mod:`~normwatch.measure.
 native_updates`), from one C library built at first use.
 
-    >>> rows = row_extremes(tokens, out)   # (4, tokens) float32, or None: use torch's
+    >>> rows = row_stats(tokens, out)   # (4, tokens) float32, or None: use torch's
 
 Torch's row reductions read an activation once per statistic (``amax`` and ``amin`` of
 the input and of the output, then a ``stack``: five ops, four passes); this reads each
@@ -74,7 +74,7 @@ def library() -> ctypes.CDLL | None:
         return None
     i64 = ctypes.c_int64
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, i64, i64, ctypes.c_void_p, ctypes.c_int,
-                   i64, i64, i64, ctypes.c_void_p, ctypes.c_int]
+                   i64, i64, i64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_int
     i64s, ptrs = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_void_p)
     sample = lib.normwatch_sample  # normwatch.measure.native_updates
@@ -127,8 +127,9 @@ def _built() -> Path:
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:  # then one atomic rename
         built, obj = Path(tmp) / target.name, Path(tmp) / "rows.o"
-        plain = [compiler, "-O3", "-shared", "-fPIC", "-o", str(built), str(SOURCE)]
-        steps = [[compiler, "-O3", "-fPIC", "-fopenmp", "-c", "-o", str(obj), str(SOURCE)],
+        flags = ["-O3", "-fPIC", "-fno-math-errno"]  # (sqrt as one instruction)
+        plain = [compiler, *flags, "-shared", "-o", str(built), str(SOURCE)]
+        steps = [[compiler, *flags, "-fopenmp", "-c", "-o", str(obj), str(SOURCE)],
                  [compiler, "-shared", "-o", str(built), str(obj), str(runtime),
                   f"-Wl,-rpath,{Path(str(runtime)).parent}"]]
         try:
@@ -171,9 +172,16 @@ def _threads(x: torch.Tensor, out: torch.Tensor | None) -> int:
     return 1
 
 
-def row_extremes(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
-    """``(2 or 4, *x.shape[:-1])`` float32: each row's max and min of ``x`` (then of
-    ``out``, whose leading dims are ``x``'s), or ``None`` where torch's reductions must
+MOMENTS = {"rms": 1, "centred": 2}
+"""What :func:`row_stats` adds after the extremes: each row's sum, L2 norm and spread
+(``"centred"``: the L2 norm about the row's mean; ``"rms"``: the L2 norm again)."""
+
+
+def row_stats(x: torch.Tensor, out: torch.Tensor | None,
+              moments: str | None = None) -> torch.Tensor | None:
+    """``(k, *x.shape[:-1])`` float32: each row's max and min of ``x``, then of ``out``
+    (whose leading dims are ``x``'s), then with ``moments`` (see :data:`MOMENTS`) ``x``'s
+    sum, L2 norm and spread, summed in float64; or ``None`` where torch's reductions must
     do it (see the module docstring)."""
     shape_x = _rowwise(x)
     shape_out = (0, 0) if out is None else _rowwise(out)
@@ -183,9 +191,11 @@ def row_extremes(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | No
     threads = 0 if lib is None else _threads(x, out)
     if lib is None or not threads:
         return None
-    rows = torch.empty(2 if out is None else 4, *x.shape[:-1], dtype=torch.float32)
+    k = (2 if out is None else 4) + (3 if moments else 0)
+    rows = torch.empty(k, *x.shape[:-1], dtype=torch.float32)
     lib.normwatch_rows(x.data_ptr(), KINDS[x.dtype], *shape_x,
                        None if out is None else out.data_ptr(),
                        0 if out is None else KINDS[out.dtype], *shape_out,
-                       x.shape[:-1].numel(), rows.data_ptr(), threads)
+                       x.shape[:-1].numel(), rows.data_ptr(), threads,
+                       MOMENTS[moments] if moments else 0)
     return rows

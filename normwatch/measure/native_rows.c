@@ -87,6 +87,63 @@ static void rows_f32(const float *p, int64_t n, int64_t w, int64_t stride, float
 ROWS(rows_bf16, int16_t, uint16_t, 0x7fff, 0x7f80, from_bf16)
 ROWS(rows_f16, int16_t, uint16_t, 0x7fff, 0x7c00, from_f16)
 
+/* Per row: the sum, the L2 norm and the spread (centred: the L2 norm about the row's
+ * mean, read a second time from cache; else the L2 norm), summed in float64 in four
+ * lanes, written as float32 (NaN/inf where the row holds NaN/inf). */
+#define MOMENTS(NAME, T, TOFLOAT)                                                     \
+    __attribute__((target_clones("avx2", "default")))                                 \
+    static void NAME(const T *p, int64_t n, int64_t w, int64_t stride, int centred,   \
+                     float *sum, float *l2, float *spread) {                          \
+        float (*const conv)(T) = TOFLOAT;                                             \
+        for (int64_t i = 0; i < n; i++, p += stride) {                                \
+            double s[4] = {0}, q[4] = {0};                                            \
+            int64_t j = 0;                                                            \
+            for (; j + 4 <= w; j += 4)                                                \
+                for (int k = 0; k < 4; k++) {                                         \
+                    double v = conv(p[j + k]);                                        \
+                    s[k] += v;                                                        \
+                    q[k] += v * v;                                                    \
+                }                                                                     \
+            for (; j < w; j++) {                                                      \
+                double v = conv(p[j]);                                                \
+                s[0] += v;                                                            \
+                q[0] += v * v;                                                        \
+            }                                                                         \
+            double total = (s[0] + s[1]) + (s[2] + s[3]);                             \
+            sum[i] = (float)total;                                                    \
+            l2[i] = (float)__builtin_sqrt((q[0] + q[1]) + (q[2] + q[3]));             \
+            if (!centred) {                                                           \
+                spread[i] = l2[i];                                                    \
+                continue;                                                             \
+            }                                                                         \
+            double mean = total / (double)w, c[4] = {0};                              \
+            for (j = 0; j + 4 <= w; j += 4)                                           \
+                for (int k = 0; k < 4; k++) {                                         \
+                    double v = conv(p[j + k]) - mean;                                 \
+                    c[k] += v * v;                                                    \
+                }                                                                     \
+            for (; j < w; j++) {                                                      \
+                double v = conv(p[j]) - mean;                                         \
+                c[0] += v * v;                                                        \
+            }                                                                         \
+            spread[i] = (float)__builtin_sqrt((c[0] + c[1]) + (c[2] + c[3]));         \
+        }                                                                             \
+    }
+
+static float same(float f) { return f; }
+MOMENTS(moments_f32, float, same)
+MOMENTS(moments_bf16, uint16_t, from_bf16)
+MOMENTS(moments_f16, uint16_t, from_f16)
+
+static void moments_of(const char *p, int kind, int64_t n, int64_t w, int64_t stride,
+                       int centred, float *sum, float *l2, float *spread) {
+    switch (kind) {
+    case 0: moments_f32((const float *)p, n, w, stride, centred, sum, l2, spread); break;
+    case 1: moments_bf16((const uint16_t *)p, n, w, stride, centred, sum, l2, spread); break;
+    default: moments_f16((const uint16_t *)p, n, w, stride, centred, sum, l2, spread); break;
+    }
+}
+
 static void rows_of(const char *p, int kind, int64_t n, int64_t w, int64_t stride,
                     float *hi, float *lo) {
     switch (kind) {
@@ -98,12 +155,15 @@ static void rows_of(const char *p, int kind, int64_t n, int64_t w, int64_t strid
 
 /* Each row's max and min of x (n rows of wx elements, sx apart) and, y not NULL, of y
  * (n rows of wy, sy apart); kind: 0 float32, 1 bfloat16, 2 float16. Writes x's hi to
- * out[0:n], lo to out[n:2n], then y's to out[2n:4n]. Built with OpenMP (linked to the
- * runtime torch's threads run on, so they are the same threads), the rows are split
- * over `threads` threads in contiguous runs, as torch's own row ops split them. */
+ * out[0:n], lo to out[n:2n], then y's to out[2n:4n]; then, moments 1 (RMS) or 2
+ * (centred), x's sum, L2 norm and spread (MOMENTS) to the next 3n. Built with OpenMP
+ * (linked to the runtime torch's threads run on, so they are the same threads), the
+ * rows are split over `threads` threads in contiguous runs, as torch's own row ops
+ * split them. */
 int normwatch_rows(const void *x, int kx, int64_t wx, int64_t sx, const void *y, int ky,
-                   int64_t wy, int64_t sy, int64_t n, float *out, int threads) {
-    if (kx < 0 || kx > 2 || (y && (ky < 0 || ky > 2))) return -1;
+                   int64_t wy, int64_t sy, int64_t n, float *out, int threads, int moments) {
+    if (kx < 0 || kx > 2 || (y && (ky < 0 || ky > 2)) || moments < 0 || moments > 2)
+        return -1;
     (void)threads;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -115,10 +175,15 @@ int normwatch_rows(const void *x, int kx, int64_t wx, int64_t sx, const void *y,
         k = omp_get_num_threads();
 #endif
         int64_t a = n * t / k, m = n * (t + 1) / k - a;
-        rows_of((const char *)x + a * sx * (kx ? 2 : 4), kx, m, wx, sx, out + a, out + n + a);
-        if (y)
-            rows_of((const char *)y + a * sy * (ky ? 2 : 4), ky, m, wy, sy, out + 2 * n + a,
-                    out + 3 * n + a);
+        const char *xa = (const char *)x + a * sx * (kx ? 2 : 4);
+        float *o = out + a;
+        rows_of(xa, kx, m, wx, sx, o, o + n);
+        o += 2 * n;
+        if (y) {
+            rows_of((const char *)y + a * sy * (ky ? 2 : 4), ky, m, wy, sy, o, o + n);
+            o += 2 * n;
+        }
+        if (moments) moments_of(xa, kx, m, wx, sx, moments == 2, o, o + n, o + 2 * n);
     }
     return 0;
 }
@@ -191,7 +256,6 @@ int normwatch_threaded(void) {
         out[0] = gs; out[1] = us; out[2] = ss;                                        \
     }
 
-static float same(float f) { return f; }
 SAMPLE(sample_f32, float, same)
 SAMPLE(sample_bf16, uint16_t, from_bf16)
 SAMPLE(sample_f16, uint16_t, from_f16)

@@ -25,7 +25,7 @@ from typing import NamedTuple, cast
 import torch
 
 from normwatch.catalog import COLUMNS, SCORE_BASE, identity_row
-from normwatch.measure.native import row_extremes
+from normwatch.measure.native import row_stats
 from normwatch.records import Kind, Limits
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -160,12 +160,13 @@ def reduce_call(tokens: torch.Tensor, out: torch.Tensor | None, kind: Kind, eps:
     or ``None``. Plain row reductions stacked into one allocation: no temporary for the
     sentinel tier, nor for the full tier of an fp32 RMS norm; otherwise temporaries of
     at most :data:`CHUNK_ELEMENTS` (see :func:`_moments`). ``native``: the sentinel tier
-    reads the CPU tensors it covers in one pass (:func:`~normwatch.measure.native.
-    row_extremes`)."""
+    reads the CPU tensors it covers in one call (:func:`~normwatch.measure.native.
+    row_stats`; the full tier's moments summed in float64)."""
     x = tokens
     lined_up = out is not None and out.shape[:-1] == x.shape[:-1]
     centred = kind != "rmsnorm"
-    v = row_extremes(x, out if lined_up else None) if native and not full else None
+    v = row_stats(x, out if lined_up else None,
+                  ("centred" if centred else "rms") if full else None) if native else None
     if v is None:
         if full and x.dim() != 2 and (centred or x.dtype not in _WIDE):  # chunked: rows
             x = x.reshape(-1, x.shape[-1])

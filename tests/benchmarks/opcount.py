@@ -88,21 +88,22 @@ def _one_launch() -> Iterator[None]:
             mode.kernels["empty"] += 1  # its output
         return rows
 
-    def native(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
-        rows = real_native(x, out)
+    def native(x: torch.Tensor, out: torch.Tensor | None,
+               moments: str | None = None) -> torch.Tensor | None:
+        rows = real_native(x, out, moments)
         mode = torch.utils._python_dispatch._get_current_dispatch_mode()
         if rows is not None and isinstance(mode, OpCounter):
             mode.kernels[NATIVE] += 1
         return rows
 
-    real_native = reductions.row_extremes
+    real_native = reductions.row_stats
     hooks.row_stats_triton = counted  # type: ignore[assignment]
-    reductions.row_extremes = native
+    reductions.row_stats = native
     try:
         yield
     finally:
         hooks.row_stats_triton = real  # type: ignore[assignment]
-        reductions.row_extremes = real_native
+        reductions.row_stats = real_native
 
 
 def count(fn: Callable[[], object]) -> Count:

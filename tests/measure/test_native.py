@@ -15,7 +15,7 @@ from torch import nn
 
 import normwatch
 from normwatch.measure import native
-from normwatch.measure.native import GRAIN, MAX_ELEMENTS, library, row_extremes, threaded
+from normwatch.measure.native import GRAIN, MAX_ELEMENTS, library, row_stats, threaded
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler here")
 
@@ -47,23 +47,64 @@ def test_rows_are_exact_with_nan_inf_and_subnormals(dtype: torch.dtype, width: i
     x[0, 6] = -torch.finfo(dtype).max
     y = torch.randn(3, 10, width, generator=gen).to(dtype)
     y[0, 1, 0] = torch.nan
-    rows = row_extremes(x, y)
+    rows = row_stats(x, y)
     assert rows is not None and rows.shape == (4, 3, 10) and rows.dtype == torch.float32
     flat = rows.reshape(4, -1)
     assert same(flat[:2], reference(x)) and same(flat[2:], reference(y))
     assert flat[0].isnan().sum() == 1 and flat[2].isnan().sum() == 1
 
 
+def moments(t: torch.Tensor, centred: bool) -> torch.Tensor:
+    """Each row's sum, L2 norm and spread in float64 (the reference)."""
+    d = t.double().reshape(-1, t.shape[-1])
+    norm = d.norm(dim=1)
+    spread = (d - d.mean(1, keepdim=True)).norm(dim=1) if centred else norm
+    return torch.stack([d.sum(1), norm, spread])
+
+
+def close_moments(got: torch.Tensor, t: torch.Tensor, centred: bool) -> None:
+    """``got``'s ``(3, rows)`` are the float64 moments of ``t`` rounded to float32 where
+    the row is finite, and not finite where it holds NaN/inf."""
+    want = moments(t, centred)
+    ok = t.reshape(-1, t.shape[-1]).isfinite().all(1)
+    torch.testing.assert_close(got.double()[:, ok], want[:, ok].float().double(),
+                               rtol=1e-6, atol=1e-6)
+    assert not got[:, ~ok].isfinite().any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", [1, 7, 33, 1000])
+def test_the_full_tiers_moments_are_float64_sums(dtype: torch.dtype, width: int) -> None:
+    """Sum, L2 norm and spread (centred: about the row's mean, exact at |mean|/std 300,
+    where float32's one-pass E[x²] - E[x]² is all rounding error) after the extremes of
+    the input and of the output."""
+    gen = torch.Generator().manual_seed(width)
+    big = 100.0 if dtype == torch.float16 else 1000.0  # within fp16's sum of squares
+    x = (torch.randn(3, 10, width, generator=gen) * big / 300 + big).to(dtype)
+    x[1, 2, width // 2] = torch.nan
+    x[2, 3, -1] = torch.inf
+    y = torch.randn(3, 10, width, generator=gen).to(dtype)
+    for kind, centred in (("rms", False), ("centred", True)):
+        rows = row_stats(x, y, kind)
+        assert rows is not None and rows.shape == (7, 3, 10)
+        flat = rows.reshape(7, -1)
+        assert same(flat[:2], reference(x)) and same(flat[2:4], reference(y))
+        close_moments(flat[4:], x, centred)
+        alone = row_stats(x, None, kind)
+        assert alone is not None and torch.equal(alone[2:].nan_to_num(7.0),
+                                                 rows[4:].nan_to_num(7.0))
+
+
 def test_strided_rows_and_what_it_leaves_to_torch() -> None:
     base = torch.randn(40, 70)
     rows = base[:, 5:37]  # rows 70 apart
-    got = row_extremes(rows, None)
+    got = row_stats(rows, None)
     assert got is not None and same(got, reference(rows))
-    assert row_extremes(base.double(), None) is None  # float64
-    assert row_extremes(base.t(), None) is None  # columns
-    assert row_extremes(torch.randn(4, 5, 6).transpose(0, 1), None) is None
-    assert row_extremes(base, base.double()) is None  # one tensor it cannot read: neither
-    assert torch.func.vmap(lambda t: torch.tensor(row_extremes(t, None) is None))(base).all()
+    assert row_stats(base.double(), None) is None  # float64
+    assert row_stats(base.t(), None) is None  # columns
+    assert row_stats(torch.randn(4, 5, 6).transpose(0, 1), None) is None
+    assert row_stats(base, base.double()) is None  # one tensor it cannot read: neither
+    assert torch.func.vmap(lambda t: torch.tensor(row_stats(t, None) is None))(base).all()
 
 
 @contextmanager
@@ -83,11 +124,11 @@ def test_without_torch_threads_shared_big_float32_is_left_to_torch(
     monkeypatch.setattr(native, "threaded", lambda: False)
     big = torch.randn(GRAIN // 64 + 1, 64)
     with threads(2):
-        assert row_extremes(big, None) is None
-        assert row_extremes(big.bfloat16(), None) is not None
-        assert row_extremes(torch.zeros(MAX_ELEMENTS + 1).bfloat16(), None) is None
+        assert row_stats(big, None) is None
+        assert row_stats(big.bfloat16(), None) is not None
+        assert row_stats(torch.zeros(MAX_ELEMENTS + 1).bfloat16(), None) is None
     with threads(1):
-        got = row_extremes(big, None)
+        got = row_stats(big, None)
         assert got is not None and same(got, reference(big))
 
 
@@ -117,9 +158,10 @@ def test_past_the_grain_the_rows_are_split_over_torchs_own_threads() -> None:
             for row in (0, n // 2 - 1, n // 2, n - 1):
                 x[row, row % width] = torch.nan
             y[n // 2, 0] = -torch.inf
-            got = row_extremes(x, y)
-            assert got is not None and same(got[:2], reference(x)) and same(got[2:],
+            got = row_stats(x, y, "centred")
+            assert got is not None and same(got[:2], reference(x)) and same(got[2:4],
                                                                             reference(y))
+            close_moments(got[4:], x, True)
         assert task_count() == started
 
 
@@ -135,7 +177,7 @@ def test_a_compiler_without_openmp_builds_it_single_threaded(
         assert library() is not None and not threaded()
         x = torch.randn(GRAIN // 64 + 1, 64).bfloat16()
         with threads(2):
-            got = row_extremes(x, None)
+            got = row_stats(x, None)
         assert got is not None and same(got, reference(x))
     finally:
         library.cache_clear()
@@ -150,7 +192,7 @@ def no_library(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def test_without_the_library_the_sentinel_runs_torch(no_library: None) -> None:
-    assert library() is None and row_extremes(torch.randn(4, 8), None) is None
+    assert library() is None and row_stats(torch.randn(4, 8), None) is None
 
 
 def test_a_missing_compiler_is_no_error(monkeypatch: pytest.MonkeyPatch, tmp_path: object
@@ -177,6 +219,13 @@ def test_built_into_a_private_cache_named_by_the_source(monkeypatch: pytest.Monk
         library.cache_clear()
 
 
+EXACT = ("absmax", "out_absmax", "nonfinite", "fp16_overflow_tokens", "eps_dominated_tokens",
+         "common_mode_tokens")
+"""Statistics both kernels give bit-equal (extremes, counts far from their thresholds)."""
+SUMMED = ("rms_max", "rms_min", "rms_mean", "common_mode_max", "eps_dominance")
+"""Statistics of the full tier's sums: the kernel sums in float64, torch in float32."""
+
+
 def train(kernel: str, steps: int = 6) -> tuple[list[dict[str, float]], list[float]]:
     """Per-layer statistics of every flush and the losses of a small bf16 training run."""
     torch.manual_seed(0)
@@ -197,7 +246,7 @@ def train(kernel: str, steps: int = 6) -> tuple[list[dict[str, float]], list[flo
         snap = watch.step(loss)
         assert snap is not None
         snaps.append({f"{k}/{f}": getattr(v, f) for k, v in snap.layers.items()
-                      for f in ("absmax", "out_absmax", "nonfinite", "fp16_overflow_tokens")})
+                      for f in (*EXACT, *SUMMED)})
         losses.append(loss.item())
     watch.close()
     return snaps, losses
@@ -208,27 +257,36 @@ def test_a_watched_run_sees_the_same_with_either_kernel(monkeypatch: pytest.Monk
     """Sentinel and full-tier steps alike, the spike included (step 5: |x| past 256)."""
     from normwatch.measure import reductions
 
-    passes: list[bool] = []
+    passes: list[str | None] = []
 
-    def counted(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
-        rows = row_extremes(x, out)
-        passes.append(rows is not None)
+    def counted(x: torch.Tensor, out: torch.Tensor | None,
+                moments: str | None = None) -> torch.Tensor | None:
+        rows = row_stats(x, out, moments)
+        assert rows is not None
+        passes.append(moments)
         return rows
 
-    monkeypatch.setattr(reductions, "row_extremes", counted)
+    monkeypatch.setattr(reductions, "row_stats", counted)
     native_snaps, native_losses = train("auto")
-    assert len(passes) == 2 * 4 and all(passes)  # two norms, four sentinel steps
+    # two norms, six steps: full tier on steps 1 and 4 (stats_every=3)
+    assert sorted(map(str, passes)) == ["None"] * 8 + ["centred"] * 2 + ["rms"] * 2
     torch_snaps, torch_losses = train("torch")
-    assert native_losses == torch_losses
-    assert native_snaps == torch_snaps and len(native_snaps) == 6
+    assert native_losses == torch_losses and len(native_snaps) == 6
+    for got, want in zip(native_snaps, torch_snaps, strict=True):
+        assert {k: v for k, v in got.items() if k.endswith(EXACT)} == \
+            {k: v for k, v in want.items() if k.endswith(EXACT)}
+        for key in (k for k in want if k.endswith(SUMMED)):  # None: not measured
+            assert (got[key] is None) == (want[key] is None), key
+            assert want[key] is None or got[key] == pytest.approx(want[key], rel=1e-5), key
     assert any(v > 0 for s in native_snaps for k, v in s.items() if "fp16_overflow" in k)
+    assert any(v > 0 for s in native_snaps for k, v in s.items() if k.endswith("rms_max"))
 
 
 def test_tensors_it_does_not_cover_never_build_it() -> None:
     """A CUDA run without Triton (or float64) runs no compiler inside its forward."""
     library.cache_clear()
     try:
-        assert row_extremes(torch.randn(4, 8).double(), None) is None
+        assert row_stats(torch.randn(4, 8).double(), None) is None
         assert library.cache_info().currsize == 0
     finally:
         library.cache_clear()

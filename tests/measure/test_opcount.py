@@ -22,10 +22,18 @@ BUDGETS = {  # path: (kernels, views), as measured on 2026-12-01 (the sentinel: 
                                                               dtype=torch.bfloat16)),
                                 (2 if NATIVE else 5, 2)),
     "sentinel, torch's reductions": ((lambda: opcount.forward_call(kernel="torch")), (5, 2)),
-    "full rmsnorm": ((lambda: opcount.forward_call(full=True)), (7, 2)),
-    "full layernorm": ((lambda: opcount.forward_call("layernorm", full=True)), (10, 6)),
+    "full rmsnorm": ((lambda: opcount.forward_call(full=True)), (2 if THREADED else 7, 2)),
+    "full layernorm": ((lambda: opcount.forward_call("layernorm", full=True)),
+                       (2 if THREADED else 10, 6)),
     "full layernorm bf16": ((lambda: opcount.forward_call("layernorm", True, torch.bfloat16)),
-                            (11, 6)),
+                            (2 if NATIVE else 11, 6)),
+    "full rmsnorm, torch's reductions": ((lambda: opcount.forward_call(full=True,
+                                                                       kernel="torch")),
+                                         (7, 2)),
+    "full layernorm, torch's reductions": ((lambda: opcount.forward_call(
+        "layernorm", full=True, kernel="torch")), (10, 6)),
+    "full layernorm bf16, torch's reductions": ((lambda: opcount.forward_call(
+        "layernorm", True, torch.bfloat16, kernel="torch")), (11, 6)),
     "grad_out": ((lambda: opcount.gradient("grad_out")), (2, 1)),
     "grad_in": ((lambda: opcount.gradient("grad_in")), (2, 1)),
     "grad_hidden bf16": ((lambda: opcount.gradient("grad_hidden", dtype=torch.bfloat16)),
@@ -46,14 +54,17 @@ def test_each_path_stays_within_its_op_budget(path: str) -> None:
 
 
 @pytest.mark.skipif(not NATIVE, reason="no C compiler: the sentinel runs torch's reductions")
-def test_the_cpu_sentinel_is_one_call_into_one_buffer() -> None:
+def test_the_cpu_sentinel_and_full_tier_are_one_call_into_one_buffer() -> None:
     """16-bit activations, and float32 ones below torch's grain size, or past it where
     the kernel shares torch's threads (see :data:`normwatch.measure.native.GRAIN`)."""
     cases = [("rmsnorm", torch.float32, 64), ("layernorm", torch.bfloat16, 512),
-             ("layernorm", torch.float16, 512)] + [("rmsnorm", torch.float32, 512)] * THREADED
+             ("layernorm", torch.float16, 512)] + [("rmsnorm", torch.float32, 512),
+                                                   ("layernorm", torch.float32, 512)] * THREADED
     for kind, dtype, tokens in cases:
-        got = opcount.forward_call(kind, dtype=dtype, tokens=tokens)
-        assert dict(got.kernels) == {opcount.NATIVE: 1, "empty": 1}, (kind, dtype, got.names())
+        for full in (False, True):  # the full tier's moments in the same call
+            got = opcount.forward_call(kind, full, dtype=dtype, tokens=tokens)
+            assert dict(got.kernels) == {opcount.NATIVE: 1, "empty": 1}, \
+                (kind, dtype, full, got.names())
 
 
 def test_the_sentinel_is_four_row_reductions_stacked_and_a_gradient_two() -> None:
