@@ -88,45 +88,61 @@ ROWS(rows_bf16, int16_t, uint16_t, 0x7fff, 0x7f80, from_bf16)
 ROWS(rows_f16, int16_t, uint16_t, 0x7fff, 0x7c00, from_f16)
 
 /* Per row: the sum, the L2 norm and the spread (centred: the L2 norm about the row's
- * mean, read a second time from cache; else the L2 norm), summed in float64 in four
- * lanes, written as float32 (NaN/inf where the row holds NaN/inf). */
+ * mean, read a second time from cache; else the L2 norm), summed in float64 in eight
+ * lanes (two vectors of four), written as float32 (NaN/inf where the row holds NaN/inf). */
+typedef double d4 __attribute__((vector_size(32)));
+/* 8 values from p as float32 */
+#define LOAD8(v, p, conv)                                                             \
+    do {                                                                              \
+        if (sizeof(*(p)) == 4) memcpy(&(v), (p), 32);                                 \
+        else for (int k_ = 0; k_ < 8; k_++) (v)[k_] = conv((p)[k_]);                  \
+    } while (0)
+/* v's 8 float32 as two float64 vectors */
+#define WIDEN(v, x, y)                                                                \
+    d4 x = __builtin_convertvector(__builtin_shufflevector(v, v, 0, 1, 2, 3), d4);    \
+    d4 y = __builtin_convertvector(__builtin_shufflevector(v, v, 4, 5, 6, 7), d4)
 #define MOMENTS(NAME, T, TOFLOAT)                                                     \
     __attribute__((target_clones("avx2", "default")))                                 \
     static void NAME(const T *p, int64_t n, int64_t w, int64_t stride, int centred,   \
                      float *sum, float *l2, float *spread) {                          \
         float (*const conv)(T) = TOFLOAT;                                             \
         for (int64_t i = 0; i < n; i++, p += stride) {                                \
-            double s[4] = {0}, q[4] = {0};                                            \
+            d4 s0 = {0}, s1 = {0}, q0 = {0}, q1 = {0};                                \
             int64_t j = 0;                                                            \
-            for (; j + 4 <= w; j += 4)                                                \
-                for (int k = 0; k < 4; k++) {                                         \
-                    double v = conv(p[j + k]);                                        \
-                    s[k] += v;                                                        \
-                    q[k] += v * v;                                                    \
-                }                                                                     \
+            for (; j + 8 <= w; j += 8) {                                              \
+                f8 v;                                                                 \
+                LOAD8(v, p + j, conv);                                                \
+                WIDEN(v, x, y);                                                       \
+                s0 += x, s1 += y, q0 += x * x, q1 += y * y;                           \
+            }                                                                         \
+            s0 += s1, q0 += q1;                                                       \
+            double total = (s0[0] + s0[1]) + (s0[2] + s0[3]);                         \
+            double squares = (q0[0] + q0[1]) + (q0[2] + q0[3]);                       \
             for (; j < w; j++) {                                                      \
                 double v = conv(p[j]);                                                \
-                s[0] += v;                                                            \
-                q[0] += v * v;                                                        \
+                total += v, squares += v * v;                                         \
             }                                                                         \
-            double total = (s[0] + s[1]) + (s[2] + s[3]);                             \
+            l2[i] = (float)__builtin_sqrt(squares);                                   \
             sum[i] = (float)total;                                                    \
-            l2[i] = (float)__builtin_sqrt((q[0] + q[1]) + (q[2] + q[3]));             \
             if (!centred) {                                                           \
                 spread[i] = l2[i];                                                    \
                 continue;                                                             \
             }                                                                         \
-            double mean = total / (double)w, c[4] = {0};                              \
-            for (j = 0; j + 4 <= w; j += 4)                                           \
-                for (int k = 0; k < 4; k++) {                                         \
-                    double v = conv(p[j + k]) - mean;                                 \
-                    c[k] += v * v;                                                    \
-                }                                                                     \
+            double mean = total / (double)w, tail = 0;                                \
+            d4 c0 = {0}, c1 = {0}, m = {mean, mean, mean, mean};                      \
+            for (j = 0; j + 8 <= w; j += 8) {                                         \
+                f8 v;                                                                 \
+                LOAD8(v, p + j, conv);                                                \
+                WIDEN(v, x, y);                                                       \
+                x -= m, y -= m;                                                       \
+                c0 += x * x, c1 += y * y;                                             \
+            }                                                                         \
+            c0 += c1;                                                                 \
             for (; j < w; j++) {                                                      \
                 double v = conv(p[j]) - mean;                                         \
-                c[0] += v * v;                                                        \
+                tail += v * v;                                                        \
             }                                                                         \
-            spread[i] = (float)__builtin_sqrt((c[0] + c[1]) + (c[2] + c[3]));         \
+            spread[i] = (float)__builtin_sqrt((c0[0] + c0[1]) + (c0[2] + c0[3]) + tail); \
         }                                                                             \
     }
 
