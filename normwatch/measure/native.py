@@ -90,7 +90,12 @@ def threaded() -> bool:
     """Whether the kernel splits rows over torch's own threads: built with OpenMP and
     linked to the runtime torch's threads run on (:func:`openmp_runtime`)."""
     lib = library()
-    return lib is not None and bool(lib.normwatch_threaded())
+    return lib is not None and _built_threaded(lib)
+
+
+@functools.cache
+def _built_threaded(lib: ctypes.CDLL) -> bool:
+    return bool(lib.normwatch_threaded())  # (asked once per library: a ctypes call)
 
 
 def openmp_runtime() -> str | None:

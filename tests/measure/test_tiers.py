@@ -145,14 +145,16 @@ def test_peak_bytes_sees_temporaries() -> None:  # the measuring stick itself
     assert peak_bytes(lambda: x.half().sum(dtype=torch.float32)) >= 2 << 20
 
 
+@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
 def test_transient_memory_per_call_is_a_few_floats_per_token(dtype: torch.dtype,
-                                                            kind: str) -> None:
+                                                            kind: str, native: bool) -> None:
+    """Torch's reductions and the CPU kernel (where it builds: else torch's again)."""
     x = torch.randn(8192, 1024).to(dtype)  # 8192 tokens: 16-32 MiB of activation
     activation = x.numel() * x.element_size()
     for full in (True, False):
-        peak = peak_bytes(partial(reduce_call, x, x, kind, 1e-5, full, 0, 1.0))
+        peak = peak_bytes(partial(reduce_call, x, x, kind, 1e-5, full, 0, 1.0, native))
         # two chunk temporaries at most, plus ~16 floats of results per token
         assert peak <= 2 * CHUNK_ELEMENTS * 4 + 16 * 4 * x.shape[0], (full, peak)
         assert peak < activation / 4
