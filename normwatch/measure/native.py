@@ -109,11 +109,17 @@ def openmp_runtime() -> str | None:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return None
-    for line in maps.splitlines():
-        path = line.split()[-1] if line.count("/") else ""
-        if Path(path).name.startswith("libgomp") and ".so" in Path(path).name:
-            return path
-    return None
+    return torchs_libgomp(maps, Path(torch.__file__).parent)
+
+
+def torchs_libgomp(maps: str, package: Path) -> str | None:
+    """The libgomp among the files mapped in ``maps`` (``/proc/self/maps``' text) that
+    torch's package (``package``: its folder) ships, else the first one mapped."""
+    found = [path for path in dict.fromkeys(line.split()[-1] for line in maps.splitlines()
+                                            if "/" in line)
+             if Path(path).name.startswith("libgomp") and ".so" in Path(path).name]
+    homes = (f"{package}/", f"{package.parent / 'torch.libs'}/")  # torch/lib, a wheel's
+    return next((p for p in found if p.startswith(homes)), found[0] if found else None)
 
 
 def _built() -> Path:

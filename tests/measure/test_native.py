@@ -165,6 +165,22 @@ def test_past_the_grain_the_rows_are_split_over_torchs_own_threads() -> None:
         assert task_count() == started
 
 
+def test_the_runtime_linked_to_is_the_one_torch_ships() -> None:
+    site = Path("/venv/site-packages")
+    line = "7f00-7f10 r-xp 00000000 08:01 42 {}"
+    system, torchs = "/usr/lib/x86_64-linux-gnu/libgomp.so.1", f"{site}/torch/lib/libgomp.so.1"
+    wheel = f"{site}/torch.libs/libgomp-a34b3233.so.1"
+    assert native.torchs_libgomp("\n".join(line.format(p) for p in (system, torchs)),
+                                 site / "torch") == torchs
+    assert native.torchs_libgomp("\n".join(line.format(p) for p in (system, wheel)),
+                                 site / "torch") == wheel
+    assert native.torchs_libgomp(line.format(system) + "\n7f20-7f30 rw-p 0 0 0 [heap]",
+                                 site / "torch") == system
+    assert native.torchs_libgomp(line.format(f"{site}/torchvision/libgomp.so.1"),
+                                 site / "torch") == f"{site}/torchvision/libgomp.so.1"
+    assert native.torchs_libgomp("", site / "torch") is None
+
+
 def test_a_compiler_without_openmp_builds_it_single_threaded(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     compiler = tmp_path / "cc"
