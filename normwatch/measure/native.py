@@ -1,8 +1,9 @@
-"""Native CPU kernels: the sentinel in one pass (each token's max and min of a norm's
-input and output, here), and the update monitor's sample (:mod:`~normwatch.measure.
-native_updates`), from one C library built at first use.
+"""Native CPU kernels: a norm call in one call (each token's max and min of its input
+and output, and on full-tier steps the input's moments, here), and the update monitor's
+sample (:mod:`~normwatch.measure.native_updates`), from one C library built at first use.
 
     >>> rows = row_stats(tokens, out)   # (4, tokens) float32, or None: use torch's
+    >>> rows = row_stats(tokens, out, "centred")   # (7, tokens): then sum, L2, spread
 
 Torch's row reductions read an activation once per statistic (``amax`` and ``amin`` of
 the input and of the output, then a ``stack``: five ops, four passes); this reads each
@@ -137,22 +138,31 @@ def _built() -> Path:
         return target
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:  # then one atomic rename
-        built, obj = Path(tmp) / target.name, Path(tmp) / "rows.o"
+        built = Path(tmp) / target.name
         flags = ["-O3", "-fPIC", "-fno-math-errno"]  # (sqrt as one instruction)
-        plain = [compiler, *flags, "-shared", "-o", str(built), str(SOURCE)]
-        steps = [[compiler, *flags, "-fopenmp", "-c", "-o", str(obj), str(SOURCE)],
-                 [compiler, "-shared", "-o", str(built), str(obj), str(runtime),
-                  f"-Wl,-rpath,{Path(str(runtime)).parent}"]]
-        try:
-            if runtime is None:
-                raise RuntimeError("no OpenMP runtime of torch's to share")
-            for cmd in steps:
-                subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            log.debug("normwatch: native kernel built single-threaded (%s)", exc)
-            subprocess.run(plain, check=True, capture_output=True, timeout=120)
+        if runtime is None or not _built_threaded_into(built, compiler, flags, runtime):
+            _compile([compiler, *flags, "-shared", "-o", str(built), str(SOURCE)])
         os.replace(built, target)
     return target
+
+
+def _built_threaded_into(built: Path, compiler: str, flags: list[str], runtime: str) -> bool:
+    """Build ``built`` with OpenMP, linked to ``runtime`` (compiled, then linked to that
+    file alone: the compiler's own ``-lgomp`` would load a second runtime); ``False``
+    where the compiler cannot."""
+    obj = built.with_suffix(".o")
+    try:
+        _compile([compiler, *flags, "-fopenmp", "-c", "-o", str(obj), str(SOURCE)])
+        _compile([compiler, "-shared", "-o", str(built), str(obj), runtime,
+                  f"-Wl,-rpath,{Path(runtime).parent}"])
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.debug("normwatch: native kernel built single-threaded (%s)", exc)
+        return False
+    return True
+
+
+def _compile(command: list[str]) -> None:
+    subprocess.run(command, check=True, capture_output=True, timeout=120)
 
 
 def _rowwise(t: torch.Tensor) -> tuple[int, int] | None:

@@ -159,9 +159,10 @@ def reduce_call(tokens: torch.Tensor, out: torch.Tensor | None, kind: Kind, eps:
     up when its leading dims are the input's, else as ``(tokens, elements)`` (any count),
     or ``None``. Plain row reductions stacked into one allocation: no temporary for the
     sentinel tier, nor for the full tier of an fp32 RMS norm; otherwise temporaries of
-    at most :data:`CHUNK_ELEMENTS` (see :func:`_moments`). ``native``: the sentinel tier
-    reads the CPU tensors it covers in one call (:func:`~normwatch.measure.native.
-    row_stats`; the full tier's moments summed in float64)."""
+    at most :data:`CHUNK_ELEMENTS` (see :func:`_moments`). ``native``: either tier reads
+    the CPU tensors it covers in one call of the C kernel instead, no temporary
+    (:func:`~normwatch.measure.native.row_stats`; the full tier's moments summed in
+    float64)."""
     x = tokens
     lined_up = out is not None and out.shape[:-1] == x.shape[:-1]
     centred = kind != "rmsnorm"

@@ -30,7 +30,7 @@ from normwatch.measure.gradients import HIDDEN, IN, OUT
 
 LAUNCH = "triton launch"
 NATIVE = "native call"
-"""One read of a tensor by the CPU sentinel's compiled kernel (:mod:`normwatch.measure.native`)."""
+"""One call of the CPU kernel (:mod:`normwatch.measure.native`): one pass per tensor."""
 
 
 class OpCounter(TorchDispatchMode):
@@ -72,7 +72,7 @@ class Count:
 def _one_launch() -> Iterator[None]:
     """The fused kernel as the GPU runs it: one launch and its output (Triton's CPU
     interpreter copies tensors around; those ops are not the kernel's); each call of the
-    CPU sentinel's compiled kernel (one pass per tensor), which no dispatch mode sees."""
+    CPU's compiled kernel (one pass per tensor), which no dispatch mode sees."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     from normwatch.measure import hooks, reductions
