@@ -49,6 +49,8 @@ class Accumulator:
         self._staged_tokens = 0
         self._commits = 0
         self._plans: dict[tuple[Any, ...], FoldPlan | GradPlan] = {}
+        self.native = True
+        """Whether CPU folds run in the C kernel where it covers them (``kernel="auto"``)."""
         self.watch_poison = False
         """Whether :meth:`poisoned` is asked (the guard): folds then note it first."""
         self._poisoned: list[torch.Tensor] = []
@@ -125,7 +127,7 @@ class Accumulator:
         for (device, *_), calls in groups.items():
             plan = self._plan(device, calls)
             index = plan.rows
-            values = fold_calls(calls, plan)
+            values = fold_calls(calls, plan, self.native)
             block = self._block(device)
             block[:, :_N_SUM].index_add_(0, index, values[:, :_N_SUM].to(block.dtype))
             # amax/amin of scatter_reduce propagate NaN: NaN never beats a value

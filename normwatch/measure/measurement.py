@@ -55,6 +55,7 @@ class Measurement:
         self._rt = Runtime(Accumulator(len(pairs), limits), count_eval=count_eval,
                            kernel=kernel, output_checks=output_checks, gradients=gradients)
         self._rt.accumulator.watch_poison = poison
+        self._rt.accumulator.native = kernel == "auto"
         self.replay = ReplayLog()
         """Each step's batch fingerprint and RNG states (:mod:`~normwatch.measure.replay`)."""
         self.replay.begin_step(1)

@@ -30,6 +30,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -84,6 +85,10 @@ def library() -> ctypes.CDLL | None:
                        ctypes.c_int, ctypes.c_void_p]
     sample.restype = ctypes.c_int
     lib.normwatch_threaded.restype = ctypes.c_int
+    fold = lib.normwatch_fold  # fold_rows
+    fold.argtypes = [i64, ptrs, ctypes.c_void_p, ctypes.c_int, ctypes.c_float,
+                     ctypes.c_float, ctypes.c_double, i64s, i64, ctypes.c_void_p]
+    fold.restype = ctypes.c_int
     return lib
 
 
@@ -130,8 +135,10 @@ def _built() -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
     runtime = openmp_runtime()
+    # (sqrt as one instruction; no fused multiply-add: the fold repeats torch's float32 ops)
+    flags = ["-O3", "-fPIC", "-fno-math-errno", "-ffp-contract=off"]
     key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + str(runtime).encode()
-                         ).hexdigest()[:16]
+                         + " ".join(flags).encode()).hexdigest()[:16]
     folder = cache_dir()
     target = folder / f"rows-{key}.so"
     if target.exists():
@@ -139,7 +146,6 @@ def _built() -> Path:
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:  # then one atomic rename
         built = Path(tmp) / target.name
-        flags = ["-O3", "-fPIC", "-fno-math-errno"]  # (sqrt as one instruction)
         if runtime is None or not _built_threaded_into(built, compiler, flags, runtime):
             _compile([compiler, *flags, "-shared", "-o", str(built), str(SOURCE)])
         os.replace(built, target)
@@ -191,6 +197,24 @@ def _threads(x: torch.Tensor, out: torch.Tensor | None) -> int:
     if big > MAX_ELEMENTS or torch.float32 in (x.dtype, None if out is None else out.dtype):
         return 0
     return 1
+
+
+def fold_rows(rows: Sequence[torch.Tensor], table: torch.Tensor, full: bool,
+              fp16_limit: float, common_tol: float, score0: float,
+              columns: ctypes.Array[ctypes.c_int64], out: torch.Tensor) -> bool:
+    """Fold staged calls' float32 rows (each contiguous, laid out as
+    :class:`~normwatch.measure.reductions.CallRows` says) into ``out``'s lines (``(calls,
+    width)`` float64 on the CPU, at the reduction identities), in one call: the
+    arithmetic of :func:`~normwatch.measure.reductions.fold_calls` (``table``: its
+    per-call constants, ``columns``: where each result goes; see ``normwatch_fold`` in
+    the C source). ``False`` where there is no library."""
+    lib = library()
+    if lib is None:
+        return False
+    pointers = (ctypes.c_void_p * len(rows))(*(r.data_ptr() for r in rows))
+    lib.normwatch_fold(len(rows), pointers, table.data_ptr(), int(full), fp16_limit,
+                       common_tol, score0, columns, out.shape[1], out.data_ptr())
+    return True
 
 
 MOMENTS = {"rms": 1, "centred": 2}

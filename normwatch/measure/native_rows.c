@@ -290,3 +290,136 @@ int normwatch_sample(int64_t n, int kind, const int64_t *blocks, const int64_t *
     default: return -1;
     }
 }
+
+/* The fold of staged norm calls (normwatch.measure.reductions.fold_calls, whose
+ * arithmetic this repeats op for op in float32, so that it gives the same values, but
+ * for rms_sum, summed here in float64): per call, its float32 rows (`rows[c]`: hi, lo,
+ * lined up: the output's hi, lo, full tier: sum, L2 norm, spread; `per[c]` below) into
+ * its line of `out` (calls x `columns` float64, at the reduction identities), each
+ * result at its column `column[F_...]`. A token counts when its extremes are finite.
+ *
+ * Every value compared here is >= 0 or not finite (|x|, an L2 norm, a ratio of them),
+ * so it is compared as its bits, an unsigned integer: loops compilers vectorise
+ * without fast-math. A finite value's bits are below INF_BITS. */
+enum { P_TOKENS, P_LINED_UP, P_WIDTH, P_EPS, P_INV_WIDTH, P_INV_SQRT_WIDTH, P_BELOW,
+       P_OFFSET, P_COUNT };
+enum { F_CALLS, F_TOKENS, F_FINITE, F_OVERFLOW, F_NONFINITE, F_OUT_NONFINITE, F_ABSMAX,
+       F_OUT_ABSMAX, F_ARRIVED, F_BORN, F_STATS, F_COMMON, F_DOMINATED, F_RMS_SUM,
+       F_RMS_MAX, F_RMS_MIN, F_COMMON_MAX, F_SUMSQ_MAX, F_DOMINANCE, F_COUNT };
+#define INF_BITS 0x7f800000u
+#define CHUNK 65536 /* tokens per pass: 32-bit counts and lanes */
+
+static uint32_t bits_of(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }
+/* the least bits of a finite |x| that is > f (none: past INF_BITS) */
+static uint32_t above(float f) {
+    return f != f ? 0xffffffffu : f < 0 ? 0u : bits_of(f == 0 ? 0.0f : f) + 1;
+}
+/* the largest of the finite values seen, given max(bits + 1) (0: none seen) */
+static double top_of(uint32_t t) { return t ? (double)from_f32(t - 1) : -__builtin_inf(); }
+
+typedef struct { int64_t finite, over; uint32_t top; } Extremes;
+
+/* tokens with finite extremes, how many reach `over` (bits), max |x| + 1 among them */
+__attribute__((target_clones("avx2", "default")))
+static void extremes(const uint32_t *hi, const uint32_t *lo, int64_t n, uint32_t over,
+                     Extremes *e) {
+    for (int64_t a = 0; a < n; a += CHUNK) {
+        int64_t m = n - a < CHUNK ? n - a : CHUNK;
+        uint32_t fin = 0, big = 0, top = e->top;
+        for (int64_t t = a; t < a + m; t++) {
+            uint32_t h = hi[t] & 0x7fffffffu, l = lo[t] & 0x7fffffffu;
+            uint32_t mag = h > l ? h : l, ok = mag < INF_BITS, seen = (mag + 1) & -ok;
+            fin += ok;
+            big += ok & (mag >= over);
+            top = top > seen ? top : seen;
+        }
+        e->finite += fin;
+        e->over += big;
+        e->top = top;
+    }
+}
+
+typedef struct { int64_t common, dominated; uint32_t rms_top, cm_top, rms_low, root_low;
+                 double rms_sum; } Moments;
+
+/* the full tier's per-token statistics (fold_calls' float32 ops) */
+__attribute__((target_clones("avx2", "default")))
+static void moments(const float *sum, const float *l2, const float *spread, int64_t n,
+                    float iw, float isw, uint32_t common, float below, Moments *o) {
+    for (int64_t a = 0; a < n; a += CHUNK) {
+        int64_t m = n - a < CHUNK ? n - a : CHUNK;
+        uint32_t cm_n = 0, dom_n = 0, rt = o->rms_top, ct = o->cm_top, rl = o->rms_low,
+                 sl = o->root_low;
+        double lane[4] = {0, 0, 0, 0};
+        for (int64_t t = a; t < a + m; t++) {
+            float rms = l2[t] * isw, root = spread[t] * isw, mean = sum[t] * iw;
+            float floor = rms < 1e-30f ? 1e-30f : rms; /* NaN stays NaN */
+            uint32_t r = bits_of(rms) & 0x7fffffffu, s = bits_of(root) & 0x7fffffffu;
+            uint32_t c = bits_of(mean / floor) & 0x7fffffffu; /* |mean| / floor */
+            uint32_t r_ok = r < INF_BITS, s_ok = s < INF_BITS, c_ok = c < INF_BITS;
+            uint32_t r_seen = (r + 1) & -r_ok, c_seen = (c + 1) & -c_ok;
+            uint32_t r_low = r | (INF_BITS & -!r_ok), s_low = s | (INF_BITS & -!s_ok);
+            cm_n += c_ok & (c >= common);
+            dom_n += root < below; /* false where not finite */
+            rt = rt > r_seen ? rt : r_seen;
+            ct = ct > c_seen ? ct : c_seen;
+            rl = rl < r_low ? rl : r_low;
+            sl = sl < s_low ? sl : s_low;
+            lane[t & 3] += r_ok ? (double)rms : 0.0;
+        }
+        o->common += cm_n;
+        o->dominated += dom_n;
+        o->rms_top = rt;
+        o->cm_top = ct;
+        o->rms_low = rl;
+        o->root_low = sl;
+        o->rms_sum += (lane[0] + lane[1]) + (lane[2] + lane[3]);
+    }
+}
+
+int normwatch_fold(int64_t calls, const float *const *rows, const double *per, int full,
+                   float fp16_limit, float common_tol, double score0, const int64_t *column,
+                   int64_t columns, double *out) {
+    const float big = 3.40282347e38f;
+    uint32_t over = above(fp16_limit), common = above(common_tol);
+    for (int64_t c = 0; c < calls; c++) {
+        const double *q = per + c * P_COUNT;
+        int64_t n = (int64_t)q[P_TOKENS], lined = q[P_LINED_UP] != 0.0;
+        const uint32_t *r = (const uint32_t *)rows[c];
+        Extremes in = {0, 0, 0}, outs = {0, 0, 0};
+        extremes(r, r + n, n, over, &in);
+        if (lined) extremes(r + 2 * n, r + 3 * n, n, 0xffffffffu, &outs);
+        double *o = out + c * columns;
+        int64_t nonfinite = n - in.finite, out_bad = lined ? n - outs.finite : 0;
+        double score = score0 - q[P_OFFSET];
+        o[column[F_CALLS]] = 1.0;
+        o[column[F_TOKENS]] = (double)n;
+        o[column[F_FINITE]] = (double)in.finite;
+        o[column[F_OVERFLOW]] = (double)in.over;
+        o[column[F_NONFINITE]] = (double)nonfinite;
+        o[column[F_OUT_NONFINITE]] = (double)out_bad;
+        o[column[F_ABSMAX]] = top_of(in.top);
+        o[column[F_OUT_ABSMAX]] = top_of(outs.top);
+        o[column[F_ARRIVED]] = score * (double)(nonfinite > 0);
+        o[column[F_BORN]] = score * (double)(out_bad > 0 && nonfinite == 0);
+        if (!full) continue;
+        const float *m = rows[c] + (lined ? 4 : 2) * n;
+        Moments s = {0, 0, 0, 0, INF_BITS, INF_BITS, 0.0};
+        moments(m, m + n, m + 2 * n, n, (float)q[P_INV_WIDTH], (float)q[P_INV_SQRT_WIDTH],
+                common, (float)q[P_BELOW], &s);
+        float eps = (float)q[P_EPS], root_min = from_f32(s.root_low);
+        float ratio = eps / (root_min * root_min + eps);
+        ratio = ratio != ratio ? 1.0f : ratio > big ? big : ratio < -big ? -big : ratio;
+        double top = top_of(s.rms_top);
+        o[column[F_STATS]] = (double)in.finite;
+        o[column[F_COMMON]] = (double)s.common;
+        o[column[F_DOMINATED]] = (double)s.dominated;
+        o[column[F_RMS_SUM]] = s.rms_sum;
+        o[column[F_RMS_MAX]] = top;
+        o[column[F_RMS_MIN]] = from_f32(s.rms_low);
+        o[column[F_COMMON_MAX]] = top_of(s.cm_top);
+        o[column[F_SUMSQ_MAX]] = top * (top < 0 ? -top : top) * (double)(float)q[P_WIDTH];
+        o[column[F_DOMINANCE]] = in.finite > 0 ? (double)ratio : -__builtin_inf();
+    }
+    return 0;
+}

@@ -17,6 +17,7 @@ the CPU each tensor op costs microseconds whatever its size.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from typing import NamedTuple, cast
 import torch
 
 from normwatch.catalog import COLUMNS, SCORE_BASE, identity_row
-from normwatch.measure.native import row_stats
+from normwatch.measure.native import fold_rows, row_stats
 from normwatch.records import Kind, Limits
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -281,6 +282,10 @@ class FoldPlan:
     """``(columns, calls)`` float64: each column's reduction identity (what a call that
     did not measure a statistic contributes)."""
     limits: Limits
+    table: torch.Tensor | None = None
+    """CPU calls with float keys: the C fold's per-call constants, one line per call
+    (float64: tokens, lined up, width, eps, 1/width, 1/sqrt(width), ``dominated_below``,
+    key offset: ``P_...`` in the C source), else ``None``."""
 
     def per_call(self, x: torch.Tensor, how: str, out: bool = False) -> torch.Tensor:
         """Reduce the ``(k, tokens)`` rows of ``x`` per call (``how``: sum, amax or amin):
@@ -340,13 +345,24 @@ def fold_plan(calls: Sequence[CallRows], limits: Limits) -> FoldPlan:
         identity=per([v for v in identity_row(COLUMNS) for _ in calls], dtype=torch.float64)
         .view(len(COLUMNS), len(calls)),
         limits=limits,
+        table=_table(sig, below) if device.type == "cpu" else None,
     )
 
 
-def fold_calls(calls: Sequence[CallRows], plan: FoldPlan) -> torch.Tensor:
+def _table(sig: Sequence[Signature], below: Sequence[float]) -> torch.Tensor | None:
+    """:attr:`FoldPlan.table` (``None``: a key is a tensor, a compiled call's)."""
+    if not all(isinstance(s.offset, float) for s in sig):
+        return None
+    return torch.tensor([[s.n_in, float(s.lined_up), s.width, s.eps, 1 / s.width,
+                          1 / math.sqrt(s.width), b, s.offset]
+                         for s, b in zip(sig, below, strict=True)], dtype=torch.float64)
+
+
+def fold_calls(calls: Sequence[CallRows], plan: FoldPlan, native: bool = False) -> torch.Tensor:
     """Every call's contribution, as a ``(calls, columns)`` float64 matrix in
     :data:`COLUMNS` order. All calls share a device and a tier; ``plan`` comes from
-    :func:`fold_plan` for the same calls.
+    :func:`fold_plan` for the same calls. ``native``: in one call of the C kernel where
+    it covers the calls (:func:`_folded_natively`).
 
     Value statistics cover finite tokens only: tokens holding NaN/inf count in
     ``nonfinite`` and drop out of every max, count and sum. ``output_mismatch`` is left at
@@ -355,6 +371,9 @@ def fold_calls(calls: Sequence[CallRows], plan: FoldPlan) -> torch.Tensor:
     size): per-token rows are stacked and reduced per call together, and eps dominance,
     monotonic in the variance, is derived from each call's smallest one.
     """
+    folded = _folded_natively(calls, plan) if native else None
+    if folded is not None:
+        return folded
     inf, t = math.inf, plan.limits
     v = gathered(calls, plan)
     # max |x| per token, NaN/inf exactly on tokens holding NaN/inf: (inputs[, outputs])
@@ -399,6 +418,36 @@ def fold_calls(calls: Sequence[CallRows], plan: FoldPlan) -> torch.Tensor:
     cols["first_born_score"] = score * ((out_bad > 0) & (nonfinite == 0))
     return torch.stack([cols.get(name, plan.identity[i]) for i, name in enumerate(COLUMNS)],
                        1).double()
+
+
+_FOLDED = ("calls", "tokens", "finite_tokens", "fp16_overflow_tokens", "nonfinite",
+           "out_nonfinite", "absmax", "out_absmax", "first_arrived_score", "first_born_score",
+           "stats_tokens", "common_mode_tokens", "eps_dominated_tokens", "rms_sum", "rms_max",
+           "rms_min", "common_mode_max", "sumsq_max", "eps_dominance")
+"""The columns the C fold writes, in its order (``F_...`` in the C source)."""
+_FOLDED_AT = (ctypes.c_int64 * len(_FOLDED))(*(COLUMNS.index(name) for name in _FOLDED))
+
+
+def _folded_natively(calls: Sequence[CallRows], plan: FoldPlan) -> torch.Tensor | None:
+    """:func:`fold_calls` in one call of the C kernel (:func:`~normwatch.measure.native.
+    fold_rows`: a few dozen torch ops over every staged token cost ~1 ms on the CPU, the
+    kernel a few µs), for CPU calls whose rows are float32 and contiguous, with float keys
+    and no output of another shape; else ``None``. The same values as torch's ops (the
+    same float32 arithmetic), but ``rms_sum``: summed in float64 there."""
+    if plan.table is None or calls[0].fused:
+        return None
+    base = 5 if calls[0].full else 2
+    for call in calls:
+        v = call.v
+        if v.dtype != torch.float32 or call.out is not None or not v.is_contiguous() or \
+                v.shape[0] != base + 2 * call.lined_up:
+            return None
+    out = plan.identity.t().contiguous()
+    limits = plan.limits
+    done = fold_rows([call.v for call in calls], plan.table, calls[0].full,
+                     limits.fp16_limit, limits.common_mode_tol,
+                     SCORE_BASE - cast(float, calls[0].key), _FOLDED_AT, out)
+    return out if done else None
 
 
 def gathered(calls: Sequence[CallRows], plan: FoldPlan) -> torch.Tensor:

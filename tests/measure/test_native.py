@@ -4,6 +4,7 @@ run (no compiler, switched off, what it does not cover), with the same statistic
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,8 +15,11 @@ import torch
 from torch import nn
 
 import normwatch
-from normwatch.measure import native
+from normwatch.catalog import COLUMNS
+from normwatch.measure import native, reductions
 from normwatch.measure.native import GRAIN, MAX_ELEMENTS, library, row_stats, threaded
+from normwatch.measure.reductions import CallRows, fold_calls, fold_plan, reduce_call
+from normwatch.records import Limits
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler here")
 
@@ -271,7 +275,6 @@ def train(kernel: str, steps: int = 6) -> tuple[list[dict[str, float]], list[flo
 def test_a_watched_run_sees_the_same_with_either_kernel(monkeypatch: pytest.MonkeyPatch
                                                         ) -> None:
     """Sentinel and full-tier steps alike, the spike included (step 5: |x| past 256)."""
-    from normwatch.measure import reductions
 
     passes: list[str | None] = []
 
@@ -282,11 +285,20 @@ def test_a_watched_run_sees_the_same_with_either_kernel(monkeypatch: pytest.Monk
         passes.append(moments)
         return rows
 
+    folds: list[int] = []
+
+    def folded(rows: list[torch.Tensor], *args: object) -> bool:
+        folds.append(len(rows))
+        return native.fold_rows(rows, *args)  # type: ignore[arg-type]
+
     monkeypatch.setattr(reductions, "row_stats", counted)
+    monkeypatch.setattr(reductions, "fold_rows", folded)
     native_snaps, native_losses = train("auto")
     # two norms, six steps: full tier on steps 1 and 4 (stats_every=3)
     assert sorted(map(str, passes)) == ["None"] * 8 + ["centred"] * 2 + ["rms"] * 2
+    assert sum(folds) == 12  # every call folded by the C kernel
     torch_snaps, torch_losses = train("torch")
+    assert sum(folds) == 12  # kernel="torch": torch's fold too
     assert native_losses == torch_losses and len(native_snaps) == 6
     for got, want in zip(native_snaps, torch_snaps, strict=True):
         assert {k: v for k, v in got.items() if k.endswith(EXACT)} == \
@@ -306,3 +318,63 @@ def test_tensors_it_does_not_cover_never_build_it() -> None:
         assert library.cache_info().currsize == 0
     finally:
         library.cache_clear()
+
+
+def folds(full: bool, seed: int) -> list[CallRows]:
+    """Calls of every shape the fold meets: NaN, inf, all-zero and common-mode tokens,
+    |x| at fp16's limit and just past it, eps 0 and eps dominating, outputs missing,
+    lined up or overflowing, 1 to 69 wide."""
+    g = torch.Generator().manual_seed(seed)
+    calls = []
+    for i in range(int(torch.randint(1, 7, (1,), generator=g))):
+        width = int(torch.randint(1, 70, (1,), generator=g))
+        n = int(torch.randint(1, 40, (1,), generator=g))
+        x = torch.randn(n, width, generator=g) * float(torch.rand(1, generator=g) * 600)
+        x[i % n, 0] = [1.0, math.nan, math.inf, -math.inf][(seed + i) % 4]
+        if n > 1:
+            x[-1] = [256.0, 256.0 + 2.0**-15, -256.0, 0.5][(seed + i) % 4]  # (float32 ulp)
+        if (seed + i) % 3 == 0:
+            x[n // 2] = 0.0
+        if (seed + i) % 5 == 0:
+            x = x + 300.0
+        y = None if (seed + i) % 3 == 1 else x * 0.5
+        if y is not None and (seed + i) % 4 == 0:
+            y[-1, -1] = math.inf
+        eps = 0.0 if (seed + i) % 6 == 0 else 1e-5 if i % 2 else 100.0
+        calls.append(reduce_call(x, y, "rmsnorm" if i % 2 else "layernorm", eps, full, i,
+                                 float(seed * 1000 + 3 * i), native=True))
+    return calls
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_the_c_fold_gives_torchs_values(full: bool) -> None:
+    """Column for column the same as torch's ops (the same float32 arithmetic), but the
+    RMS sum, summed in float64 there; one call past the kernel's chunk of tokens."""
+    long = reduce_call(torch.randn(70_000, 2), torch.randn(70_000, 2), "rmsnorm", 1e-6,
+                       full, 7, 5.0, native=True)
+    sets = [folds(full, seed) for seed in range(40)] + [[long]]
+    for calls in sets:
+        plan = fold_plan(calls, Limits())
+        want = fold_calls(calls, plan)
+        got = reductions._folded_natively(calls, plan)
+        assert got is not None
+        for j, name in enumerate(COLUMNS):
+            if name == "rms_sum":
+                torch.testing.assert_close(got[:, j], want[:, j], rtol=1e-6, atol=0)
+            else:
+                assert same(got[:, j], want[:, j]), (name, got[:, j], want[:, j])
+    assert any(c.lined_up for calls in sets for c in calls)
+    assert any(not c.lined_up for calls in sets for c in calls)
+
+
+def test_what_the_c_fold_leaves_to_torch() -> None:
+    """Rows torch kept in bf16, an output of another shape, a compiled call's tensor key."""
+    x = torch.randn(8, 16)
+    kept_bf16 = reduce_call(x.bfloat16(), None, "rmsnorm", 1e-6, False, 0, 0.0)
+    other_shape = reduce_call(x, torch.randn(4, 32), "rmsnorm", 1e-6, False, 0, 0.0,
+                              native=True)
+    traced = reduce_call(x, None, "rmsnorm", 1e-6, False, 0, torch.tensor(0.0), native=True)
+    for call in (kept_bf16, other_shape, traced):
+        plan = fold_plan([call], Limits())
+        assert reductions._folded_natively([call], plan) is None
+        assert fold_calls([call], plan, native=True).shape == (1, len(COLUMNS))
