@@ -150,7 +150,8 @@ class Accumulator:
             grads.setdefault(grad.norms.device, []).append(grad)
             self._staged_tokens -= grad.norms.numel()
         for device, group in grads.items():
-            fold_grads(self._block(device), group, self._grad_plan(device, group))
+            fold_grads(self._block(device), group, self._grad_plan(device, group),
+                       self.native)
 
     def _plan(self, device: torch.device, calls: list[CallRows]) -> FoldPlan:
         """The fold's constant vectors, cached: the same forward pass stages the same

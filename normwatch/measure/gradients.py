@@ -42,6 +42,7 @@ from torch.utils.hooks import RemovableHandle
 
 from normwatch.catalog import COLUMNS, GRAD_SITES, GRAD_SUMS
 from normwatch.guarded import guarded
+from normwatch.measure.native import fold_grad_rows
 from normwatch.measure.opaque import observe_grad
 from normwatch.measure.reductions import runs, summed_dtype
 from normwatch.measure.sharding import local
@@ -185,6 +186,9 @@ class GradPlan:
     are plain reductions over a view, and only those are scattered), else 0."""
     widths: torch.Tensor
     """Per gradient, its width."""
+    table: torch.Tensor | None = None
+    """On the CPU, the C fold's per-gradient line (float64: tokens, width, where its
+    sums and its peak go in the flat block: ``G_...`` in the C source), else ``None``."""
 
 
 def grad_plan(staged: Sequence[GradRows], device: torch.device) -> GradPlan:
@@ -201,18 +205,25 @@ def grad_plan(staged: Sequence[GradRows], device: torch.device) -> GradPlan:
         where=runs(where, [1] * len(where), torch.int64, device),
         weights=runs(weights, [1] * len(weights), torch.int64, device),
         uniform=counts[0] if counts and len(set(counts)) == 1 else 0,
-        widths=runs(widths, [1] * len(widths), torch.float32, device))
+        widths=runs(widths, [1] * len(widths), torch.float32, device),
+        table=torch.tensor([[n, w, s.layer * len(COLUMNS) + SUM_AT[SITES[s.site]],
+                             s.layer * len(COLUMNS) + PEAK_AT[SITES[s.site]]]
+                            for s, n, w in zip(acts, counts, widths, strict=True)],
+                           dtype=torch.float64).reshape(-1, 4)
+        if device.type == "cpu" else None)
 
 
-def fold_grads(block: torch.Tensor, staged: Sequence[GradRows], plan: GradPlan) -> None:
+def fold_grads(block: torch.Tensor, staged: Sequence[GradRows], plan: GradPlan,
+               native: bool = False) -> None:
     """Fold staged gradients (one device: ``block``'s) into ``block``'s gradient columns
-    in place: a couple of dozen ops, however many gradients.
+    in place: a couple of dozen ops, however many gradients; ``native``: the activations'
+    gradients in one call of the C kernel where it covers them (:func:`_folded_natively`).
 
     A token counts as finite where its norm is, or where its whole gradient is finite
     (then only its sum of squares overflowed, and counts as inf); the peak max |g| of a
     gradient holding NaN/inf is not known (its finite tokens' is not measured)."""
     acts = [s for s in staged if s.site != WEIGHT]
-    if acts:
+    if acts and not (native and _folded_natively(block, acts, plan)):
         shape = acts[0].norms.shape
         norms = torch.stack([s.norms for s in acts]).view(-1).float() \
             if all(s.norms.shape == shape for s in acts) else \
@@ -248,6 +259,22 @@ def fold_grads(block: torch.Tensor, staged: Sequence[GradRows], plan: GradPlan) 
         norms = torch.stack([w.reshape(()) for w in weights]).to(block.dtype)
         both = torch.stack([torch.ones_like(norms), norms * norms], 1)
         block[:, WEIGHT_AT:WEIGHT_AT + 2].index_add_(0, plan.weights, both)
+
+
+def _folded_natively(block: torch.Tensor, acts: Sequence[GradRows], plan: GradPlan) -> bool:
+    """The activations' part of :func:`fold_grads` in one call of the C kernel
+    (:func:`~normwatch.measure.native.fold_grad_rows`; a couple of dozen torch ops cost
+    ~0.7 ms a step on the CPU), for float32 norms and a float64 block on the CPU;
+    ``False`` (nothing folded) otherwise. The same values, but the sums of squares:
+    float64 there (no overflow past float32's range), float32 in torch's."""
+    if plan.table is None or block.dtype != torch.float64 or not block.is_contiguous():
+        return False
+    for s in acts:
+        if s.norms.dtype != torch.float32 or not s.norms.is_contiguous() or s.lo is None \
+                or s.hi is None:
+            return False
+    bounds = torch.stack([t for s in acts for t in (s.lo, s.hi) if t is not None]).float()
+    return fold_grad_rows([s.norms for s in acts], bounds, plan.table, block)
 
 
 Through = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]

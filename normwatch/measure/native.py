@@ -89,6 +89,9 @@ def library() -> ctypes.CDLL | None:
     fold.argtypes = [i64, ptrs, ctypes.c_void_p, ctypes.c_int, ctypes.c_float,
                      ctypes.c_float, ctypes.c_double, i64s, i64, ctypes.c_void_p]
     fold.restype = ctypes.c_int
+    grads = lib.normwatch_fold_grads  # fold_grad_rows
+    grads.argtypes = [i64, ptrs, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    grads.restype = ctypes.c_int
     return lib
 
 
@@ -214,6 +217,22 @@ def fold_rows(rows: Sequence[torch.Tensor], table: torch.Tensor, full: bool,
     pointers = (ctypes.c_void_p * len(rows))(*(r.data_ptr() for r in rows))
     lib.normwatch_fold(len(rows), pointers, table.data_ptr(), int(full), fp16_limit,
                        common_tol, score0, columns, out.shape[1], out.data_ptr())
+    return True
+
+
+def fold_grad_rows(norms: Sequence[torch.Tensor], bounds: torch.Tensor, table: torch.Tensor,
+                   block: torch.Tensor) -> bool:
+    """Fold staged gradients (each one's token norms, float32 and contiguous, and its min
+    and max, ``bounds``: ``(gradients, 2)`` float32) into ``block`` (float64, contiguous,
+    on the CPU) in one call: the arithmetic of :func:`~normwatch.measure.gradients.
+    fold_grads` (``table``: where each goes; see ``normwatch_fold_grads`` in the C
+    source). ``False`` where there is no library."""
+    lib = library()
+    if lib is None:
+        return False
+    pointers = (ctypes.c_void_p * len(norms))(*(n.data_ptr() for n in norms))
+    lib.normwatch_fold_grads(len(norms), pointers, bounds.data_ptr(), table.data_ptr(),
+                             block.data_ptr())
     return True
 
 

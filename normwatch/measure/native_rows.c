@@ -310,6 +310,7 @@ enum { F_CALLS, F_TOKENS, F_FINITE, F_OVERFLOW, F_NONFINITE, F_OUT_NONFINITE, F_
 #define CHUNK 65536 /* tokens per pass: 32-bit counts and lanes */
 
 static uint32_t bits_of(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }
+static int finite(float f) { return (bits_of(f) & 0x7fffffffu) < INF_BITS; }
 /* the least bits of a finite |x| that is > f (none: past INF_BITS) */
 static uint32_t above(float f) {
     return f != f ? 0xffffffffu : f < 0 ? 0u : bits_of(f == 0 ? 0.0f : f) + 1;
@@ -420,6 +421,42 @@ int normwatch_fold(int64_t calls, const float *const *rows, const double *per, i
         o[column[F_COMMON_MAX]] = top_of(s.cm_top);
         o[column[F_SUMSQ_MAX]] = top * (top < 0 ? -top : top) * (double)(float)q[P_WIDTH];
         o[column[F_DOMINANCE]] = in.finite > 0 ? (double)ratio : -__builtin_inf();
+    }
+    return 0;
+}
+
+/* The gradients' fold (normwatch.measure.gradients.fold_grads; its sums of squares
+ * here in float64, which does not overflow where float32's does): per gradient g, its tokens' L2 norms (`norms[g]`, float32) and its
+ * min and max (`bounds[2g]`, `bounds[2g + 1]`), added into `block` (float64) at
+ * `per[g]`'s offsets: tokens, finite tokens, their sum of squares and elements from
+ * SUMS on, and max |g| (where the whole gradient is finite) folded in at PEAK. A token
+ * counts as finite where its norm is, or where the whole gradient is (then only its
+ * sum of squares overflowed). */
+enum { G_TOKENS, G_WIDTH, G_SUMS, G_PEAK, G_COUNT };
+
+int normwatch_fold_grads(int64_t grads, const float *const *norms, const float *bounds,
+                         const double *per, double *block) {
+    for (int64_t g = 0; g < grads; g++) {
+        const double *q = per + g * G_COUNT;
+        int64_t n = (int64_t)q[G_TOKENS];
+        float lo = bounds[2 * g], hi = bounds[2 * g + 1];
+        float peak = lo != lo || hi != hi ? __builtin_nanf("") : hi > -lo ? hi : -lo;
+        int whole = finite(peak);
+        const float *v = norms[g];
+        int64_t ok_n = 0;
+        double lane[4] = {0, 0, 0, 0};
+        for (int64_t t = 0; t < n; t++) {
+            int ok = whole | finite(v[t]);
+            ok_n += ok;
+            lane[t & 3] += ok ? (double)v[t] * (double)v[t] : 0.0;
+        }
+        double *sums = block + (int64_t)q[G_SUMS], *top = block + (int64_t)q[G_PEAK];
+        sums[0] += (double)n;
+        sums[1] += (double)ok_n;
+        sums[2] += (lane[0] + lane[1]) + (lane[2] + lane[3]);
+        sums[3] += (double)ok_n * q[G_WIDTH];
+        double known = whole ? (double)peak : -__builtin_inf();
+        if (!(*top >= known)) *top = known;
     }
     return 0;
 }

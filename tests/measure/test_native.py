@@ -16,7 +16,9 @@ from torch import nn
 
 import normwatch
 from normwatch.catalog import COLUMNS
-from normwatch.measure import native, reductions
+from normwatch.measure import gradients, native, reductions
+from normwatch.measure.accumulator import _new_state
+from normwatch.measure.gradients import SITES, WEIGHT, GradRows, fold_grads, grad_plan, token_rows
 from normwatch.measure.native import GRAIN, MAX_ELEMENTS, library, row_stats, threaded
 from normwatch.measure.reductions import CallRows, fold_calls, fold_plan, reduce_call
 from normwatch.records import Limits
@@ -378,3 +380,41 @@ def test_what_the_c_fold_leaves_to_torch() -> None:
         plan = fold_plan([call], Limits())
         assert reductions._folded_natively([call], plan) is None
         assert fold_calls([call], plan, native=True).shape == (1, len(COLUMNS))
+
+
+def test_the_c_gradient_fold_gives_torchs_values_and_float64_sums() -> None:
+    """Token counts, elements and peaks as torch's ops give them; each site's sum of
+    squares against float64 (where float32's sum overflows, and torch's says inf)."""
+    g = torch.Generator().manual_seed(0)
+    overflowed = 0
+    for trial in range(60):
+        staged = []
+        for k in range(int(torch.randint(1, 8, (1,), generator=g))):
+            n, width = (int(torch.randint(1, 50, (1,), generator=g)) for _ in range(2))
+            t = torch.randn(n, width, generator=g) * 10.0 ** (trial % 24 - 3)
+            t[k % n, 0] = [1.0, math.nan, math.inf, 1.0, 1.0][(trial + k) % 5]
+            t = t.bfloat16() if trial % 3 == 0 else t
+            staged.append(GradRows(*token_rows(t), k % 3, (trial + k) % 3, width))
+        staged.append(GradRows(torch.tensor(2.0), None, None, 1, WEIGHT, 5))
+        plan = grad_plan(staged, torch.device("cpu"))
+        start = _new_state(3, torch.device("cpu"))
+        start.copy_(torch.rand(start.shape, generator=g).where(start.isfinite(), start))
+        want, got = start.clone(), start.clone()
+        fold_grads(want, staged, plan)
+        acts = [s for s in staged if s.site != WEIGHT]
+        assert gradients._folded_natively(start.clone(), acts, plan)  # it covers them
+        fold_grads(got, staged, plan, native=True)
+        sumsq = {COLUMNS.index(f"{site}_sumsq") for site in SITES}
+        for j in range(len(COLUMNS)):
+            if j not in sumsq:
+                assert same(got[:, j], want[:, j]), COLUMNS[j]
+        for j, site in ((COLUMNS.index(f"{s}_sumsq"), i) for i, s in enumerate(SITES)):
+            reference = start[:, j].clone()
+            for s in (s for s in acts if s.site == site):
+                whole = bool(torch.stack([s.hi, -s.lo]).isfinite().all())  # type: ignore
+                norms = s.norms.double().reshape(-1)
+                reference[s.layer] += torch.where(norms.isfinite() | whole, norms, 0.0
+                                                  ).square().sum()
+            torch.testing.assert_close(got[:, j], reference, rtol=1e-12, atol=0)
+            overflowed += int((want[:, j].isinf() & reference.isfinite()).sum())
+    assert overflowed  # float32 sums overflowed where float64's did not
