@@ -33,7 +33,8 @@ class Accumulator:
     :meth:`commit` folds them with :func:`~normwatch.measure.reductions.fold_calls` (and
     :func:`~normwatch.measure.gradients.fold_grads`), at the flush (or every step where
     early warnings peek at the state; the gradients, :meth:`commit_grads`, at the end of
-    each measured step): a few dozen ops per fold, however many calls.
+    each measured step): a few dozen ops per fold, however many calls (on the CPU, with
+    :attr:`native`, one call of the C library and a few ops).
     Staging more than ``max_staged_tokens`` tokens commits at once, so the staged rows
     stay small.
     """

@@ -12,7 +12,9 @@ with a few row reductions and keeps a few floats per token, stacked into one ten
 the device columns of :mod:`normwatch.catalog` (:data:`~normwatch.catalog.COLUMNS`),
 which :mod:`normwatch.measure.accumulator` folds into the per-layer state.
 The per-token arithmetic thus runs once over all calls together, not once per call: on
-the CPU each tensor op costs microseconds whatever its size.
+the CPU each tensor op costs microseconds whatever its size. There, where the C library
+is at hand, the fold is one call of it (:func:`_folded_natively`), with the same float32
+arithmetic.
 """
 
 from __future__ import annotations

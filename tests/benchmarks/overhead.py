@@ -74,6 +74,11 @@ def with_optimizer(m: torch.nn.Module, o: torch.optim.Optimizer) -> object:
     return normwatch.watch(m, o, report_dir=None)
 
 
+def optimizer_and(**options: object) -> Callable[[torch.nn.Module, torch.optim.Optimizer],
+                                                  object]:
+    return lambda m, o: normwatch.watch(m, o, report_dir=None, **options)
+
+
 def guarded(m: torch.nn.Module, o: torch.optim.Optimizer) -> object:
     return normwatch.watch(m, o, report_dir=None, guard=True)
 
@@ -88,6 +93,10 @@ def modes() -> list[Mode]:
         Mode("normwatch stats_every=8", watching(stats_every=8)),
         Mode("normwatch gradients=False", watching(gradients=False)),
         Mode("normwatch stats_every=1 gradients=False", watching(stats_every=1, gradients=False)),
+        Mode("normwatch sentinel only", watching(stats_every=1 << 30, gradients=False)),
+        Mode("normwatch + optimizer stats_every=8", optimizer_and(stats_every=8)),
+        Mode("normwatch + optimizer gradients=False", optimizer_and(gradients=False)),
+        Mode("normwatch + optimizer stats_every=1", optimizer_and(stats_every=1)),
         Mode("DebugUnderflowOverflow", lambda m, o: debug_underflow_overflow(m)),
         Mode("detect_anomaly", lambda m, o: None, anomaly),
         Mode("compiled", lambda m, o: None, compiled=True),
@@ -296,18 +305,24 @@ def sweep(rounds: int, steps: int, sizes: tuple[tuple[int, int, int, int], ...] 
 
 TURNED = ("normwatch (defaults)", "normwatch + optimizer", "normwatch + optimizer + guard")
 """The modes of ``--turns``."""
+PARTS = ("normwatch sentinel only", "normwatch (defaults)", "normwatch gradients=False",
+         "normwatch + optimizer", "normwatch + optimizer stats_every=8",
+         "normwatch + optimizer gradients=False", "normwatch + optimizer stats_every=1")
+"""The modes of ``--parts``: what each part of the watch costs (the sentinel tier alone,
+then the full tier's gradients, the optimizer, the full tier's cadence)."""
 
 
 def turns(hidden: int, layers: int, batch: int, seq: int, steps: int,
-          names: tuple[str, ...] = TURNED) -> str:
-    """Every mode of ``names`` with the loop plain and clipping (``clip_grad_norm_``), and
-    both unmonitored loops, in one process, stepping in turn one step each (the same
-    machine state for all: the pairing is per step, not per 10-step block). Per mode, over
-    10-step blocks (one flush each): the median time inside normwatch per step, and the
-    median ratio to the unmonitored loop of the same kind (which calls torch's own
-    ``clip_grad_norm_``, not the wrapper the watches installed)."""
-    kinds = [("unmonitored", False), ("unmonitored", True),
-             *((name, clip) for clip in (False, True) for name in names)]
+          names: tuple[str, ...] = TURNED, loops: tuple[bool, ...] = (False, True)) -> str:
+    """Every mode of ``names`` with the loop plain and clipping (``clip_grad_norm_``; or
+    as ``loops`` says), and the unmonitored loops, in one process, stepping in turn one
+    step each (the same machine state for all: the pairing is per step, not per 10-step
+    block). Per mode, over 10-step blocks (one flush each): the median time inside
+    normwatch per step, and the median ratio to the unmonitored loop of the same kind
+    (which calls torch's own ``clip_grad_norm_``, not the wrapper the watches
+    installed)."""
+    kinds = [*(("unmonitored", clip) for clip in loops),
+             *((name, clip) for clip in loops for name in names)]
     attach = {m.name: m.attach for m in modes()}
     torch.manual_seed(0)
     base = tiny_llama(hidden, layers)
@@ -366,9 +381,14 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--turns", type=int, metavar="STEPS",
                         help="defaults, optimizer and guard, each plain and clipping, "
                              "stepping in turn for STEPS steps (a multiple of 10)")
+    parser.add_argument("--parts", type=int, metavar="STEPS",
+                        help="what each part costs (the modes of PARTS), stepping in turn "
+                             "for STEPS steps (a multiple of 10)")
     args = parser.parse_args(argv)
-    if args.turns:
-        text = turns(args.hidden, args.layers, args.batch, args.seq, args.turns)
+    if args.turns or args.parts:
+        text = turns(args.hidden, args.layers, args.batch, args.seq, args.turns) \
+            if args.turns else turns(args.hidden, args.layers, args.batch, args.seq,
+                                     args.parts, PARTS, (False,))
         print(text)
         return text
     if args.sweep:

@@ -28,6 +28,14 @@ def test_turns_run() -> None:
         assert f"| normwatch + optimizer + guard | {loop} |" in text
 
 
+def test_parts_run() -> None:
+    text = overhead.main(["--parts", "10", "--hidden", "32", "--layers", "1", "--batch", "2",
+                          "--seq", "8"])
+    for name in overhead.PARTS:
+        assert f"| {name} | plain |" in text
+    assert "| clips |" not in text
+
+
 def test_comparison_with_a_commit_runs() -> None:
     from tests.benchmarks import compare
 
