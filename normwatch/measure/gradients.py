@@ -272,7 +272,7 @@ def _folded_natively(block: torch.Tensor, acts: Sequence[GradRows], plan: GradPl
     for s in acts:
         if s.norms.dtype != torch.float32 or not s.norms.is_contiguous() or s.lo is None \
                 or s.hi is None:
-            return False
+            return False  # (the plan's token counts are the norms' sizes: its signature)
     bounds = torch.stack([t for s in acts for t in (s.lo, s.hi) if t is not None]).float()
     return fold_grad_rows([s.norms for s in acts], bounds, plan.table, block)
 

@@ -1,5 +1,6 @@
-/* normwatch's CPU sentinel: each row's max and min of up to two 2-D tensors in one
- * pass, written as float32 (exact: a max or min is one of the values). Compiled at
+/* normwatch's CPU kernels: each row's max and min of up to two 2-D tensors in one
+ * pass, written as float32 (exact: a max or min is one of the values), and the moments;
+ * the folds of staged calls and gradients; the update monitor's sample. Compiled at
  * first use by normwatch.measure.native; see there.
  *
  * float32 is compared as floats; the 16-bit formats as order-preserving integers
@@ -426,9 +427,9 @@ int normwatch_fold(int64_t calls, const float *const *rows, const double *per, i
 }
 
 /* The gradients' fold (normwatch.measure.gradients.fold_grads; its sums of squares
- * here in float64, which does not overflow where float32's does): per gradient g, its tokens' L2 norms (`norms[g]`, float32) and its
- * min and max (`bounds[2g]`, `bounds[2g + 1]`), added into `block` (float64) at
- * `per[g]`'s offsets: tokens, finite tokens, their sum of squares and elements from
+ * here in float64, which does not overflow where float32's does): per gradient g, its
+ * tokens' L2 norms (`norms[g]`, float32) and its min and max (`bounds[2g]`,
+ * `bounds[2g + 1]`), added into `block` (float64) at `per[g]`'s offsets: tokens, finite tokens, their sum of squares and elements from
  * SUMS on, and max |g| (where the whole gradient is finite) folded in at PEAK. A token
  * counts as finite where its norm is, or where the whole gradient is (then only its
  * sum of squares overflowed). */

@@ -442,8 +442,8 @@ def _folded_natively(calls: Sequence[CallRows], plan: FoldPlan) -> torch.Tensor 
     for call in calls:
         v = call.v
         if v.dtype != torch.float32 or call.out is not None or not v.is_contiguous() or \
-                v.shape[0] != base + 2 * call.lined_up:
-            return None
+                v.shape[0] != base + 2 * call.lined_up or v.numel() != v.shape[0] * call.n:
+            return None  # (the kernel reads rows of call.n floats)
     out = plan.identity.t().contiguous()
     limits = plan.limits
     done = fold_rows([call.v for call in calls], plan.table, calls[0].full,
