@@ -223,13 +223,13 @@ def fold_grads(block: torch.Tensor, staged: Sequence[GradRows], plan: GradPlan,
     (then only its sum of squares overflowed, and counts as inf); the peak max |g| of a
     gradient holding NaN/inf is not known (its finite tokens' is not measured)."""
     acts = [s for s in staged if s.site != WEIGHT]
-    if acts and not (native and _folded_natively(block, acts, plan)):
+    bounds = torch.stack([t for s in acts for t in (s.lo, s.hi) if t is not None]
+                         ).float().view(-1, 2) if acts else None
+    if bounds is not None and not (native and _folded_natively(block, acts, bounds, plan)):
         shape = acts[0].norms.shape
         norms = torch.stack([s.norms for s in acts]).view(-1).float() \
             if all(s.norms.shape == shape for s in acts) else \
             torch.cat([s.norms.reshape(-1).float() for s in acts])  # one op when alike
-        bounds = torch.stack([t for s in acts for t in (s.lo, s.hi) if t is not None]
-                             ).float().view(-1, 2)
         peak = torch.maximum(bounds[:, 1], -bounds[:, 0])  # NaN/inf: the gradient holds them
         whole = peak.isfinite()
         n_rows, n = block.shape[0], len(GRAD_SUMS)
@@ -261,19 +261,20 @@ def fold_grads(block: torch.Tensor, staged: Sequence[GradRows], plan: GradPlan,
         block[:, WEIGHT_AT:WEIGHT_AT + 2].index_add_(0, plan.weights, both)
 
 
-def _folded_natively(block: torch.Tensor, acts: Sequence[GradRows], plan: GradPlan) -> bool:
-    """The activations' part of :func:`fold_grads` in one call of the C kernel
-    (:func:`~normwatch.measure.native.fold_grad_rows`; a couple of dozen torch ops cost
-    ~0.7 ms a step on the CPU), for float32 norms and a float64 block on the CPU;
-    ``False`` (nothing folded) otherwise. The same values, but the sums of squares:
-    float64 there (no overflow past float32's range), float32 in torch's."""
-    if plan.table is None or block.dtype != torch.float64 or not block.is_contiguous():
+def _folded_natively(block: torch.Tensor, acts: Sequence[GradRows], bounds: torch.Tensor,
+                     plan: GradPlan) -> bool:
+    """The activations' part of :func:`fold_grads` (``bounds``: each one's min and max,
+    ``(gradients, 2)`` float32) in one call of the C kernel (:func:`~normwatch.measure.
+    native.fold_grad_rows`; a couple of dozen torch ops cost ~0.7 ms a step on the CPU),
+    for float32 norms and a float64 block on the CPU; ``False`` (nothing folded)
+    otherwise. The same values, but the sums of squares: float64 there (no overflow past
+    float32's range), float32 in torch's."""
+    if plan.table is None or block.dtype != torch.float64 or not block.is_contiguous() \
+            or bounds.shape[0] != len(acts):
         return False
     for s in acts:
-        if s.norms.dtype != torch.float32 or not s.norms.is_contiguous() or s.lo is None \
-                or s.hi is None:
+        if s.norms.dtype != torch.float32 or not s.norms.is_contiguous():
             return False  # (the plan's token counts are the norms' sizes: its signature)
-    bounds = torch.stack([t for s in acts for t in (s.lo, s.hi) if t is not None]).float()
     return fold_grad_rows([s.norms for s in acts], bounds, plan.table, block)
 
 

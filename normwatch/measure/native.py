@@ -202,6 +202,11 @@ def _threads(x: torch.Tensor, out: torch.Tensor | None) -> int:
     return 1
 
 
+def pointers(tensors: Sequence[torch.Tensor]) -> ctypes.Array[ctypes.c_void_p]:
+    """The tensors' data pointers, as a C array (the tensors must outlive its use)."""
+    return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+
+
 def fold_rows(rows: Sequence[torch.Tensor], table: torch.Tensor, full: bool,
               fp16_limit: float, common_tol: float, score0: float,
               columns: ctypes.Array[ctypes.c_int64], out: torch.Tensor) -> bool:
@@ -214,8 +219,7 @@ def fold_rows(rows: Sequence[torch.Tensor], table: torch.Tensor, full: bool,
     lib = library()
     if lib is None:
         return False
-    pointers = (ctypes.c_void_p * len(rows))(*(r.data_ptr() for r in rows))
-    lib.normwatch_fold(len(rows), pointers, table.data_ptr(), int(full), fp16_limit,
+    lib.normwatch_fold(len(rows), pointers(rows), table.data_ptr(), int(full), fp16_limit,
                        common_tol, score0, columns, out.shape[1], out.data_ptr())
     return True
 
@@ -230,9 +234,8 @@ def fold_grad_rows(norms: Sequence[torch.Tensor], bounds: torch.Tensor, table: t
     lib = library()
     if lib is None:
         return False
-    pointers = (ctypes.c_void_p * len(norms))(*(n.data_ptr() for n in norms))
-    lib.normwatch_fold_grads(len(norms), pointers, bounds.data_ptr(), table.data_ptr(),
-                             block.data_ptr())
+    lib.normwatch_fold_grads(len(norms), pointers(norms), bounds.data_ptr(),
+                             table.data_ptr(), block.data_ptr())
     return True
 
 

@@ -25,7 +25,7 @@ import ctypes
 
 import torch
 
-from normwatch.measure.native import KINDS, library
+from normwatch.measure.native import KINDS, library, pointers
 
 MEASURE, SIZE = 1, 2
 """``normwatch_sample``'s mode bits: sum the change against the kept values; sum |p|²."""
@@ -52,8 +52,7 @@ class NativePack:
         self._width = (ctypes.c_int64 * n)(*(w for _, w, _ in shapes))
         self._stride = (ctypes.c_int64 * n)(*(st for _, _, st in shapes))
         self._scale = (ctypes.c_double * n)(*scales)
-        self._params = (ctypes.c_void_p * n)(*(s.data_ptr() for s in samples))
-        self._grads = ctypes.c_void_p * n
+        self._params = pointers(samples)
         self._unused = (ctypes.c_double * 3)()
         """Where :meth:`store`'s call writes its sums (nothing is measured)."""
         self.kept = torch.empty(sum(s.numel() for s in samples), dtype=samples[0].dtype)
@@ -88,6 +87,6 @@ class NativePack:
     def _call(self, grads: list[torch.Tensor] | None, mode: int,
               row: torch.Tensor | None) -> None:
         out = ctypes.addressof(self._unused) if row is None else row.data_ptr()
-        pointers = None if grads is None else self._grads(*(g.data_ptr() for g in grads))
+        grads_at = None if grads is None else pointers(grads)
         self._fn(len(self.samples), self._kind, self._blocks, self._width, self._stride,
-                 self._scale, self._params, pointers, self.kept.data_ptr(), mode, out)
+                 self._scale, self._params, grads_at, self.kept.data_ptr(), mode, out)

@@ -402,7 +402,9 @@ def test_the_c_gradient_fold_gives_torchs_values_and_float64_sums() -> None:
         want, got = start.clone(), start.clone()
         fold_grads(want, staged, plan)
         acts = [s for s in staged if s.site != WEIGHT]
-        assert gradients._folded_natively(start.clone(), acts, plan)  # it covers them
+        bounds = torch.stack([t for s in acts for t in (s.lo, s.hi) if t is not None]
+                             ).float().view(-1, 2)
+        assert gradients._folded_natively(start.clone(), acts, bounds, plan)  # it covers them
         fold_grads(got, staged, plan, native=True)
         sumsq = {COLUMNS.index(f"{site}_sumsq") for site in SITES}
         for j in range(len(COLUMNS)):
