@@ -13,7 +13,9 @@ parts summed; :func:`through_nodes`) and ``dL/dx`` in total (``grad_hidden``, a 
 hook on the input itself: the residual stream of a pre-norm block). None of them puts a
 node into the model's graph, so the order in which autograd sums the hidden state's
 gradient, and every trained bit, stays as unwatched. Eager hooks reduce each to its
-tokens' L2 norms and its min and max (:func:`token_rows`: two reductions) and stage them;
+tokens' L2 norms and its min and max (:func:`token_rows`: two reductions; on the CPU one
+pass of the C kernel, which also adds two parts of ``grad_in`` as it reads them,
+:func:`~normwatch.measure.native.grad_rows`) and stage them;
 the accumulator folds every staged gradient at once when the step ends (:func:`fold_grads`).
 Compiled code taps the output with :class:`_Tap` instead (an autograd function traced
 into the backward graph), whose backward hands ``dL/dy`` to one opaque operator
@@ -42,7 +44,7 @@ from torch.utils.hooks import RemovableHandle
 
 from normwatch.catalog import COLUMNS, GRAD_SITES, GRAD_SUMS
 from normwatch.guarded import guarded
-from normwatch.measure.native import fold_grad_rows
+from normwatch.measure.native import fold_grad_rows, grad_rows
 from normwatch.measure.opaque import observe_grad
 from normwatch.measure.reductions import runs, summed_dtype
 from normwatch.measure.sharding import local
@@ -130,15 +132,16 @@ def through_nodes(y: torch.Tensor, x: torch.Tensor) -> list[tuple[Any, int]]:
 
 
 class _Through:
-    """Sums the parts of ``dL/dx`` the norm's nodes send to ``x`` (post-hooks on those
-    nodes, which read gradients and change none), then hands the sum on once."""
+    """Gathers the parts of ``dL/dx`` the norm's nodes send to ``x`` (post-hooks on those
+    nodes, which read gradients and change none), then hands them on once (their sum is
+    ``dL/dx`` through the norm)."""
 
-    __slots__ = ("_hook", "_left", "_sum")
+    __slots__ = ("_hook", "_left", "_parts")
 
     def __init__(self, nodes: Sequence[tuple[Any, int]],
-                 hook: Callable[[torch.Tensor], None]) -> None:
+                 hook: Callable[[list[torch.Tensor]], None]) -> None:
         self._hook, self._left = hook, len(nodes)
-        self._sum: torch.Tensor | None = None
+        self._parts: list[torch.Tensor] = []
         for node, k in nodes:
             node.register_hook(partial(self._part, k))
 
@@ -146,10 +149,10 @@ class _Through:
         g = grad_inputs[k]
         self._left -= 1
         if g is not None:
-            self._sum = g.detach() if self._sum is None else self._sum + g
-        if self._left == 0 and self._sum is not None:
-            total, self._sum = self._sum, None
-            self._hook(total)
+            self._parts.append(g.detach())
+        if self._left == 0 and self._parts:
+            parts, self._parts = self._parts, []
+            self._hook(parts)
 
 
 class GradRows(NamedTuple):
@@ -157,9 +160,11 @@ class GradRows(NamedTuple):
 
     norms: torch.Tensor
     """Each token's L2 norm (:func:`token_rows`; one element per token, any shape); the
-    weight: its gradient's norm (0-d)."""
+    weight: its gradient's norm (0-d); :attr:`packed`, the C kernel's one buffer: the
+    tokens' norms, then the gradient's min and max (:func:`~normwatch.measure.native.
+    grad_rows`)."""
     lo: torch.Tensor | None
-    """The gradient's min and max (0-d; the weight: ``None``)."""
+    """The gradient's min and max (0-d; the weight, or packed: ``None``)."""
     hi: torch.Tensor | None
     layer: int
     """The layer's accumulator row."""
@@ -167,6 +172,22 @@ class GradRows(NamedTuple):
     """Index into :data:`SITES`, or :data:`WEIGHT`."""
     width: int
     """Elements per token."""
+
+    @property
+    def packed(self) -> bool:
+        """Whether :attr:`norms` ends with the gradient's min and max."""
+        return self.lo is None and self.site != WEIGHT
+
+    @property
+    def tokens(self) -> int:
+        return self.norms.numel() - 2 if self.packed else self.norms.numel()
+
+    def unpacked(self) -> GradRows:
+        """The same gradient with its min and max apart (views)."""
+        if not self.packed:
+            return self
+        flat = self.norms.reshape(-1)
+        return self._replace(norms=flat[:-2], lo=flat[-2], hi=flat[-1])
 
 
 @dataclass(frozen=True)
@@ -194,7 +215,7 @@ class GradPlan:
 def grad_plan(staged: Sequence[GradRows], device: torch.device) -> GradPlan:
     """The :class:`GradPlan` of ``staged`` (all on ``device``)."""
     acts = [s for s in staged if s.site != WEIGHT]
-    counts = [s.norms.numel() for s in acts]
+    counts = [s.tokens for s in acts]
     where = [s.layer * len(SITES) + s.site for s in acts]
     weights = [s.layer for s in staged if s.site == WEIGHT]
     widths = [float(s.width) for s in acts]
@@ -223,9 +244,10 @@ def fold_grads(block: torch.Tensor, staged: Sequence[GradRows], plan: GradPlan,
     (then only its sum of squares overflowed, and counts as inf); the peak max |g| of a
     gradient holding NaN/inf is not known (its finite tokens' is not measured)."""
     acts = [s for s in staged if s.site != WEIGHT]
-    bounds = torch.stack([t for s in acts for t in (s.lo, s.hi) if t is not None]
-                         ).float().view(-1, 2) if acts else None
-    if bounds is not None and not (native and _folded_natively(block, acts, bounds, plan)):
+    if acts and not (native and _folded_natively(block, acts, plan)):
+        acts = [s.unpacked() for s in acts]
+        bounds = torch.stack([t for s in acts for t in (s.lo, s.hi) if t is not None]
+                             ).float().view(-1, 2)
         shape = acts[0].norms.shape
         norms = torch.stack([s.norms for s in acts]).view(-1).float() \
             if all(s.norms.shape == shape for s in acts) else \
@@ -261,21 +283,20 @@ def fold_grads(block: torch.Tensor, staged: Sequence[GradRows], plan: GradPlan,
         block[:, WEIGHT_AT:WEIGHT_AT + 2].index_add_(0, plan.weights, both)
 
 
-def _folded_natively(block: torch.Tensor, acts: Sequence[GradRows], bounds: torch.Tensor,
-                     plan: GradPlan) -> bool:
-    """The activations' part of :func:`fold_grads` (``bounds``: each one's min and max,
-    ``(gradients, 2)`` float32) in one call of the C kernel (:func:`~normwatch.measure.
-    native.fold_grad_rows`; a couple of dozen torch ops cost ~0.7 ms a step on the CPU),
-    for float32 norms and a float64 block on the CPU; ``False`` (nothing folded)
-    otherwise. The same values, but the sums of squares: float64 there (no overflow past
-    float32's range), float32 in torch's."""
-    if plan.table is None or block.dtype != torch.float64 or not block.is_contiguous() \
-            or bounds.shape[0] != len(acts):
+def _folded_natively(block: torch.Tensor, acts: Sequence[GradRows], plan: GradPlan) -> bool:
+    """The activations' part of :func:`fold_grads` in one call of the C kernel
+    (:func:`~normwatch.measure.native.fold_grad_rows`; a couple of dozen torch ops cost
+    ~0.7 ms a step on the CPU), for packed rows (the C kernel's, float32) and a float64
+    block on the CPU; ``False`` (nothing folded) otherwise. The same values, but the
+    sums of squares across tokens: float64 there (no overflow past float32's range),
+    float32 in torch's."""
+    if plan.table is None or block.dtype != torch.float64 or not block.is_contiguous():
         return False
     for s in acts:
-        if s.norms.dtype != torch.float32 or not s.norms.is_contiguous():
-            return False  # (the plan's token counts are the norms' sizes: its signature)
-    return fold_grad_rows([s.norms for s in acts], bounds, plan.table, block)
+        if not s.packed or s.norms.dtype != torch.float32 or not s.norms.is_contiguous() \
+                or s.norms.dim() != 1:
+            return False  # (the plan's token counts are the rows' sizes: its signature)
+    return fold_grad_rows([s.norms for s in acts], plan.table, block)
 
 
 Through = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -340,8 +361,10 @@ class GradHooks:
 
     def __init__(self, tokens: Tokens, target: Target, stage: Stage,
                  fail: Callable[[Exception], None], through: Through | None = None,
-                 width: int | None = None) -> None:
+                 width: int | None = None, native: bool = True) -> None:
         self.tokens = tokens
+        self.native = native
+        """Whether CPU gradients are read by the C kernel where it covers them."""
         self.width = width
         """Elements per token when the last dim holds one (read as it is), else ``None``."""
         self.through = through
@@ -420,8 +443,8 @@ class GradHooks:
     def _out(self, g: torch.Tensor) -> None:
         self._measure(OUT, g)
 
-    def _in(self, g: torch.Tensor) -> None:
-        self._measure(IN, g)
+    def _in(self, parts: list[torch.Tensor]) -> None:
+        self._measure(IN, *parts)
 
     def _hidden(self, g: torch.Tensor) -> None:
         self._measure(HIDDEN, g)
@@ -444,7 +467,8 @@ class GradHooks:
         self._measure(IN, through(self.tokens(g.detach()), self.tokens(x), weight))
 
     @guarded
-    def _measure(self, site: int, g: torch.Tensor) -> None:
+    def _measure(self, site: int, g: torch.Tensor, *parts: torch.Tensor) -> None:
+        """Stage ``g`` (plus ``parts``: the rest of a gradient that came in parts)."""
         if torch.compiler.is_compiling():  # traced (the hidden state's hook)
             row = self._target()
             if row is not None:
@@ -452,6 +476,17 @@ class GradHooks:
         elif g.numel() and self._target() is not None:
             g = g.detach()
             t = g if g.shape[-1] == self.width else self.tokens(g)
+            packed = None
+            if self.native and len(parts) < 2:  # one pass on the CPU, adding a second part
+                u = parts[0].detach() if parts else None
+                packed = grad_rows(t, u if u is None or u.shape[-1] == self.width
+                                   else self.tokens(u))
+            if packed is not None:
+                self._stage(site, (packed, None, None), t.shape[-1])
+                return
+            for part in parts:  # (as autograd would have summed them)
+                g = g + part.detach()
+            t = g if not parts or g.shape[-1] == self.width else self.tokens(g)
             self._stage(site, token_rows(t), t.shape[-1])
 
     @guarded

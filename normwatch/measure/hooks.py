@@ -32,6 +32,7 @@ from normwatch.measure.accumulator import Accumulator
 from normwatch.measure.autocasting import autocast_made, output_op
 from normwatch.measure.calls import dtype_name, dtypes, input_of, other_tensor, output_of
 from normwatch.measure.gradients import GradHooks, GradRows, through_formula
+from normwatch.measure.native import RowReader
 from normwatch.measure.opaque import disown, own
 from normwatch.measure.outputs import output_check
 from normwatch.measure.reductions import CallRows, fused_call, out_rows, reduce_call, token_view
@@ -134,6 +135,7 @@ class LayerHook:
         self._eps = 0.0 if math.isnan(layer.eps) else layer.eps
         self._width = layer.token_size
         self._signature: tuple[Any, ...] = ()
+        self._rows = RowReader()
         self._tokens: Callable[[torch.Tensor], torch.Tensor] = partial(
             token_view, kind=layer.kind, token_ndim=self._token_ndim,
             groups=layer.num_groups or 1, width=layer.token_size)
@@ -152,7 +154,8 @@ class LayerHook:
             through = None if layer.token_size is None else \
                 through_formula(layer.kind, self._eps, layer.weight_form == "1+w")
             self.grads = GradHooks(self._tokens, self._grad_target, self._stage_grad,
-                                   self._fail, through, layer.token_size)
+                                   self._fail, through, layer.token_size,
+                                   native=runtime.kernel == "auto")
             self.grads.watch_weight(getattr(module, "weight", None))
             self._pre_handle = module.register_forward_pre_hook(self.compiled.pre,
                                                                 with_kwargs=True)
@@ -244,8 +247,7 @@ class LayerHook:
         # only where this call may be the interval's output check (see measure)
         alone = rt.check_outputs and not self.counts.output_checked and \
             not other_tensor(args, kwargs, x)
-        # Detached tensors record no autograd graph: no no_grad() context needed.
-        self.measure(module, x.detach(), None if y is None else y.detach(), alone)
+        self.measure(module, x, y, alone)
         if self.grads is not None and rt.grads_now:
             if y is not None and y.requires_grad:
                 self.grads.watch_call(x, y)
@@ -255,9 +257,8 @@ class LayerHook:
 
     def measure(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None,
                 alone: bool) -> None:
-        """Reduce and stage one counted call (``x``, ``y`` detached; ``alone``: ``x`` was
-        its only tensor input, which only an output check reads); count it. Eager and
-        compiled calls alike."""
+        """Reduce and stage one counted call (``alone``: ``x`` was its only tensor input,
+        which only an output check reads); count it. Eager and compiled calls alike."""
         rt = self.rt
         n_tokens = 0
         if x.numel():
@@ -267,7 +268,8 @@ class LayerHook:
             rt.accumulator.stage(call)
             if rt.check_outputs and out is not None and alone and \
                     not self.counts.output_checked:
-                check = output_check(self.layer, module, x, out, call, self._tokens)
+                check = output_check(self.layer, module, x.detach(), out.detach(), call,
+                                     self._tokens)
                 self.counts.output_checked = True
                 if check is not None:
                     rt.accumulator.update_check(self.row, check[0], check[1])
@@ -283,18 +285,28 @@ class LayerHook:
 
     def _reduce(self, x: torch.Tensor, out: torch.Tensor | None, key: float) -> CallRows:
         """One call's per-token rows (``out``: a non-empty floating output, or ``None``):
-        the fused kernel on its devices, else torch. A layer or RMS norm whose last dim is
-        one token is read as it is (no reshape)."""
-        kind, eps = self.layer.kind, self._eps
+        the C kernel for the common CPU call (a layer or RMS norm's input and output
+        alike, the last dim one token), else the fused kernel on its devices, else torch.
+        A layer or RMS norm whose last dim is one token is read as it is (no reshape)."""
+        kind, eps, rt = self.layer.kind, self._eps, self.rt
         whole = x.dim() > 0 and x.shape[-1] == self._width
+        if whole and out is not None and rt.kernel == "auto":
+            centred = kind != "rmsnorm"
+            v = self._rows(x, out, ("centred" if centred else "rms") if rt.full_stats else None)
+            if v is not None:  # (x and out alike: its rows line up)
+                width = x.shape[-1]
+                return CallRows(self.row, key, width, eps, v, x.numel() // width, True,
+                                rt.full_stats, False, centred)
+        # Detached tensors record no autograd graph: no no_grad() context needed.
+        x, out = x.detach(), None if out is None else out.detach()
         tokens = x if whole else self._tokens(x)
         out_tokens = None
         if out is not None:  # the input's layout, or for a wrong-shaped output its last dim
             out_tokens = (out if whole else self._tokens(out)) if out.shape == x.shape else \
                 out.reshape(-1, out.shape[-1]) if out.dim() else out.reshape(1, 1)
-        if not self.rt.fused(x):
-            return reduce_call(tokens, out_tokens, kind, eps, self.rt.full_stats, self.row, key,
-                               native=self.rt.kernel == "auto")
+        if not rt.fused(x):
+            return reduce_call(tokens, out_tokens, kind, eps, rt.full_stats, self.row, key,
+                               native=rt.kernel == "auto")
         tokens = tokens.reshape(-1, tokens.shape[-1])
         same = out_tokens is not None and out.shape == x.shape  # type: ignore[union-attr]
         if same:

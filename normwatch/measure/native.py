@@ -32,6 +32,7 @@ import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -78,6 +79,13 @@ def library() -> ctypes.CDLL | None:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, i64, i64, ctypes.c_void_p, ctypes.c_int,
                    i64, i64, i64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_int
+    rows = lib.normwatch_grad_rows  # grad_rows
+    rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, i64, i64, ctypes.c_void_p,
+                     ctypes.c_int]
+    rows.restype = ctypes.c_int
+    planned = lib.normwatch_rows_planned  # read_rows
+    planned.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    planned.restype = ctypes.c_int
     i64s, ptrs = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_void_p)
     sample = lib.normwatch_sample  # normwatch.measure.native_updates
     sample.argtypes = [ctypes.c_int64, ctypes.c_int, i64s, i64s, i64s,
@@ -90,7 +98,7 @@ def library() -> ctypes.CDLL | None:
                      ctypes.c_float, ctypes.c_double, i64s, i64, ctypes.c_void_p]
     fold.restype = ctypes.c_int
     grads = lib.normwatch_fold_grads  # fold_grad_rows
-    grads.argtypes = [i64, ptrs, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    grads.argtypes = [i64, ptrs, ctypes.c_void_p, ctypes.c_void_p]
     grads.restype = ctypes.c_int
     return lib
 
@@ -174,12 +182,16 @@ def _compile(command: list[str]) -> None:
     subprocess.run(command, check=True, capture_output=True, timeout=120)
 
 
+_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+"""Whether a tensor is one of vmap's or grad's wrappers (no data pointer)."""
+
+
 def _rowwise(t: torch.Tensor) -> tuple[int, int] | None:
     """``(width, row stride)`` of ``t`` read as rows of its last dim, or ``None`` when
     the kernel does not cover it."""
     if type(t) is not torch.Tensor or t.device.type != "cpu" or t.dtype not in KINDS \
             or t.layout != torch.strided or t.dim() == 0 or not t.numel() \
-            or torch._C._functorch.is_functorch_wrapped_tensor(t):
+            or _wrapped(t):
         return None  # (vmap's and grad's wrappers have no data pointer)
     if t.is_contiguous():
         return t.shape[-1], t.shape[-1]
@@ -224,18 +236,17 @@ def fold_rows(rows: Sequence[torch.Tensor], table: torch.Tensor, full: bool,
     return True
 
 
-def fold_grad_rows(norms: Sequence[torch.Tensor], bounds: torch.Tensor, table: torch.Tensor,
+def fold_grad_rows(rows: Sequence[torch.Tensor], table: torch.Tensor,
                    block: torch.Tensor) -> bool:
-    """Fold staged gradients (each one's token norms, float32 and contiguous, and its min
-    and max, ``bounds``: ``(gradients, 2)`` float32) into ``block`` (float64, contiguous,
-    on the CPU) in one call: the arithmetic of :func:`~normwatch.measure.gradients.
-    fold_grads` (``table``: where each goes; see ``normwatch_fold_grads`` in the C
-    source). ``False`` where there is no library."""
+    """Fold staged gradients (each one's rows as :func:`grad_rows` gives them: its token
+    norms, then its min and max, float32 and contiguous) into ``block`` (float64,
+    contiguous, on the CPU) in one call: the arithmetic of :func:`~normwatch.measure.
+    gradients.fold_grads` (``table``: each one's token count and where it goes; see
+    ``normwatch_fold_grads`` in the C source). ``False`` where there is no library."""
     lib = library()
     if lib is None:
         return False
-    lib.normwatch_fold_grads(len(norms), pointers(norms), bounds.data_ptr(),
-                             table.data_ptr(), block.data_ptr())
+    lib.normwatch_fold_grads(len(rows), pointers(rows), table.data_ptr(), block.data_ptr())
     return True
 
 
@@ -244,12 +255,20 @@ MOMENTS = {"rms": 1, "centred": 2}
 (``"centred"``: the L2 norm about the row's mean; ``"rms"``: the L2 norm again)."""
 
 
-def row_stats(x: torch.Tensor, out: torch.Tensor | None,
-              moments: str | None = None) -> torch.Tensor | None:
-    """``(k, *x.shape[:-1])`` float32: each row's max and min of ``x``, then of ``out``
-    (whose leading dims are ``x``'s), then with ``moments`` (see :data:`MOMENTS`) ``x``'s
-    sum, L2 norm and spread, summed in float64; or ``None`` where torch's reductions must
-    do it (see the module docstring)."""
+class RowPlan(NamedTuple):
+    """What the kernel needs of a call's layout (:func:`row_plan`)."""
+
+    shape: tuple[int, ...]
+    """The rows' shape, ``(k, *x.shape[:-1])``."""
+    args: ctypes.Array[ctypes.c_int64]
+    """``normwatch_rows_planned``'s plan: x's kind, width and row stride, then out's, the
+    row count, the threads and the moments."""
+
+
+def row_plan(x: torch.Tensor, out: torch.Tensor | None,
+             moments: str | None = None) -> RowPlan | None:
+    """The :class:`RowPlan` of reading ``x`` and ``out`` (see :func:`row_stats`), or
+    ``None`` where torch's reductions must do it."""
     shape_x = _rowwise(x)
     shape_out = (0, 0) if out is None else _rowwise(out)
     if shape_x is None or shape_out is None:
@@ -259,10 +278,77 @@ def row_stats(x: torch.Tensor, out: torch.Tensor | None,
     if lib is None or not threads:
         return None
     k = (2 if out is None else 4) + (3 if moments else 0)
-    rows = torch.empty(k, *x.shape[:-1], dtype=torch.float32)
-    lib.normwatch_rows(x.data_ptr(), KINDS[x.dtype], *shape_x,
-                       None if out is None else out.data_ptr(),
-                       0 if out is None else KINDS[out.dtype], *shape_out,
-                       x.shape[:-1].numel(), rows.data_ptr(), threads,
-                       MOMENTS[moments] if moments else 0)
+    args = (KINDS[x.dtype], *shape_x, 0 if out is None else KINDS[out.dtype], *shape_out,
+            x.shape[:-1].numel(), threads, MOMENTS[moments] if moments else 0)
+    return RowPlan((k, *x.shape[:-1]), (ctypes.c_int64 * len(args))(*args))
+
+
+def read_rows(plan: RowPlan, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``x``'s and ``out``'s rows as ``plan`` (theirs) says: one allocation, one call."""
+    rows = torch.empty(*plan.shape, dtype=torch.float32)
+    library().normwatch_rows_planned(  # type: ignore[union-attr]
+        x.data_ptr(), None if out is None else out.data_ptr(), rows.data_ptr(), plan.args)
+    return rows
+
+
+def row_stats(x: torch.Tensor, out: torch.Tensor | None,
+              moments: str | None = None) -> torch.Tensor | None:
+    """``(k, *x.shape[:-1])`` float32: each row's max and min of ``x``, then of ``out``
+    (whose leading dims are ``x``'s), then with ``moments`` (see :data:`MOMENTS`) ``x``'s
+    sum, L2 norm and spread, summed in float64; or ``None`` where torch's reductions must
+    do it (see the module docstring)."""
+    plan = row_plan(x, out, moments)
+    return None if plan is None else read_rows(plan, x, out)
+
+
+class RowReader:
+    """:func:`row_stats` for one layer's calls whose input and output are alike (the
+    same shape, contiguous, on the CPU): their layout worked out once (:func:`row_plan`),
+    then each call one allocation and one call of the kernel (the checks of a general
+    call cost several times the call's own Python)."""
+
+    __slots__ = ("_key", "_plan")
+
+    def __init__(self) -> None:
+        self._key: tuple[object, ...] | None = None
+        self._plan: RowPlan | None = None
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor,
+                 moments: str | None = None) -> torch.Tensor | None:
+        """The rows of ``x`` and ``out`` (:func:`row_stats`), or ``None``: not alike, or
+        left to torch's reductions."""
+        if type(x) is not torch.Tensor or type(out) is not torch.Tensor or not x.is_cpu \
+                or not out.is_cpu or x.layout != torch.strided or out.layout != torch.strided \
+                or not x.is_contiguous() or not out.is_contiguous() \
+                or _wrapped(x) or _wrapped(out):
+            return None
+        key = (x.shape, out.shape, x.dtype, out.dtype, moments, torch.get_num_threads())
+        if key != self._key:
+            self._key = key
+            self._plan = row_plan(x, out, moments) if out.shape == x.shape else None
+        return None if self._plan is None else read_rows(self._plan, x, out)
+
+
+def grad_rows(a: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor | None:
+    """A gradient read in one pass: ``(n + 2,)`` float32, each of its ``n`` rows' L2 norm
+    (summed in float64) then its min and max (NaN both where it holds a NaN); ``b``: a
+    second part of the gradient, laid out as ``a`` (added in float32). ``None`` where
+    torch's reductions must do it (:func:`row_stats`' cases)."""
+    if type(a) is not torch.Tensor or not a.is_cpu or a.dtype not in KINDS \
+            or a.layout != torch.strided or not a.is_contiguous() or _wrapped(a) \
+            or a.dim() == 0 or not a.numel():
+        return None
+    if b is not None and (type(b) is not torch.Tensor or b.shape != a.shape
+                          or b.dtype != a.dtype or not b.is_cpu or b.layout != torch.strided
+                          or not b.is_contiguous() or _wrapped(b)):
+        return None
+    lib = library()
+    threads = 0 if lib is None else _threads(a, b)
+    if lib is None or not threads:
+        return None
+    width = a.shape[-1]
+    n = a.numel() // width
+    rows = torch.empty(n + 2, dtype=torch.float32)
+    lib.normwatch_grad_rows(a.data_ptr(), None if b is None else b.data_ptr(), KINDS[a.dtype],
+                            n, width, rows.data_ptr(), threads)
     return rows

@@ -9,6 +9,9 @@
  * do. */
 #include <stdint.h>
 #include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -203,6 +206,159 @@ int normwatch_rows(const void *x, int kx, int64_t wx, int64_t sx, const void *y,
         if (moments) moments_of(xa, kx, m, wx, sx, moments == 2, o, o + n, o + 2 * n);
     }
     return 0;
+}
+
+/* A gradient's rows (normwatch.measure.gradients.token_rows): per row of w elements of
+ * a (plus b's, where b is not NULL: two parts of one gradient, added in float32), its L2
+ * norm (the sum of squares in float32, as torch's vector_norm: NaN/inf where the row
+ * holds NaN/inf or the sum overflows) to norm[0:n]; the whole gradient's min and max and
+ * whether it holds a NaN to e. One pass. */
+typedef struct { float lo, hi; int bad; } Bounds;
+#define GRADS(NAME, T, TOFLOAT)                                                       \
+    __attribute__((target_clones("avx2", "default")))                                 \
+    static void NAME(const T *a, const T *b, int64_t n, int64_t w, float *norm,       \
+                     Bounds *e) {                                                     \
+        float (*const conv)(T) = TOFLOAT;                                             \
+        float hi = -__builtin_inff(), lo = __builtin_inff();                          \
+        int bad = 0;                                                                  \
+        f8 top = {0}, bottom = {0};                                                   \
+        m8 nan = {0};                                                                 \
+        top += hi, bottom += lo;                                                      \
+        for (int64_t i = 0; i < n; i++, a += w, b = b ? b + w : b) {                  \
+            f8 q = {0};                                                               \
+            int64_t j = 0;                                                            \
+            for (; j + 8 <= w; j += 8) {                                              \
+                f8 v, u;                                                              \
+                LOAD8(v, a + j, conv);                                                \
+                if (b) {                                                              \
+                    LOAD8(u, b + j, conv);                                            \
+                    v += u;                                                           \
+                }                                                                     \
+                top = pick(v > top, v, top), bottom = pick(v < bottom, v, bottom);    \
+                nan |= v != v;                                                        \
+                q += v * v;                                                           \
+            }                                                                         \
+            float squares = ((q[0] + q[1]) + (q[2] + q[3])) + ((q[4] + q[5]) + (q[6] + q[7])); \
+            for (; j < w; j++) {                                                      \
+                float v = conv(a[j]) + (b ? conv(b[j]) : 0.0f);                       \
+                hi = v > hi ? v : hi, lo = v < lo ? v : lo, bad |= v != v;            \
+                squares += v * v;                                                     \
+            }                                                                         \
+            norm[i] = __builtin_sqrtf(squares);                                       \
+        }                                                                             \
+        for (int k = 0; k < 8; k++) {                                                 \
+            hi = top[k] > hi ? top[k] : hi, lo = bottom[k] < lo ? bottom[k] : lo;     \
+            bad |= nan[k] != 0;                                                       \
+        }                                                                             \
+        e->lo = lo, e->hi = hi, e->bad = bad;                                         \
+    }
+GRADS(grads_plain, float, same)
+GRADS(grads_bf16, uint16_t, from_bf16)
+GRADS(grads_f16, uint16_t, from_f16)
+
+#if defined(__x86_64__) || defined(__i386__)
+/* float32 with AVX2: max and min one instruction each (vmaxps(v, t) is v > t ? v : t,
+ * so a NaN in v leaves t: the running extremes never turn NaN; NaN is noted apart) */
+__attribute__((target("avx2")))
+static void grads_avx2(const float *a, const float *b, int64_t n, int64_t w, float *norm,
+                       Bounds *e) {
+    __m256 top = _mm256_set1_ps(-__builtin_inff()), bottom = _mm256_set1_ps(__builtin_inff());
+    __m256 nan = _mm256_setzero_ps();
+    float hi = -__builtin_inff(), lo = __builtin_inff();
+    int bad = 0;
+    for (int64_t i = 0; i < n; i++, a += w, b = b ? b + w : b) {
+        __m256 q0 = _mm256_setzero_ps(), q1 = q0;
+        int64_t j = 0;
+        for (; j + 16 <= w; j += 16) {
+            __m256 v = _mm256_loadu_ps(a + j), u = _mm256_loadu_ps(a + j + 8);
+            if (b) {
+                v = _mm256_add_ps(v, _mm256_loadu_ps(b + j));
+                u = _mm256_add_ps(u, _mm256_loadu_ps(b + j + 8));
+            }
+            top = _mm256_max_ps(v, _mm256_max_ps(u, top));
+            bottom = _mm256_min_ps(v, _mm256_min_ps(u, bottom));
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, u, _CMP_UNORD_Q));
+            q0 = _mm256_add_ps(q0, _mm256_mul_ps(v, v));
+            q1 = _mm256_add_ps(q1, _mm256_mul_ps(u, u));
+        }
+        q0 = _mm256_add_ps(q0, q1);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(q0), _mm256_extractf128_ps(q0, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        float squares = _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
+        for (; j < w; j++) {
+            float v = a[j] + (b ? b[j] : 0.0f);
+            hi = v > hi ? v : hi, lo = v < lo ? v : lo, bad |= v != v;
+            squares += v * v;
+        }
+        norm[i] = __builtin_sqrtf(squares);
+    }
+    float t[8], m[8];
+    _mm256_storeu_ps(t, top);
+    _mm256_storeu_ps(m, bottom);
+    for (int k = 0; k < 8; k++) hi = t[k] > hi ? t[k] : hi, lo = m[k] < lo ? m[k] : lo;
+    e->lo = lo, e->hi = hi, e->bad = bad | _mm256_movemask_ps(nan);
+}
+#define AVX2 __builtin_cpu_supports("avx2")
+#else
+#define grads_avx2 grads_plain
+#define AVX2 0
+#endif
+
+static void grads_f32(const float *a, const float *b, int64_t n, int64_t w, float *norm,
+                      Bounds *e) {
+    if (AVX2) grads_avx2(a, b, n, w, norm, e);
+    else grads_plain(a, b, n, w, norm, e);
+}
+
+#define MAX_THREADS 256
+int normwatch_grad_rows(const void *a, const void *b, int kind, int64_t n, int64_t w,
+                        float *out, int threads) {
+    if (kind < 0 || kind > 2 || threads < 1) return -1;
+    threads = threads > MAX_THREADS ? MAX_THREADS : threads;
+    Bounds parts[MAX_THREADS];
+    int used = 1;
+    (void)threads;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads) if (threads > 1)
+#endif
+    {
+        int64_t t = 0, k = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        k = omp_get_num_threads();
+        if (t == 0) used = (int)k;
+#endif
+        int64_t first = n * t / k, m = n * (t + 1) / k - first, at = first * w;
+        int size = kind ? 2 : 4;
+        const char *pa = (const char *)a + at * size;
+        const char *pb = b ? (const char *)b + at * size : 0;
+        Bounds *e = parts + t;
+        switch (kind) {
+        case 0: grads_f32((const float *)pa, (const float *)pb, m, w, out + first, e); break;
+        case 1: grads_bf16((const uint16_t *)pa, (const uint16_t *)pb, m, w, out + first, e);
+            break;
+        default: grads_f16((const uint16_t *)pa, (const uint16_t *)pb, m, w, out + first, e);
+            break;
+        }
+    }
+    float lo = __builtin_inff(), hi = -__builtin_inff();
+    int bad = 0;
+    for (int t = 0; t < used; t++) {
+        lo = parts[t].lo < lo ? parts[t].lo : lo;
+        hi = parts[t].hi > hi ? parts[t].hi : hi;
+        bad |= parts[t].bad;
+    }
+    out[n] = bad ? __builtin_nanf("") : lo;
+    out[n + 1] = bad ? __builtin_nanf("") : hi;
+    return 0;
+}
+
+/* normwatch_rows with its layout in `plan`: x's kind, width and row stride, y's, the
+ * row count, the threads and the moments (one pointer: the per-call argument
+ * conversions of the caller cost more than the call's own work on small calls) */
+int normwatch_rows_planned(const void *x, const void *y, float *out, const int64_t *plan) {
+    return normwatch_rows(x, (int)plan[0], plan[1], plan[2], y, (int)plan[3], plan[4],
+                          plan[5], plan[6], out, (int)plan[7], (int)plan[8]);
 }
 
 /* 1: built with OpenMP (normwatch_rows uses its `threads`) */
@@ -428,19 +584,19 @@ int normwatch_fold(int64_t calls, const float *const *rows, const double *per, i
 
 /* The gradients' fold (normwatch.measure.gradients.fold_grads; its sums of squares
  * here in float64, which does not overflow where float32's does): per gradient g, its
- * tokens' L2 norms (`norms[g]`, float32) and its min and max (`bounds[2g]`,
- * `bounds[2g + 1]`), added into `block` (float64) at `per[g]`'s offsets: tokens, finite tokens, their sum of squares and elements from
- * SUMS on, and max |g| (where the whole gradient is finite) folded in at PEAK. A token
- * counts as finite where its norm is, or where the whole gradient is (then only its
- * sum of squares overflowed). */
+ * rows (`norms[g]`, float32, as normwatch_grad_rows writes them: its n tokens' L2 norms,
+ * then its min and max), added into `block` (float64) at `per[g]`'s offsets: tokens,
+ * finite tokens, their sum of squares and elements from SUMS on, and max |g| (where the
+ * whole gradient is finite) folded in at PEAK. A token counts as finite where its norm
+ * is, or where the whole gradient is (then only its sum of squares overflowed). */
 enum { G_TOKENS, G_WIDTH, G_SUMS, G_PEAK, G_COUNT };
 
-int normwatch_fold_grads(int64_t grads, const float *const *norms, const float *bounds,
-                         const double *per, double *block) {
+int normwatch_fold_grads(int64_t grads, const float *const *norms, const double *per,
+                         double *block) {
     for (int64_t g = 0; g < grads; g++) {
         const double *q = per + g * G_COUNT;
         int64_t n = (int64_t)q[G_TOKENS];
-        float lo = bounds[2 * g], hi = bounds[2 * g + 1];
+        float lo = norms[g][n], hi = norms[g][n + 1];
         float peak = lo != lo || hi != hi ? __builtin_nanf("") : hi > -lo ? hi : -lo;
         int whole = finite(peak);
         const float *v = norms[g];

@@ -3,13 +3,16 @@ stood, the RNG states it started from.
 
     >>> log = ReplayLog()
     >>> log.begin_step(7)                    # the RNG states step 7 starts from (host)
-    >>> log.forward(args, kwargs)            # the first forward's integer inputs, hashed
+    >>> log.forward(args, kwargs)            # the first forward's integer inputs, kept
     >>> log.note(epoch=0, batch_idx=6)       # what the framework knows of the position
-    >>> log.resolve(copied)                  # at the flush: the hashes come back
+    >>> copied = ... log.tensors() ...       # at the flush: hashed, ride along the copy
+    >>> log.resolve(copied)                  # the hashes come back
     >>> log.at(7)                            # ReplayPoint(step=7, fingerprint=..., ...)
 
-The fingerprint is computed on the device and rides along the flush copy (no sync):
-for each integer tensor of the step's batch (Lightning) or first forward's inputs,
+The fingerprint is computed on the device at the flush, for the interval's steps at
+once (a forward only copies its integer inputs, one op; inputs past :data:`COPY_LIMIT`
+elements are hashed at once instead), and rides along the flush copy (no sync): for
+each integer tensor of the step's batch (Lightning) or first forward's inputs,
 ``sum(x_i * (2654435761 i + 1))`` over its flattened elements in int64 (wrapping), modulo
 ``2**31 - 1``, as ``dtype[shape]:hash`` (``int64[4x16]:0a1b2c3d``; one per tensor,
 space-separated): equal batches give equal fingerprints, a changed token changes it. The
@@ -32,17 +35,11 @@ from normwatch.records import ReplayPoint
 
 KEEP = 64
 """Steps whose replay points are kept."""
+COPY_LIMIT = 1 << 20
+"""The most elements of a step's integer inputs kept (copied) until the flush; larger
+inputs are hashed in their forward."""
 MULTIPLIER = 2654435761
 MODULUS = 2**31 - 1
-
-
-def fingerprint_of(x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """The device-side hash of one integer tensor (0-d int64; see the module docstring);
-    ``weights``: :func:`hash_weights` of its size, if at hand."""
-    flat = x.reshape(-1).long()
-    if weights is None:
-        weights = hash_weights(flat.numel(), flat.device)
-    return hashed(flat, weights)
 
 
 def hashed(flat: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -78,7 +75,12 @@ class ReplayLog:
         self._points: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self._step = 0
         self._hashed = False
-        self._pending: list[tuple[int, torch.device, torch.Tensor, list[str]]] = []
+        self._pending: list[tuple[int, torch.Tensor, list[str], bool]] = []
+        """Per step, its integer inputs copied as ``(tensors, elements)`` (alike tensors
+        stacked; else one entry each), their names, and whether the entry holds their
+        hashes already (inputs past :data:`COPY_LIMIT`)."""
+        self._order: list[int] = []
+        """The pending entries in the order :meth:`tensors` laid their hashes out."""
         self._cached: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._names: dict[tuple[torch.dtype, torch.Size], str] = {}
 
@@ -107,16 +109,21 @@ class ReplayLog:
         if not tensors:
             return
         first = tensors[0]
-        device = first.device
+        names = [self._name(t) for t in tensors]
         if len(tensors) > 1 and all(t.shape == first.shape and t.dtype == first.dtype and
-                                    t.device == device for t in tensors):
-            # alike (a language model's input ids and labels): hashed together, row by row
-            hashes = hashed(torch.stack(tensors).reshape(len(tensors), -1).long(),
-                            self._weights(first))
+                                    t.device == first.device for t in tensors):
+            # alike (a language model's input ids and labels): one copy, hashed row by row
+            self._keep(torch.stack(tensors).reshape(len(tensors), -1), names)
         else:
-            hashes = torch.stack([fingerprint_of(t, self._weights(t)).to(device)
-                                  for t in tensors])
-        self._pending.append((self._step, device, hashes, [self._name(t) for t in tensors]))
+            for t, name in zip(tensors, names, strict=True):
+                self._keep(t.reshape(1, -1).clone(), [name])
+
+    def _keep(self, rows: torch.Tensor, names: list[str]) -> None:
+        """Keep a copy of the step's inputs until the flush (past :data:`COPY_LIMIT`
+        elements, their hashes)."""
+        done = rows.numel() > COPY_LIMIT
+        self._pending.append((self._step, hashed(rows.long(), self._weights(rows)) if done
+                              else rows, names, done))
 
     def _name(self, t: torch.Tensor) -> str:
         """``dtype[shape]`` of ``t`` (``int64[4x16]``), made once per dtype and shape."""
@@ -130,7 +137,8 @@ class ReplayLog:
         return name
 
     def _weights(self, t: torch.Tensor) -> torch.Tensor:
-        key = (t.numel(), t.device)
+        """:func:`hash_weights` for ``t``'s rows, kept."""
+        key = (t.shape[-1], t.device)
         weights = self._cached.get(key)
         if weights is None:
             if len(self._cached) >= 8:
@@ -147,19 +155,35 @@ class ReplayLog:
                 point["position"].setdefault(key, value)
 
     def tensors(self) -> dict[torch.device, torch.Tensor]:
-        """The interval's hashes, flat per device, to ride along the flush copy."""
-        return ride_along(*({device: h.double()} for _, device, h, _ in self._pending))
+        """The interval's hashes, flat per device, to ride along the flush copy: the
+        inputs of alike steps (one device, dtype and shape) hashed together."""
+        groups: dict[tuple[torch.device, torch.dtype, torch.Size, bool], list[int]] = {}
+        for i, (_, rows, _, done) in enumerate(self._pending):
+            groups.setdefault((rows.device, rows.dtype, rows.shape, done), []).append(i)
+        self._order = [i for members in groups.values() for i in members]
+        hashes = []
+        for (*_, done), members in groups.items():
+            rows = torch.stack([self._pending[i][1] for i in members])
+            hashes.append({rows.device: (rows if done else
+                                         hashed(rows.long(), self._weights(rows))).double()})
+        return ride_along(*hashes)
 
     def resolve(self, copied: Mapping[torch.device, Iterable[float]]) -> None:
-        """Take the hashes back from ``copied`` (iterators are consumed)."""
+        """Take the hashes back from ``copied`` (iterators are consumed), in the order
+        :meth:`tensors` laid them out."""
         iters = {d: iter(v) for d, v in copied.items()}
-        for step, device, hashes, shapes in self._pending:
-            values = [int(next(iters[device])) for _ in range(hashes.numel())]
+        said: dict[int, list[str]] = {}
+        for i in self._order:
+            _, rows, names, _ = self._pending[i]
+            said[i] = [f"{name}:{int(next(iters[rows.device])):08x}" for name in names]
+        steps: dict[int, list[str]] = {}
+        for i, (step, *_) in enumerate(self._pending):  # a step's tensors in their order
+            steps.setdefault(step, []).extend(said[i])
+        for step, parts in steps.items():
             point = self._points.get(step)
             if point is not None:
-                point["fingerprint"] = " ".join(f"{s}:{v:08x}"
-                                                for s, v in zip(shapes, values, strict=True))
-        self._pending = []
+                point["fingerprint"] = " ".join(parts)
+        self._pending, self._order = [], []
 
     def at(self, step: int) -> ReplayPoint | None:
         """The replay point of ``step`` (``None``: not kept)."""

@@ -263,7 +263,8 @@ class _Sampled:
     def grads_alike(self) -> list[torch.Tensor] | None:
         """Every (local) gradient, or ``None`` unless every one is laid out like its dense
         parameter (same strides and dtype, not sparse): then the parameters' samples
-        sample them too (the hot path: no per-tensor arithmetic)."""
+        sample them too (the hot path: no per-tensor arithmetic). A plain tensor's gradient
+        has its shape (torch refuses any other): a shard's is asked."""
         if self.copied:
             return None
         out = []
@@ -274,8 +275,9 @@ class _Sampled:
                 return None
             if type(g) is not plain:  # a DTensor's: its shard
                 g = local(g)
-            if g.dtype != dtype or g.layout != strided or g.shape != shape \
-                    or g.stride() != strides:
+                if g.shape != shape:
+                    return None
+            if g.dtype != dtype or g.layout != strided or g.stride() != strides:
                 return None
             out.append(g)
         return out

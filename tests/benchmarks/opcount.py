@@ -75,7 +75,7 @@ def _one_launch() -> Iterator[None]:
     CPU's compiled kernel (one pass per tensor), which no dispatch mode sees."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from normwatch.measure import hooks, reductions
+    from normwatch.measure import gradients, hooks, native
 
     real = hooks.row_stats_triton
 
@@ -88,22 +88,31 @@ def _one_launch() -> Iterator[None]:
             mode.kernels["empty"] += 1  # its output
         return rows
 
-    def native(x: torch.Tensor, out: torch.Tensor | None,
-               moments: str | None = None) -> torch.Tensor | None:
-        rows = real_native(x, out, moments)
+    def native_call(plan: native.RowPlan, x: torch.Tensor, out: torch.Tensor | None
+                    ) -> torch.Tensor:
+        rows = real_native(plan, x, out)  # (its output's allocation is counted as it is)
+        mode = torch.utils._python_dispatch._get_current_dispatch_mode()
+        if isinstance(mode, OpCounter):
+            mode.kernels[NATIVE] += 1
+        return rows
+
+    def native_grad(a: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor | None:
+        rows = real_grad(a, b)
         mode = torch.utils._python_dispatch._get_current_dispatch_mode()
         if rows is not None and isinstance(mode, OpCounter):
             mode.kernels[NATIVE] += 1
         return rows
 
-    real_native = reductions.row_stats
+    real_native, real_grad = native.read_rows, gradients.grad_rows
     hooks.row_stats_triton = counted  # type: ignore[assignment]
-    reductions.row_stats = native
+    native.read_rows = native_call
+    gradients.grad_rows = native_grad
     try:
         yield
     finally:
         hooks.row_stats_triton = real  # type: ignore[assignment]
-        reductions.row_stats = real_native
+        native.read_rows = real_native
+        gradients.grad_rows = real_grad
 
 
 def count(fn: Callable[[], object]) -> Count:
@@ -141,18 +150,19 @@ def forward_call(kind: str = "rmsnorm", full: bool = False, dtype: torch.dtype =
 
 
 def gradient(site: str, kind: str = "rmsnorm", dtype: torch.dtype = torch.float32,
-             d: int = 256, tokens: int = 512) -> Count:
-    """One gradient hook's ops on one gradient (full-tier step)."""
+             d: int = 256, tokens: int = 512, parts: int = 1, kernel: str = "auto") -> Count:
+    """One gradient hook's ops on one gradient (full-tier step); ``parts``: the gradient
+    through the norm as its nodes hand it on, in parts."""
     norm = _norm(kind, d).to(dtype)
-    g = torch.randn(tokens // 8, 8, d, dtype=dtype)
-    with watched(norm) as hook:
+    g = [torch.randn(tokens // 8, 8, d, dtype=dtype) for _ in range(parts)]
+    with watched(norm, kernel=kernel) as hook:
         hook.rt.update(full_stats=True)
         grads = hook.grads
         if site == "weight":
             w = torch.randn(d, dtype=dtype)
             return count(lambda: grads._weight_grad(w))
         index = {"grad_out": OUT, "grad_in": IN, "grad_hidden": HIDDEN}[site]
-        return count(lambda: grads._measure(index, g))
+        return count(lambda: grads._measure(index, *g))
 
 
 _OPERATOR = Count(Counter({"operator": 1}), Counter())

@@ -254,14 +254,14 @@ def test_a_failing_compiled_measurement_disables_that_layer_only(monkeypatch: py
     other layer is still measured."""
     import normwatch.measure.hooks as hooks
 
-    real = hooks.reduce_call
+    real = hooks.LayerHook._reduce
 
-    def broken(tokens, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if tokens.shape[1] == 48:
+    def broken(self, x, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if x.shape[-1] == 48:
             raise RuntimeError("kernel exploded")
-        return real(tokens, *args, **kwargs)
+        return real(self, x, *args, **kwargs)
 
-    monkeypatch.setattr(hooks, "reduce_call", broken)
+    monkeypatch.setattr(hooks.LayerHook, "_reduce", broken)
     model = nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 48), nn.LayerNorm(48))
     w = normwatch.watch(model, report_dir=None)
     compiled = torch.compile(model)

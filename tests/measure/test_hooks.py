@@ -51,7 +51,7 @@ def test_hook_failure_disables_that_hook_with_one_warning(monkeypatch: pytest.Mo
     w = normwatch.watch(model)
     import normwatch.measure.hooks as hooks
 
-    real = hooks.reduce_call
+    real = hooks.LayerHook._reduce  # (whichever kernel reads the call)
 
     def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
         if broken.calls == 0:  # type: ignore[attr-defined]
@@ -60,7 +60,7 @@ def test_hook_failure_disables_that_hook_with_one_warning(monkeypatch: pytest.Mo
         return real(*args, **kwargs)
 
     broken.calls = 0  # type: ignore[attr-defined]
-    monkeypatch.setattr(hooks, "reduce_call", broken)
+    monkeypatch.setattr(hooks.LayerHook, "_reduce", broken)
     with pytest.warns(RuntimeWarning, match="measuring 'blocks.0.norm1' failed") as record:
         train(model, w, steps=3)
     assert sum("failed" in str(r.message) for r in record) == 1

@@ -19,7 +19,7 @@ from normwatch.catalog import COLUMNS
 from normwatch.measure import gradients, native, reductions
 from normwatch.measure.accumulator import _new_state
 from normwatch.measure.gradients import SITES, WEIGHT, GradRows, fold_grads, grad_plan, token_rows
-from normwatch.measure.native import GRAIN, MAX_ELEMENTS, library, row_stats, threaded
+from normwatch.measure.native import GRAIN, MAX_ELEMENTS, grad_rows, library, row_stats, threaded
 from normwatch.measure.reductions import CallRows, fold_calls, fold_plan, reduce_call
 from normwatch.records import Limits
 
@@ -111,6 +111,30 @@ def test_strided_rows_and_what_it_leaves_to_torch() -> None:
     assert row_stats(torch.randn(4, 5, 6).transpose(0, 1), None) is None
     assert row_stats(base, base.double()) is None  # one tensor it cannot read: neither
     assert torch.func.vmap(lambda t: torch.tensor(row_stats(t, None) is None))(base).all()
+
+
+def test_a_layers_reader_reads_alike_calls_as_row_stats_does() -> None:
+    """The per-layer reader (the hook's common CPU call): the same rows as row_stats for
+    each layout it meets, its plan redone when the layout changes; ``None`` (the hook's
+    general path) for what is not an alike pair of contiguous CPU tensors."""
+    read = native.RowReader()
+    x = torch.randn(3, 5, 40)
+    x[1, 2, 7] = float("nan")
+    for t, moments in ((x, None), (x, "rms"), (x.bfloat16(), "centred"), (x[:2], None),
+                       (torch.randn(2, 70_000), None), (x, None)):
+        y = t * 3 - 1
+        got, want = read(t, y, moments), row_stats(t, y, moments)
+        assert got is not None and want is not None and got.shape == want.shape
+        assert same(got, want), (t.shape, t.dtype, moments)
+    with threads(1):  # the thread count is part of the layout it plans for
+        big = torch.randn(4, GRAIN)
+        assert same(read(big, big), row_stats(big, big))
+    assert read(x.transpose(0, 1), x.transpose(0, 1)) is None  # not contiguous
+    assert read(x, x[..., :20].contiguous()) is None  # another shape
+    assert read(x.double(), x.double()) is None  # float64: torch's
+    assert read(x, x.to_sparse()) is None
+    assert torch.func.vmap(lambda t: torch.tensor(read(t, t) is None))(x).all()
+    assert same(read(x, x), row_stats(x, x))  # and back
 
 
 @contextmanager
@@ -278,14 +302,13 @@ def test_a_watched_run_sees_the_same_with_either_kernel(monkeypatch: pytest.Monk
                                                         ) -> None:
     """Sentinel and full-tier steps alike, the spike included (step 5: |x| past 256)."""
 
-    passes: list[str | None] = []
+    passes: list[int] = []
+    read = native.read_rows
 
-    def counted(x: torch.Tensor, out: torch.Tensor | None,
-                moments: str | None = None) -> torch.Tensor | None:
-        rows = row_stats(x, out, moments)
-        assert rows is not None
-        passes.append(moments)
-        return rows
+    def counted(plan: native.RowPlan, x: torch.Tensor, out: torch.Tensor | None
+                ) -> torch.Tensor:
+        passes.append(plan.args[8])  # the moments read: 0 none, 1 RMS, 2 centred
+        return read(plan, x, out)
 
     folds: list[int] = []
 
@@ -293,11 +316,11 @@ def test_a_watched_run_sees_the_same_with_either_kernel(monkeypatch: pytest.Monk
         folds.append(len(rows))
         return native.fold_rows(rows, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(reductions, "row_stats", counted)
+    monkeypatch.setattr(native, "read_rows", counted)
     monkeypatch.setattr(reductions, "fold_rows", folded)
     native_snaps, native_losses = train("auto")
     # two norms, six steps: full tier on steps 1 and 4 (stats_every=3)
-    assert sorted(map(str, passes)) == ["None"] * 8 + ["centred"] * 2 + ["rms"] * 2
+    assert sorted(passes) == [0] * 8 + [1] * 2 + [2] * 2
     assert sum(folds) == 12  # every call folded by the C kernel
     torch_snaps, torch_losses = train("torch")
     assert sum(folds) == 12  # kernel="torch": torch's fold too
@@ -382,6 +405,44 @@ def test_what_the_c_fold_leaves_to_torch() -> None:
         assert fold_calls([call], plan, native=True).shape == (1, len(COLUMNS))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_gradient_in_one_pass(dtype: torch.dtype) -> None:
+    """Each row's L2 norm (against float64), then the whole gradient's min and max
+    (exact); a second part added as it is read; NaN/inf where torch's reductions give
+    them; one thread or several; what it leaves to torch."""
+    gen = torch.Generator().manual_seed(3)
+    cases = [(5, 7), (3, 4, 16), (64, 250), (2 * GRAIN // 256 + 3, 256), (1, 1)]
+    for shape in cases:
+        for n_threads in (1, 2):
+            a, b = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+            for parts in ((a,), (a, b)):
+                with threads(n_threads):
+                    got = grad_rows(*parts)
+                whole = parts[0].double() + (parts[1].double() if len(parts) > 1 else 0.0)
+                whole = whole.float().double()  # (parts are added in float32)
+                rows = whole.reshape(-1, shape[-1])
+                assert got is not None and got.shape == (rows.shape[0] + 2,)
+                torch.testing.assert_close(got[:-2].double(), rows.norm(dim=1),
+                                           rtol=1e-5, atol=0)
+                assert got[-2] == whole.min() and got[-1] == whole.max(), (shape, got[-2:])
+    t = torch.randn(6, 40, generator=gen).to(dtype)
+    t[1, 3], t[2, 39], t[3, 0] = math.nan, math.inf, -math.inf
+    got = grad_rows(t)
+    want = torch.linalg.vector_norm(t.float(), dim=-1)
+    assert got is not None  # NaN, inf, inf where the rows hold them
+    torch.testing.assert_close(got[:-2], want, rtol=1e-6, atol=0, equal_nan=True)
+    assert got[-2:].isnan().all()  # as torch.aminmax: NaN both
+    t[1, 3] = 0.0
+    got = grad_rows(t)
+    assert got is not None and got[-2] == -math.inf and got[-1] == math.inf
+    if dtype == torch.float32:  # a sum of squares past float32's range: inf, as torch's
+        big = torch.full((2, 16), 1e20)
+        assert torch.equal(grad_rows(big)[:-2], torch.linalg.vector_norm(big, dim=-1))
+    assert grad_rows(t.double()) is None and grad_rows(t.t()) is None
+    assert grad_rows(t, t[:3]) is None and grad_rows(t, t.t().contiguous().t()) is None
+    assert grad_rows(torch.zeros(0, 4, dtype=dtype)) is None
+
+
 def test_the_c_gradient_fold_gives_torchs_values_and_float64_sums() -> None:
     """Token counts, elements and peaks as torch's ops give them; each site's sum of
     squares against float64 (where float32's sum overflows, and torch's says inf)."""
@@ -394,17 +455,19 @@ def test_the_c_gradient_fold_gives_torchs_values_and_float64_sums() -> None:
             t = torch.randn(n, width, generator=g) * 10.0 ** (trial % 24 - 3)
             t[k % n, 0] = [1.0, math.nan, math.inf, 1.0, 1.0][(trial + k) % 5]
             t = t.bfloat16() if trial % 3 == 0 else t
-            staged.append(GradRows(*token_rows(t), k % 3, (trial + k) % 3, width))
+            packed = grad_rows(t)  # the C kernel's rows: token norms, then min and max
+            assert packed is not None
+            staged.append(GradRows(packed, None, None, k % 3, (trial + k) % 3, width))
         staged.append(GradRows(torch.tensor(2.0), None, None, 1, WEIGHT, 5))
         plan = grad_plan(staged, torch.device("cpu"))
         start = _new_state(3, torch.device("cpu"))
         start.copy_(torch.rand(start.shape, generator=g).where(start.isfinite(), start))
         want, got = start.clone(), start.clone()
-        fold_grads(want, staged, plan)
+        fold_grads(want, staged, plan)  # torch's ops, on the same rows unpacked
         acts = [s for s in staged if s.site != WEIGHT]
-        bounds = torch.stack([t for s in acts for t in (s.lo, s.hi) if t is not None]
-                             ).float().view(-1, 2)
-        assert gradients._folded_natively(start.clone(), acts, bounds, plan)  # it covers them
+        assert gradients._folded_natively(start.clone(), acts, plan)  # it covers them
+        mixed = [*acts[:-1], GradRows(*token_rows(t), *acts[-1][3:])]
+        assert not gradients._folded_natively(start.clone(), mixed, plan)  # torch's rows
         fold_grads(got, staged, plan, native=True)
         sumsq = {COLUMNS.index(f"{site}_sumsq") for site in SITES}
         for j in range(len(COLUMNS)):
@@ -412,7 +475,7 @@ def test_the_c_gradient_fold_gives_torchs_values_and_float64_sums() -> None:
                 assert same(got[:, j], want[:, j]), COLUMNS[j]
         for j, site in ((COLUMNS.index(f"{s}_sumsq"), i) for i, s in enumerate(SITES)):
             reference = start[:, j].clone()
-            for s in (s for s in acts if s.site == site):
+            for s in (s.unpacked() for s in acts if s.site == site):
                 whole = bool(torch.stack([s.hi, -s.lo]).isfinite().all())  # type: ignore
                 norms = s.norms.double().reshape(-1)
                 reference[s.layer] += torch.where(norms.isfinite() | whole, norms, 0.0

@@ -126,7 +126,7 @@ def test_the_guard_reads_nothing_on_the_fused_path_and_one_element_otherwise(
 
 
 def test_the_trap_catches_a_sync_in_the_hook(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = normwatch.measure.hooks.reduce_call
+    real = normwatch.measure.hooks.LayerHook._reduce  # (whichever kernel reads the call)
 
     def leaky(*args: Any, **kwargs: Any) -> CallRows:
         call = real(*args, **kwargs)
@@ -135,7 +135,7 @@ def test_the_trap_catches_a_sync_in_the_hook(monkeypatch: pytest.MonkeyPatch) ->
         return call
 
     leaky.__code__ = leaky.__code__.replace(co_filename=normwatch.measure.hooks.__file__)
-    monkeypatch.setattr(normwatch.measure.hooks, "reduce_call", leaky)
+    monkeypatch.setattr(normwatch.measure.hooks.LayerHook, "_reduce", leaky)
     with sync_trap(monkeypatch) as trap:
         run(steps=2)
     assert trap.violations and trap.violations[0] == "__float__ from hooks.py"

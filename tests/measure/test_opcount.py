@@ -36,8 +36,14 @@ BUDGETS = {  # path: (kernels, views), as measured on 2026-12-01 (the sentinel: 
         "layernorm", True, torch.bfloat16, kernel="torch")), (11, 6)),
     "grad_out": ((lambda: opcount.gradient("grad_out")), (2, 1)),
     "grad_in": ((lambda: opcount.gradient("grad_in")), (2, 1)),
+    "grad_in in two parts": ((lambda: opcount.gradient("grad_in", parts=2)),
+                             (2 if THREADED else 3, 2)),
     "grad_hidden bf16": ((lambda: opcount.gradient("grad_hidden", dtype=torch.bfloat16)),
                          (2, 1)),
+    "grad_out, torch's reductions": ((lambda: opcount.gradient("grad_out", kernel="torch")),
+                                     (2, 1)),
+    "grad_in in two parts, torch's reductions": ((lambda: opcount.gradient(
+        "grad_in", parts=2, kernel="torch")), (3, 2)),
     "weight gradient": ((lambda: opcount.gradient("weight")), (1, 1)),
     "compiled sentinel": ((lambda: opcount.compiled_call()), (6, 0)),
     "compiled full": ((lambda: opcount.compiled_call(full=True)), (8, 0)),
@@ -54,7 +60,7 @@ def test_each_path_stays_within_its_op_budget(path: str) -> None:
 
 
 @pytest.mark.skipif(not NATIVE, reason="no C compiler: the sentinel runs torch's reductions")
-def test_the_cpu_sentinel_and_full_tier_are_one_call_into_one_buffer() -> None:
+def test_the_cpu_sentinel_full_tier_and_gradients_are_one_call_into_one_buffer() -> None:
     """16-bit activations, and float32 ones below torch's grain size, or past it where
     the kernel shares torch's threads (see :data:`normwatch.measure.native.GRAIN`)."""
     cases = [("rmsnorm", torch.float32, 64), ("layernorm", torch.bfloat16, 512),
@@ -65,6 +71,11 @@ def test_the_cpu_sentinel_and_full_tier_are_one_call_into_one_buffer() -> None:
             got = opcount.forward_call(kind, full, dtype=dtype, tokens=tokens)
             assert dict(got.kernels) == {opcount.NATIVE: 1, "empty": 1}, \
                 (kind, dtype, full, got.names())
+    sites = [("grad_out", torch.bfloat16, 1), ("grad_in", torch.float16, 2)] + \
+        [("grad_hidden", torch.float32, 1), ("grad_in", torch.float32, 2)] * THREADED
+    for site, dtype, parts in sites:  # a gradient: one pass, its parts added as it reads
+        got = opcount.gradient(site, dtype=dtype, parts=parts)
+        assert dict(got.kernels) == {opcount.NATIVE: 1, "empty": 1}, (site, got.names())
 
 
 def test_the_sentinel_is_four_row_reductions_stacked_and_a_gradient_two() -> None:
@@ -73,8 +84,8 @@ def test_the_sentinel_is_four_row_reductions_stacked_and_a_gradient_two() -> Non
     docs/performance.md)."""
     assert dict(opcount.forward_call(kernel="torch").kernels) == {"amax": 2, "amin": 2,
                                                                   "stack": 1}
-    assert dict(opcount.gradient("grad_out").kernels) == {"aminmax": 1,
-                                                          "linalg_vector_norm": 1}
+    assert dict(opcount.gradient("grad_out", kernel="torch").kernels) == {
+        "aminmax": 1, "linalg_vector_norm": 1}
 
 
 @pytest.mark.skipif(not usable(), reason="Triton cannot run here")

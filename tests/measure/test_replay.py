@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from normwatch.measure import replay
 from normwatch.measure.replay import ReplayLog
 
 
@@ -41,3 +43,40 @@ def test_alike_tensors_are_hashed_together_and_each_as_alone() -> None:
     other = fingerprint(input_ids=ids, labels=changed)
     assert other is not None and other.split()[0] == f"int64[4x16]:{python_hash(ids):08x}"
     assert other.split()[1] != f"int64[4x16]:{python_hash(labels):08x}"
+
+
+def test_an_intervals_steps_hash_at_the_flush_each_as_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps of several layouts (alike ids and labels, a longer batch, a mixed one, one
+    past the copy limit: hashed in its forward) resolve at one flush, each step to its
+    own batch's hashes; a batch the loop overwrites after its forward (a reused buffer)
+    keeps the fingerprint of what the forward read."""
+    monkeypatch.setattr(replay, "COPY_LIMIT", 100)
+    gen = torch.Generator().manual_seed(1)
+    log = ReplayLog()
+    want: dict[int, str] = {}
+    buffer = torch.zeros(2, 8, dtype=torch.int64)
+    for step in range(1, 9):
+        log.begin_step(step)
+        ids = torch.randint(0, 1000, (2, 8) if step % 3 else (2, 12), generator=gen)
+        if step == 5:  # mixed: each tensor apart
+            mask = torch.ones(2, 8, dtype=torch.int32)
+            log.forward((ids,), {"mask": mask})
+            names = [f"int64[2x8]:{python_hash(ids):08x}", f"int32[2x8]:{python_hash(mask):08x}"]
+        elif step == 7:  # past the copy limit
+            big = torch.randint(0, 1000, (2, 64), generator=gen)
+            log.forward((), {"input_ids": big, "labels": big + 1})
+            names = [f"int64[2x64]:{python_hash(big):08x}",
+                     f"int64[2x64]:{python_hash(big + 1):08x}"]
+        else:
+            buffer.copy_(ids[:, :8])
+            log.forward((), {"input_ids": buffer, "labels": ids})
+            names = [f"int64[2x8]:{python_hash(buffer):08x}",
+                     f"int64[{'x'.join(map(str, ids.shape))}]:{python_hash(ids):08x}"]
+            if ids.shape == buffer.shape:  # alike: one copy of both
+                buffer.fill_(-1)  # the loop reuses its buffer: what the forward read counts
+        want[step] = " ".join(names)
+    log.resolve({d: iter(v.tolist()) for d, v in log.tensors().items()})
+    for step, fingerprint_ in want.items():
+        point = log.at(step)
+        assert point is not None and point.fingerprint == fingerprint_, step
