@@ -167,8 +167,8 @@ class Accumulator:
 
     def _grad_plan(self, device: torch.device, staged: list[GradRows]) -> GradPlan:
         """:func:`~normwatch.measure.gradients.grad_plan`, cached like :meth:`_plan`."""
-        signature = (device, "grad", tuple((g.layer, g.site, g.tokens, g.width, g.packed)
-                                           for g in staged))
+        signature = (device, "grad", tuple((g.layer, g.site, g.norms.numel(), g.width,
+                                            g.lo is None) for g in staged))
         plan = self._plans.get(signature)
         if not isinstance(plan, GradPlan):
             plan = self._cache(signature, grad_plan(staged, device))

@@ -210,6 +210,8 @@ class GradPlan:
     table: torch.Tensor | None = None
     """On the CPU, the C fold's per-gradient line (float64: tokens, width, where its
     sums and its peak go in the flat block: ``G_...`` in the C source), else ``None``."""
+    weights_at: torch.Tensor | None = None
+    """On the CPU, where each weight gradient goes in the flat block (float64)."""
 
 
 def grad_plan(staged: Sequence[GradRows], device: torch.device) -> GradPlan:
@@ -231,7 +233,9 @@ def grad_plan(staged: Sequence[GradRows], device: torch.device) -> GradPlan:
                              s.layer * len(COLUMNS) + PEAK_AT[SITES[s.site]]]
                             for s, n, w in zip(acts, counts, widths, strict=True)],
                            dtype=torch.float64).reshape(-1, 4)
-        if device.type == "cpu" else None)
+        if device.type == "cpu" else None,
+        weights_at=torch.tensor([layer * len(COLUMNS) + WEIGHT_AT for layer in weights],
+                                dtype=torch.float64) if device.type == "cpu" else None)
 
 
 def fold_grads(block: torch.Tensor, staged: Sequence[GradRows], plan: GradPlan,
@@ -244,7 +248,10 @@ def fold_grads(block: torch.Tensor, staged: Sequence[GradRows], plan: GradPlan,
     (then only its sum of squares overflowed, and counts as inf); the peak max |g| of a
     gradient holding NaN/inf is not known (its finite tokens' is not measured)."""
     acts = [s for s in staged if s.site != WEIGHT]
-    if acts and not (native and _folded_natively(block, acts, plan)):
+    weights = [s.norms for s in staged if s.site == WEIGHT]
+    if native and _folded_natively(block, acts, weights, plan):
+        return
+    if acts:
         acts = [s.unpacked() for s in acts]
         bounds = torch.stack([t for s in acts for t in (s.lo, s.hi) if t is not None]
                              ).float().view(-1, 2)
@@ -276,27 +283,32 @@ def fold_grads(block: torch.Tensor, staged: Sequence[GradRows], plan: GradPlan,
             total.view(n_rows, len(SITES) * n).to(block.dtype)
         cells = block[:, peaks_at:peaks_at + len(SITES)]
         torch.fmax(cells, peaks.view(n_rows, len(SITES)).to(block.dtype), out=cells)
-    weights = [s.norms for s in staged if s.site == WEIGHT]
     if weights:
         norms = torch.stack([w.reshape(()) for w in weights]).to(block.dtype)
         both = torch.stack([torch.ones_like(norms), norms * norms], 1)
         block[:, WEIGHT_AT:WEIGHT_AT + 2].index_add_(0, plan.weights, both)
 
 
-def _folded_natively(block: torch.Tensor, acts: Sequence[GradRows], plan: GradPlan) -> bool:
-    """The activations' part of :func:`fold_grads` in one call of the C kernel
-    (:func:`~normwatch.measure.native.fold_grad_rows`; a couple of dozen torch ops cost
-    ~0.7 ms a step on the CPU), for packed rows (the C kernel's, float32) and a float64
-    block on the CPU; ``False`` (nothing folded) otherwise. The same values, but the
-    sums of squares across tokens: float64 there (no overflow past float32's range),
-    float32 in torch's."""
-    if plan.table is None or block.dtype != torch.float64 or not block.is_contiguous():
+def _folded_natively(block: torch.Tensor, acts: Sequence[GradRows],
+                     weights: Sequence[torch.Tensor], plan: GradPlan) -> bool:
+    """:func:`fold_grads` in one call of the C kernel (:func:`~normwatch.measure.native.
+    fold_grad_rows`; a couple of dozen torch ops cost ~0.7 ms a step on the CPU), for
+    packed rows (the C kernel's), float32 weight norms and a float64 block on the CPU;
+    ``False`` (nothing folded) otherwise. The same values, but the sums of squares across
+    tokens: float64 there (no overflow past float32's range), float32 in torch's."""
+    if plan.table is None or plan.weights_at is None or block.dtype != torch.float64 \
+            or not block.is_contiguous():
         return False
-    for s in acts:
-        if not s.packed or s.norms.dtype != torch.float32 or not s.norms.is_contiguous() \
+    f32 = torch.float32
+    for s in acts:  # (activations' gradients: packed where lo is None)
+        if s.lo is not None or s.norms.dtype != f32 or not s.norms.is_contiguous() \
                 or s.norms.dim() != 1:
             return False  # (the plan's token counts are the rows' sizes: its signature)
-    return fold_grad_rows([s.norms for s in acts], plan.table, block)
+    for w in weights:
+        if w.dtype != f32 or w.numel() != 1 or w.device.type != "cpu":
+            return False
+    return fold_grad_rows([s.norms for s in acts], plan.table, weights, plan.weights_at,
+                          block)
 
 
 Through = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]

@@ -98,7 +98,7 @@ def library() -> ctypes.CDLL | None:
                      ctypes.c_float, ctypes.c_double, i64s, i64, ctypes.c_void_p]
     fold.restype = ctypes.c_int
     grads = lib.normwatch_fold_grads  # fold_grad_rows
-    grads.argtypes = [i64, ptrs, ctypes.c_void_p, ctypes.c_void_p]
+    grads.argtypes = [i64, ptrs, ctypes.c_void_p, i64, ptrs, ctypes.c_void_p, ctypes.c_void_p]
     grads.restype = ctypes.c_int
     return lib
 
@@ -237,16 +237,20 @@ def fold_rows(rows: Sequence[torch.Tensor], table: torch.Tensor, full: bool,
 
 
 def fold_grad_rows(rows: Sequence[torch.Tensor], table: torch.Tensor,
+                   weights: Sequence[torch.Tensor], at: torch.Tensor,
                    block: torch.Tensor) -> bool:
     """Fold staged gradients (each one's rows as :func:`grad_rows` gives them: its token
-    norms, then its min and max, float32 and contiguous) into ``block`` (float64,
-    contiguous, on the CPU) in one call: the arithmetic of :func:`~normwatch.measure.
-    gradients.fold_grads` (``table``: each one's token count and where it goes; see
-    ``normwatch_fold_grads`` in the C source). ``False`` where there is no library."""
+    norms, then its min and max, float32 and contiguous) and weight gradients' norms
+    (``weights``, one float32 each) into ``block`` (float64, contiguous, on the CPU) in
+    one call: the arithmetic of :func:`~normwatch.measure.gradients.fold_grads`
+    (``table``: each gradient's token count and where it goes; ``at``: where each weight
+    gradient goes; see ``normwatch_fold_grads`` in the C source). ``False`` where there
+    is no library."""
     lib = library()
     if lib is None:
         return False
-    lib.normwatch_fold_grads(len(rows), pointers(rows), table.data_ptr(), block.data_ptr())
+    lib.normwatch_fold_grads(len(rows), pointers(rows), table.data_ptr(), len(weights),
+                             pointers(weights), at.data_ptr(), block.data_ptr())
     return True
 
 

@@ -588,11 +588,19 @@ int normwatch_fold(int64_t calls, const float *const *rows, const double *per, i
  * then its min and max), added into `block` (float64) at `per[g]`'s offsets: tokens,
  * finite tokens, their sum of squares and elements from SUMS on, and max |g| (where the
  * whole gradient is finite) folded in at PEAK. A token counts as finite where its norm
- * is, or where the whole gradient is (then only its sum of squares overflowed). */
+ * is, or where the whole gradient is (then only its sum of squares overflowed). Then per
+ * weight gradient w, its norm (`weights[w]`, one float32): one more gradient and its
+ * square, added at `at[w]` and the cell after it. */
 enum { G_TOKENS, G_WIDTH, G_SUMS, G_PEAK, G_COUNT };
 
 int normwatch_fold_grads(int64_t grads, const float *const *norms, const double *per,
+                         int64_t n_weights, const float *const *weights, const double *at,
                          double *block) {
+    for (int64_t w = 0; w < n_weights; w++) {
+        double norm = (double)*weights[w], *cell = block + (int64_t)at[w];
+        cell[0] += 1.0;
+        cell[1] += norm * norm;
+    }
     for (int64_t g = 0; g < grads; g++) {
         const double *q = per + g * G_COUNT;
         int64_t n = (int64_t)q[G_TOKENS];

@@ -458,16 +458,21 @@ def test_the_c_gradient_fold_gives_torchs_values_and_float64_sums() -> None:
             packed = grad_rows(t)  # the C kernel's rows: token norms, then min and max
             assert packed is not None
             staged.append(GradRows(packed, None, None, k % 3, (trial + k) % 3, width))
-        staged.append(GradRows(torch.tensor(2.0), None, None, 1, WEIGHT, 5))
+        for layer in (1, trial % 3, 1):  # weight gradients' norms, a layer's twice
+            norm = torch.rand((), generator=g) * 10.0 ** (trial % 7)
+            staged.insert(layer, GradRows(norm, None, None, layer, WEIGHT, 5))
         plan = grad_plan(staged, torch.device("cpu"))
         start = _new_state(3, torch.device("cpu"))
         start.copy_(torch.rand(start.shape, generator=g).where(start.isfinite(), start))
         want, got = start.clone(), start.clone()
         fold_grads(want, staged, plan)  # torch's ops, on the same rows unpacked
         acts = [s for s in staged if s.site != WEIGHT]
-        assert gradients._folded_natively(start.clone(), acts, plan)  # it covers them
+        weights = [s.norms for s in staged if s.site == WEIGHT]
+        assert gradients._folded_natively(start.clone(), acts, weights, plan)  # it covers them
         mixed = [*acts[:-1], GradRows(*token_rows(t), *acts[-1][3:])]
-        assert not gradients._folded_natively(start.clone(), mixed, plan)  # torch's rows
+        assert not gradients._folded_natively(start.clone(), mixed, weights, plan)  # torch's
+        assert not gradients._folded_natively(start.clone(), acts, [w.double() for w in weights],
+                                              plan)
         fold_grads(got, staged, plan, native=True)
         sumsq = {COLUMNS.index(f"{site}_sumsq") for site in SITES}
         for j in range(len(COLUMNS)):
