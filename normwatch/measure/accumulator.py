@@ -57,6 +57,7 @@ class Accumulator:
         self._poisoned: list[torch.Tensor] = []
         self._step_from = 0
         """Where this step's calls begin in the staged list."""
+        self._cuda = False
 
     def stage(self, call: CallRows) -> None:
         """Queue one call's rows; no tensor op (the fold is a few dozen ops per step)."""
@@ -107,10 +108,11 @@ class Accumulator:
         return True
 
     def on_cuda(self) -> bool:
-        """Whether any state or staged call lives on a CUDA device."""
-        return any(d.type == "cuda" for d in self._blocks) or \
-            any(c.v.device.type == "cuda" for c in self._staged[:1]) or \
-            any(g.norms.device.type == "cuda" for g in self._staged_grads[:1])
+        """Whether any state or staged call lives on a CUDA device (once seen, for good:
+        asked every step)."""
+        if not self._cuda and self._staged:  # (a block made on CUDA says so: _block)
+            self._cuda = self._staged[0].v.is_cuda
+        return self._cuda
 
     def commit(self) -> None:
         """Fold every staged call into the state (in place, no host sync). Staged rows
@@ -184,6 +186,7 @@ class Accumulator:
         block = self._blocks.get(device)
         if block is None:
             block = self._blocks[device] = _new_state(self.n_layers, device)
+            self._cuda = self._cuda or device.type == "cuda"
         return block
 
     def row_state(self, device: torch.device, row: int) -> torch.Tensor:

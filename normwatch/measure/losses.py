@@ -32,7 +32,8 @@ class LossBuffer:
             return
         if isinstance(loss, torch.Tensor) and loss.numel() == 1 and not loss.is_meta \
                 and not loss.is_complex():
-            self._losses.append((step, loss.detach().reshape(())))
+            kept = loss.detach()
+            self._losses.append((step, kept.reshape(()) if kept.dim() else kept))
         elif isinstance(loss, numbers.Real):
             self._losses.append((step, float(loss)))
         elif not self._warned:
