@@ -47,8 +47,9 @@ class WatchConfig:
     kernel: Literal["auto", "torch", "triton"] = "auto"
     """Reduction backend: ``auto`` uses the fused Triton kernel for CUDA tensors when
     Triton imports, and on the CPU a small C kernel (compiled at first use, where a C
-    compiler is found) for the norm calls (both tiers), their folds and the optimizer's
-    samples; torch's ops otherwise. ``torch``: torch's ops everywhere."""
+    compiler is found) for the norm calls (both tiers), the gradients through them, their
+    folds and the optimizer's samples; torch's ops otherwise. ``torch``: torch's ops
+    everywhere."""
     limits: Limits = dataclasses.field(default_factory=Limits)
     """The thresholds measurements are judged against. As options they are given by name
     (:data:`LIMIT_OPTIONS`: ``fp16_limit``, ``eps_tol``, ``common_mode_tol``,

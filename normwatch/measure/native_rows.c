@@ -173,6 +173,25 @@ static void rows_of(const char *p, int kind, int64_t n, int64_t w, int64_t strid
     }
 }
 
+/* The block after it runs on `threads` threads (a variable of that name in scope) where
+ * there are several and OpenMP, else once */
+#ifdef _OPENMP
+#define SPLIT _Pragma("omp parallel num_threads(threads) if (threads > 1)")
+#else
+#define SPLIT (void)threads;
+#endif
+/* This thread's index in its team and the team's size (0 and 1 outside a parallel
+ * region, or without OpenMP) */
+static void team(int64_t *t, int64_t *k) {
+#ifdef _OPENMP
+    *t = omp_get_thread_num();
+    *k = omp_get_num_threads();
+#else
+    *t = 0;
+    *k = 1;
+#endif
+}
+
 /* Each row's max and min of x (n rows of wx elements, sx apart) and, y not NULL, of y
  * (n rows of wy, sy apart); kind: 0 float32, 1 bfloat16, 2 float16. Writes x's hi to
  * out[0:n], lo to out[n:2n], then y's to out[2n:4n]; then, moments 1 (RMS) or 2
@@ -184,16 +203,10 @@ int normwatch_rows(const void *x, int kx, int64_t wx, int64_t sx, const void *y,
                    int64_t wy, int64_t sy, int64_t n, float *out, int threads, int moments) {
     if (kx < 0 || kx > 2 || (y && (ky < 0 || ky > 2)) || moments < 0 || moments > 2)
         return -1;
-    (void)threads;
-#ifdef _OPENMP
-#pragma omp parallel num_threads(threads) if (threads > 1)
-#endif
+    SPLIT
     {
-        int64_t t = 0, k = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        k = omp_get_num_threads();
-#endif
+        int64_t t, k;
+        team(&t, &k);
         int64_t a = n * t / k, m = n * (t + 1) / k - a;
         const char *xa = (const char *)x + a * sx * (kx ? 2 : 4);
         float *o = out + a;
@@ -317,17 +330,11 @@ int normwatch_grad_rows(const void *a, const void *b, int kind, int64_t n, int64
     threads = threads > MAX_THREADS ? MAX_THREADS : threads;
     Bounds parts[MAX_THREADS];
     int used = 1;
-    (void)threads;
-#ifdef _OPENMP
-#pragma omp parallel num_threads(threads) if (threads > 1)
-#endif
+    SPLIT
     {
-        int64_t t = 0, k = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        k = omp_get_num_threads();
+        int64_t t, k;
+        team(&t, &k);
         if (t == 0) used = (int)k;
-#endif
         int64_t first = n * t / k, m = n * (t + 1) / k - first, at = first * w;
         int size = kind ? 2 : 4;
         const char *pa = (const char *)a + at * size;
