@@ -15,6 +15,7 @@ import torch
 
 from normwatch.catalog import COLUMNS, MAX_COLUMNS, SUM_COLUMNS, combine
 from normwatch.measure.gradients import GradPlan, GradRows, fold_grads, grad_plan
+from normwatch.measure.native import accumulate
 from normwatch.measure.reductions import CallRows, FoldPlan, fold_calls, fold_plan
 from normwatch.records import Limits
 
@@ -132,6 +133,8 @@ class Accumulator:
             index = plan.rows
             values = fold_calls(calls, plan, self.native)
             block = self._block(device)
+            if self.native and accumulate(values, index, _N_SUM, _MAX_END, block):
+                continue  # (the C library: the ops below in one call)
             block[:, :_N_SUM].index_add_(0, index, values[:, :_N_SUM].to(block.dtype))
             # amax/amin of scatter_reduce propagate NaN: NaN never beats a value
             inf = math.inf

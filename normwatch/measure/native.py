@@ -83,6 +83,9 @@ def library() -> ctypes.CDLL | None:
     rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, i64, i64, ctypes.c_void_p,
                      ctypes.c_int]
     rows.restype = ctypes.c_int
+    lines = lib.normwatch_accumulate  # accumulate
+    lines.argtypes = [i64, ctypes.c_void_p, i64, ctypes.c_void_p, i64, i64, ctypes.c_void_p]
+    lines.restype = ctypes.c_int
     planned = lib.normwatch_rows_planned  # read_rows
     planned.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     planned.restype = ctypes.c_int
@@ -233,6 +236,26 @@ def fold_rows(rows: Sequence[torch.Tensor], table: torch.Tensor, full: bool,
         return False
     lib.normwatch_fold(len(rows), pointers(rows), table.data_ptr(), int(full), fp16_limit,
                        common_tol, score0, columns, out.shape[1], out.data_ptr())
+    return True
+
+
+def accumulate(lines: torch.Tensor, rows: torch.Tensor, n_sum: int, max_end: int,
+               block: torch.Tensor) -> bool:
+    """Fold ``lines`` (``(calls, columns)`` float64, a fold's) into ``block`` (the state,
+    float64) at each call's row (``rows``, int64), all contiguous on the CPU, in one call:
+    the first ``n_sum`` columns added, then the max up to ``max_end``, then the min, a
+    NaN line value skipped (see ``normwatch_accumulate``). ``False`` where it cannot
+    (another device or layout, no library): nothing done."""
+    lib = library()
+    f64 = torch.float64
+    if lib is None or lines.dtype != f64 or block.dtype != f64 or rows.dtype != torch.int64 \
+            or not (lines.is_cpu and block.is_cpu and rows.is_cpu) \
+            or not (lines.is_contiguous() and block.is_contiguous() and rows.is_contiguous()) \
+            or lines.dim() != 2 or block.dim() != 2 or lines.shape[1] != block.shape[1] \
+            or rows.numel() != lines.shape[0]:
+        return False
+    lib.normwatch_accumulate(lines.shape[0], lines.data_ptr(), lines.shape[1], rows.data_ptr(),
+                             n_sum, max_end, block.data_ptr())
     return True
 
 

@@ -589,6 +589,23 @@ int normwatch_fold(int64_t calls, const float *const *rows, const double *per, i
     return 0;
 }
 
+/* A fold's lines (`lines`: calls x columns float64) into the state `block` (rows of
+ * `columns` float64), each call's into its row `row[c]`: the first `n_sum` columns added
+ * in call order, then up to `max_end` the max, then the min; a NaN line value leaves
+ * the state as it is (the torch path's nan_to_num to -inf/+inf, then amax/amin), a NaN
+ * in the state stays. */
+int normwatch_accumulate(int64_t calls, const double *lines, int64_t columns,
+                         const int64_t *row, int64_t n_sum, int64_t max_end, double *block) {
+    for (int64_t c = 0; c < calls; c++) {
+        const double *v = lines + c * columns;
+        double *b = block + row[c] * columns;
+        for (int64_t j = 0; j < n_sum; j++) b[j] += v[j];
+        for (int64_t j = n_sum; j < max_end; j++) b[j] = v[j] > b[j] ? v[j] : b[j];
+        for (int64_t j = max_end; j < columns; j++) b[j] = v[j] < b[j] ? v[j] : b[j];
+    }
+    return 0;
+}
+
 /* The gradients' fold (normwatch.measure.gradients.fold_grads; its sums of squares
  * here in float64, which does not overflow where float32's does): per gradient g, its
  * rows (`norms[g]`, float32, as normwatch_grad_rows writes them: its n tokens' L2 norms,

@@ -443,6 +443,40 @@ def test_a_gradient_in_one_pass(dtype: torch.dtype) -> None:
     assert grad_rows(torch.zeros(0, 4, dtype=dtype)) is None
 
 
+def test_a_folds_lines_accumulate_into_the_state_as_a_loop_says() -> None:
+    """``native.accumulate`` against a plain loop: per call in order, its sums added, its
+    maxima and minima taken where the line value is not NaN (a NaN already in the state
+    stays); rows met several times; what it leaves to torch's ops."""
+    from normwatch.measure.accumulator import _MAX_END, _N_SUM
+
+    g = torch.Generator().manual_seed(5)
+    width = len(COLUMNS)
+    for trial in range(20):
+        block = _new_state(4, torch.device("cpu"))
+        block.add_(torch.randn(block.shape, generator=g).where(block == 0, 0.0))
+        block[trial % 4, (trial * 7) % width] = math.nan
+        lines = torch.randn(12, width, generator=g, dtype=torch.float64) * 10
+        special = torch.tensor([math.nan, math.inf, -math.inf], dtype=torch.float64)
+        picks = torch.rand(lines.shape, generator=g) < 0.1
+        lines[picks] = special[torch.randint(0, 3, (int(picks.sum()),), generator=g)]
+        rows = torch.randint(0, 4, (12,), generator=g)
+        want = block.clone()
+        for c, r in enumerate(rows.tolist()):
+            for j in range(width):
+                v, b = float(lines[c, j]), float(want[r, j])
+                if j < _N_SUM:
+                    want[r, j] = b + v
+                elif not (math.isnan(v) or math.isnan(b)):
+                    want[r, j] = max(b, v) if j < _MAX_END else min(b, v)
+        got = block.clone()
+        assert native.accumulate(lines, rows, _N_SUM, _MAX_END, got)
+        assert same(got, want), trial
+    assert not native.accumulate(lines.float(), rows, _N_SUM, _MAX_END, got)  # float32
+    assert not native.accumulate(lines, rows.int(), _N_SUM, _MAX_END, got)
+    assert not native.accumulate(lines[:, :-1], rows, _N_SUM, _MAX_END, got)  # columns
+    assert not native.accumulate(lines, rows[:-1], _N_SUM, _MAX_END, got)
+
+
 def test_the_c_gradient_fold_gives_torchs_values_and_float64_sums() -> None:
     """Token counts, elements and peaks as torch's ops give them; each site's sum of
     squares against float64 (where float32's sum overflows, and torch's says inf)."""
