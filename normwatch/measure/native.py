@@ -334,11 +334,12 @@ class RowReader:
     then each call one allocation and one call of the kernel (the checks of a general
     call cost several times the call's own Python)."""
 
-    __slots__ = ("_key", "_plan")
+    __slots__ = ("_planned",)
 
     def __init__(self) -> None:
-        self._key: tuple[object, ...] | None = None
-        self._plan: RowPlan | None = None
+        self._planned: tuple[tuple[object, ...] | None, RowPlan | None] = (None, None)
+        """The last layout met and its plan, as one pair (swapped whole: a call on
+        another thread never reads another layout's plan)."""
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor,
                  moments: str | None = None) -> torch.Tensor | None:
@@ -350,10 +351,12 @@ class RowReader:
                 or _wrapped(x) or _wrapped(out):
             return None
         key = (x.shape, out.shape, x.dtype, out.dtype, moments, torch.get_num_threads())
-        if key != self._key:
-            self._key = key
-            self._plan = row_plan(x, out, moments) if out.shape == x.shape else None
-        return None if self._plan is None else read_rows(self._plan, x, out)
+        planned = self._planned
+        if key != planned[0]:
+            planned = self._planned = (
+                key, row_plan(x, out, moments) if out.shape == x.shape else None)
+        plan = planned[1]
+        return None if plan is None else read_rows(plan, x, out)
 
 
 def grad_rows(a: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor | None:
