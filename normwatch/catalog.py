@@ -15,6 +15,7 @@ all iterate over :data:`STATS`.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -257,16 +258,31 @@ def identity_row(columns: Iterable[str] = RAW) -> list[float]:
 
 def combine(rows: Iterable[Mapping[str, float]], columns: Iterable[str] = RAW
             ) -> dict[str, float]:
-    """Combine raw rows column by column with each column's declared reduction."""
+    """Combine raw rows column by column with each column's declared reduction (a NaN
+    never replaces a maximum or a minimum)."""
     cols = tuple(columns)
-    out = dict(zip(cols, identity_row(cols), strict=True))
+    start, (sums, maxes, mins) = _by_reduction(cols)
+    out = dict(start)
     for row in rows:
-        for name in out:
-            v = row[name]
-            how = STATS[name].reduce
-            out[name] = out[name] + v if how == "sum" else \
-                max(out[name], v) if how == "max" else min(out[name], v)
+        for name in sums:
+            out[name] += row[name]
+        for name in maxes:
+            if row[name] > out[name]:
+                out[name] = row[name]
+        for name in mins:
+            if row[name] < out[name]:
+                out[name] = row[name]
     return out
+
+
+@functools.cache
+def _by_reduction(columns: tuple[str, ...]
+                  ) -> tuple[dict[str, float], tuple[tuple[str, ...], ...]]:
+    """``columns`` at their identities, and split by reduction: sums, maxima, minima
+    (once per tuple of columns: :func:`combine` runs per layer at every flush)."""
+    return dict(zip(columns, identity_row(columns), strict=True)), tuple(
+        tuple(c for c in columns if (STATS[c].reduce or "sum") == how)
+        for how in ("sum", "max", "min"))
 
 
 def values(raw: Mapping[str, float], limits: Limits) -> dict[str, float | int | None]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from normwatch.catalog import (
     STATS,
     SUM_COLUMNS,
     TABLE,
+    combine,
     decode_score,
     identity_row,
     layer_values,
@@ -84,3 +86,28 @@ def test_report_history_is_what_the_table_marks() -> None:
     (0.0, None), (math.inf, None), (float(1 << 52) - (7 * (1 << 20) + 3), (7, 3))])
 def test_first_event_scores_decode(score: float, expected: tuple[int, int] | None) -> None:
     assert decode_score(score) == expected
+
+
+def test_combine_reduces_each_column_as_its_statistic_declares() -> None:
+    """Against a plain loop over the declared reductions: sums added, a maximum or a
+    minimum replaced only by a larger or smaller value (a NaN never replaces it; a NaN
+    sum stays NaN), signed zeros kept, no rows giving the identities; RAW and COLUMNS."""
+    gen = random.Random(7)
+    special = [0.0, -0.0, 1.5, -2.0, math.inf, -math.inf, math.nan]
+    for _ in range(200):
+        rows = [{c: gen.choice(special) for c in RAW} for _ in range(gen.randint(0, 3))]
+        for columns in (RAW, COLUMNS):
+            want = dict(zip(columns, identity_row(columns), strict=True))
+            for row in rows:
+                for c in columns:
+                    how, v = STATS[c].reduce, row[c]
+                    if how == "sum":
+                        want[c] = want[c] + v
+                    elif (v > want[c]) if how == "max" else (v < want[c]):
+                        want[c] = v
+            got = combine(rows, columns)
+            assert list(got) == list(columns)
+            for c in columns:
+                a, b = got[c], want[c]
+                assert (math.isnan(a) and math.isnan(b)) or \
+                    (a == b and math.copysign(1.0, a) == math.copysign(1.0, b)), (c, a, b)
