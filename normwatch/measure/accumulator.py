@@ -59,6 +59,7 @@ class Accumulator:
         self._step_from = 0
         """Where this step's calls begin in the staged list."""
         self._cuda = False
+        """Whether a block or a staged call was seen on a CUDA device (:meth:`on_cuda`)."""
 
     def stage(self, call: CallRows) -> None:
         """Queue one call's rows; no tensor op (the fold is a few dozen ops per step)."""

@@ -480,26 +480,26 @@ class GradHooks:
 
     @guarded
     def _measure(self, site: int, g: torch.Tensor, *parts: torch.Tensor) -> None:
-        """Stage ``g`` (plus ``parts``: the rest of a gradient that came in parts)."""
+        """Stage ``g`` (plus ``parts``, detached: the rest of a gradient that came in
+        parts)."""
         if torch.compiler.is_compiling():  # traced (the hidden state's hook)
             row = self._target()
             if row is not None:
                 observe_grad(g, row, SITES[site], None, None)
         elif g.numel() and self._target() is not None:
-            g = g.detach()
-            t = g if g.shape[-1] == self.width else self.tokens(g)
-            packed = None
+            t = self._view(g.detach())
             if self.native and len(parts) < 2:  # one pass on the CPU, adding a second part
-                u = parts[0].detach() if parts else None
-                packed = grad_rows(t, u if u is None or u.shape[-1] == self.width
-                                   else self.tokens(u))
-            if packed is not None:
-                self._stage(site, (packed, None, None), t.shape[-1])
-                return
+                packed = grad_rows(t, self._view(parts[0]) if parts else None)
+                if packed is not None:
+                    self._stage(site, (packed, None, None), t.shape[-1])
+                    return
             for part in parts:  # (as autograd would have summed them)
-                g = g + part.detach()
-            t = g if not parts or g.shape[-1] == self.width else self.tokens(g)
+                t = t + self._view(part)
             self._stage(site, token_rows(t), t.shape[-1])
+
+    def _view(self, g: torch.Tensor) -> torch.Tensor:
+        """``g`` as tokens: as it is where its last dim holds one."""
+        return g if g.shape[-1] == self.width else self.tokens(g)
 
     @guarded
     def _weight_grad(self, g: torch.Tensor) -> None:

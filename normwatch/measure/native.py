@@ -361,16 +361,13 @@ class RowReader:
 
 def grad_rows(a: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor | None:
     """A gradient read in one pass: ``(n + 2,)`` float32, each of its ``n`` rows' L2 norm
-    (summed in float64) then its min and max (NaN both where it holds a NaN); ``b``: a
-    second part of the gradient, laid out as ``a`` (added in float32). ``None`` where
-    torch's reductions must do it (:func:`row_stats`' cases)."""
-    if type(a) is not torch.Tensor or not a.is_cpu or a.dtype not in KINDS \
-            or a.layout != torch.strided or not a.is_contiguous() or _wrapped(a) \
-            or a.dim() == 0 or not a.numel():
-        return None
-    if b is not None and (type(b) is not torch.Tensor or b.shape != a.shape
-                          or b.dtype != a.dtype or not b.is_cpu or b.layout != torch.strided
-                          or not b.is_contiguous() or _wrapped(b)):
+    (summed in float32, as torch's ``vector_norm``) then its min and max (NaN both where
+    it holds a NaN); ``b``: a second part of the gradient, laid out as ``a`` (added in
+    float32). ``None`` where torch's reductions must do it (:func:`row_stats`' cases, and
+    rows that are not contiguous)."""
+    shape = _rowwise(a)
+    if shape is None or shape[0] != shape[1] or (b is not None and (
+            b.shape != a.shape or b.dtype != a.dtype or _rowwise(b) != shape)):
         return None
     lib = library()
     threads = 0 if lib is None else _threads(a, b)

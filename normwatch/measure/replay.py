@@ -79,8 +79,6 @@ class ReplayLog:
         """Per step, its integer inputs copied as ``(tensors, elements)`` (alike tensors
         stacked; else one entry each), their names, and whether the entry holds their
         hashes already (inputs past :data:`COPY_LIMIT`)."""
-        self._order: list[int] = []
-        """The pending entries in the order :meth:`tensors` laid their hashes out."""
         self._cached: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._names: dict[tuple[torch.dtype, torch.Size], str] = {}
 
@@ -157,12 +155,8 @@ class ReplayLog:
     def tensors(self) -> dict[torch.device, torch.Tensor]:
         """The interval's hashes, flat per device, to ride along the flush copy: the
         inputs of alike steps (one device, dtype and shape) hashed together."""
-        groups: dict[tuple[torch.device, torch.dtype, torch.Size, bool], list[int]] = {}
-        for i, (_, rows, _, done) in enumerate(self._pending):
-            groups.setdefault((rows.device, rows.dtype, rows.shape, done), []).append(i)
-        self._order = [i for members in groups.values() for i in members]
         hashes = []
-        for (*_, done), members in groups.items():
+        for (*_, done), members in self._groups().items():
             rows = torch.stack([self._pending[i][1] for i in members])
             hashes.append({rows.device: (rows if done else
                                          hashed(rows.long(), self._weights(rows))).double()})
@@ -173,7 +167,7 @@ class ReplayLog:
         :meth:`tensors` laid them out."""
         iters = {d: iter(v) for d, v in copied.items()}
         said: dict[int, list[str]] = {}
-        for i in self._order:
+        for i in (i for members in self._groups().values() for i in members):
             _, rows, names, _ = self._pending[i]
             said[i] = [f"{name}:{int(next(iters[rows.device])):08x}" for name in names]
         steps: dict[int, list[str]] = {}
@@ -183,7 +177,15 @@ class ReplayLog:
             point = self._points.get(step)
             if point is not None:
                 point["fingerprint"] = " ".join(parts)
-        self._pending, self._order = [], []
+        self._pending = []
+
+    def _groups(self) -> dict[tuple[torch.device, torch.dtype, torch.Size, bool], list[int]]:
+        """The pending entries hashed together (one device, dtype and shape, and whether
+        hashed already), in the order :meth:`tensors` lays them out."""
+        groups: dict[tuple[torch.device, torch.dtype, torch.Size, bool], list[int]] = {}
+        for i, (_, rows, _, done) in enumerate(self._pending):
+            groups.setdefault((rows.device, rows.dtype, rows.shape, done), []).append(i)
+        return groups
 
     def at(self, step: int) -> ReplayPoint | None:
         """The replay point of ``step`` (``None``: not kept)."""
