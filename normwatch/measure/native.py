@@ -93,7 +93,7 @@ def library() -> ctypes.CDLL | None:
     sample = lib.normwatch_sample  # normwatch.measure.native_updates
     sample.argtypes = [ctypes.c_int64, ctypes.c_int, i64s, i64s, i64s,
                        ctypes.POINTER(ctypes.c_double), ptrs, ptrs, ctypes.c_void_p,
-                       ctypes.c_int, ctypes.c_void_p]
+                       ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     sample.restype = ctypes.c_int
     lib.normwatch_threaded.restype = ctypes.c_int
     fold = lib.normwatch_fold  # fold_rows

@@ -409,17 +409,20 @@ int normwatch_threaded(void) {
     __attribute__((target_clones("avx2", "default")))                                 \
     static void NAME(int64_t n, const int64_t *blocks, const int64_t *width,          \
                      const int64_t *stride, const double *scale, void *const *params, \
-                     void *const *grads, T *kept, int mode, double *out) {            \
+                     void *const *grads, T *base, int mode, double *out, int64_t t,   \
+                     int64_t k) {                                                     \
         float (*const conv)(T) = TOFLOAT;                                             \
         double gs = 0, us = 0, ss = 0;                                                \
-        for (int64_t i = 0; i < n; i++) {                                             \
+        for (int64_t i = 0; i < n; base += blocks[i] * width[i], i++) {              \
             const T *p = (const T *)params[i];                                        \
             const T *q = grads ? (const T *)grads[i] : 0;                             \
             int64_t w = width[i], step = stride[i];                                   \
+            int64_t first = blocks[i] * t / k, end = blocks[i] * (t + 1) / k;         \
+            T *kept = base + first * w; /* (CHANGE reads it) */                       \
             double g[4] = {0}, u[4] = {0}, s[4] = {0};                                \
-            for (int64_t b = 0; b < blocks[i]; b++, kept += w) {                      \
+            for (int64_t b = first; b < end; b++, kept += w) {                        \
                 const T *row = p + b * step;                                          \
-                if (b + AHEAD < blocks[i]) {  /* memory-level parallelism */          \
+                if (b + AHEAD < end) {  /* memory-level parallelism */                \
                     __builtin_prefetch(row + AHEAD * step);                           \
                     if (q) __builtin_prefetch(q + (b + AHEAD) * step);                \
                 }                                                                     \
@@ -440,19 +443,41 @@ SAMPLE(sample_f32, float, same)
 SAMPLE(sample_bf16, uint16_t, from_bf16)
 SAMPLE(sample_f16, uint16_t, from_f16)
 
-/* kind as for normwatch_rows; mode: MEASURE | SIZE bits (0: keep the values only). */
+#define TEAM_MAX 64 /* threads the sample is split over, at most */
+/* kind as for normwatch_rows; mode: MEASURE | SIZE bits (0: keep the values only);
+ * threads: each tensor's blocks split over them in contiguous runs (its misses are
+ * waited on by each core apart), their sums added in thread order (the same threads,
+ * the same sums). */
 int normwatch_sample(int64_t n, int kind, const int64_t *blocks, const int64_t *width,
                      const int64_t *stride, const double *scale, void *const *params,
-                     void *const *grads, void *kept, int mode, double *out) {
-    switch (kind) {
-    case 0: sample_f32(n, blocks, width, stride, scale, params, grads, kept, mode, out);
-        return 0;
-    case 1: sample_bf16(n, blocks, width, stride, scale, params, grads, kept, mode, out);
-        return 0;
-    case 2: sample_f16(n, blocks, width, stride, scale, params, grads, kept, mode, out);
-        return 0;
-    default: return -1;
+                     void *const *grads, void *kept, int mode, double *out, int threads) {
+    if (kind < 0 || kind > 2 || threads < 1)
+        return -1;
+    if (threads > TEAM_MAX)
+        threads = TEAM_MAX;
+    double part[3 * TEAM_MAX];
+    int64_t used = 1;
+    SPLIT
+    {
+        int64_t t, k;
+        team(&t, &k);
+        double *o = part + 3 * t;
+        switch (kind) {
+        case 0: sample_f32(n, blocks, width, stride, scale, params, grads, (float *)kept,
+                           mode, o, t, k); break;
+        case 1: sample_bf16(n, blocks, width, stride, scale, params, grads,
+                            (uint16_t *)kept, mode, o, t, k); break;
+        default: sample_f16(n, blocks, width, stride, scale, params, grads,
+                            (uint16_t *)kept, mode, o, t, k); break;
+        }
+        if (t == 0)
+            used = k;
     }
+    out[0] = out[1] = out[2] = 0;
+    for (int64_t t = 0; t < used; t++)
+        for (int c = 0; c < 3; c++)
+            out[c] += part[3 * t + c];
+    return 0;
 }
 
 /* The fold of staged norm calls (normwatch.measure.reductions.fold_calls, whose

@@ -70,10 +70,6 @@ def watching(**options: object) -> Callable[[torch.nn.Module, torch.optim.Optimi
     return lambda m, o: normwatch.watch(m, report_dir=None, **options)
 
 
-def with_optimizer(m: torch.nn.Module, o: torch.optim.Optimizer) -> object:
-    return normwatch.watch(m, o, report_dir=None)
-
-
 def optimizer_and(**options: object) -> Callable[[torch.nn.Module, torch.optim.Optimizer],
                                                   object]:
     return lambda m, o: normwatch.watch(m, o, report_dir=None, **options)
@@ -87,7 +83,7 @@ def modes() -> list[Mode]:
     return [
         Mode("unmonitored", lambda m, o: None),
         Mode("normwatch (defaults)", watching()),
-        Mode("normwatch + optimizer", with_optimizer),
+        Mode("normwatch + optimizer", optimizer_and()),
         Mode("normwatch + optimizer + guard", guarded),
         Mode("normwatch stats_every=1", watching(stats_every=1)),
         Mode("normwatch stats_every=8", watching(stats_every=8)),
@@ -101,7 +97,7 @@ def modes() -> list[Mode]:
         Mode("detect_anomaly", lambda m, o: None, anomaly),
         Mode("compiled", lambda m, o: None, compiled=True),
         Mode("compiled + normwatch (defaults)", watching(), compiled=True),
-        Mode("compiled + normwatch + optimizer", with_optimizer, compiled=True),
+        Mode("compiled + normwatch + optimizer", optimizer_and(), compiled=True),
         Mode("compiled + normwatch gradients=False", watching(gradients=False), compiled=True),
         Mode("compiled + normwatch stats_every=1", watching(stats_every=1), compiled=True),
         Mode("compiled + normwatch output_check_every=0", watching(output_check_every=0),

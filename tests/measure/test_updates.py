@@ -401,6 +401,49 @@ def test_the_c_kernel_sums_the_documented_sample_in_float64() -> None:
     w.close()
 
 
+@NATIVE
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_large_sample_split_over_threads_sums_as_one_thread(dtype: torch.dtype) -> None:
+    """Past :data:`~normwatch.measure.native_updates.SPLIT_FROM` blocks the C kernel
+    splits each tensor's blocks over torch's threads: the same three sums as one
+    thread (to float64 rounding: only their order differs) and as the float64 reference
+    of the documented sample, and the same values kept for the next step (the runs
+    each thread writes meet end to end: odd block counts, a small tensor read whole)."""
+    from normwatch.measure import native_updates
+
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(shape, generator=gen).to(dtype)
+              for shape in ((1031, 517), (64, 1000), (300,), (777, 129))]
+    grads = [torch.randn(p.shape, generator=gen).to(dtype) for p in params]
+    sampled = normwatch.measure.updates._Sampled(params)
+    (_, pack), = sampled.packs
+    assert isinstance(pack, NativePack) and sum(pack._blocks) >= native_updates.SPLIT_FROM
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        results = []
+        for split in (False, True):
+            pack._split = split
+            pack.store()
+            for p in params:
+                p.mul_(0.5)  # the step's change: half of each parameter
+            row = pack.measure(grads, True)
+            results.append((row.tolist(), pack.kept.clone()))
+            for p in params:
+                p.mul_(2.0)  # exact in binary floating point: as they were
+    finally:
+        torch.set_num_threads(threads)
+    (one, kept_one), (split_row, kept_split) = results
+    assert split_row == pytest.approx(one, rel=1e-12)
+    assert torch.equal(kept_one, kept_split)
+    half = [p.double() * 0.5 for p in params]
+    want = [sum(memory_order_sample(t) for t in ts) for ts in (grads, half, half)]
+    assert split_row == pytest.approx(want, rel=1e-9)
+    for p in params:
+        p.mul_(0.5)
+    assert torch.equal(kept_split, torch.cat([s.reshape(-1) for s in sampled.samples]))
+
+
 def test_a_shard_is_scaled_by_its_own_elements() -> None:
     """Under FSDP2 each rank samples its local shard: the sample stands for the shard's
     elements, not the whole parameter's (which would scale each rank's sums by the world
