@@ -36,6 +36,7 @@ on.
 from __future__ import annotations
 
 import math
+import operator
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -238,20 +239,19 @@ class _Sampled:
 
     def seen(self) -> None:
         """The parameters were just copied into :data:`AFTER`: note their versions."""
-        self.versions = [p._version for p in self.params]
+        self.versions = list(map(_version, self.params))
 
     def unchanged(self) -> bool:
         """Whether no parameter was written since :meth:`seen` (once: the next call says
         ``False`` until :meth:`seen` again). In-place writes bump a tensor's version; a
         write through ``.data`` bypasses it (and is not seen)."""
         versions, self.versions = self.versions, None
-        return versions is not None and versions == [p._version for p in self.params]
+        return versions is not None and versions == list(map(_version, self.params))
 
     def fits(self, params: list[torch.Tensor]) -> bool:
         """Whether ``params`` are these, in place (no parameter replaced or re-allocated)."""
-        return len(params) == len(self.params) and all(
-            a is b for a, b in zip(params, self.params, strict=True)) and \
-            [p.data_ptr() for p in params] == self.addresses
+        return len(params) == len(self.params) and all(map(operator.is_, params, self.params)) \
+            and list(map(torch.Tensor.data_ptr, params)) == self.addresses
 
     def current(self, index: list[int]) -> list[torch.Tensor]:
         """The samples of the parameters ``index`` names, copies taken again."""
@@ -286,6 +286,10 @@ class _Sampled:
         """The samples of ``grads`` (:meth:`grads_alike`) of the parameters ``index``
         names: one view each, made from the parameters' layouts."""
         return [grads[i].as_strided(*self.layouts[i][:2]) for i in index]
+
+
+_version = operator.attrgetter("_version")
+"""A tensor's version counter (bumped by each in-place write)."""
 
 
 def _scale(t: torch.Tensor, s: torch.Tensor) -> float:
