@@ -42,7 +42,7 @@ from normwatch.measure.triton_kernel import row_stats_triton
 from normwatch.records import NormLayer
 
 
-@dataclass
+@dataclass(slots=True)
 class Runtime:
     """State shared by a watch and its hooks (host-side, plain Python)."""
 
@@ -83,7 +83,7 @@ class Runtime:
         return x.is_cuda and triton_available()
 
 
-@dataclass
+@dataclass(slots=True)
 class HostCounts:
     """What a hook learns without touching tensor values."""
 
@@ -204,9 +204,43 @@ class LayerHook:
     ) -> torch.Tensor | None:
         if torch.compiler.is_compiling():
             return self.compiled.trace(module, args, kwargs, output)
-        if not self.rt.paused:
+        rt = self.rt
+        if rt.paused:
+            return None
+        if rt.full_stats or not self._sentinel(module, args, output, rt):
             self._observe(module, args, kwargs, output)
         return None
+
+    def _sentinel(self, module: nn.Module, args: tuple[Any, ...], output: Any,
+                  rt: Runtime) -> bool:
+        """A sentinel-tier call in the CPU lane, measured in few lines (inside a training
+        step every line costs several times what it costs warm): a plain input and output
+        of one layout, a training call, not the interval's first (its dtypes are noted)
+        nor its output check. ``False``: nothing done, :meth:`_observe` measures it."""
+        c = self.counts
+        if not args or not c.calls or (rt.check_outputs and not c.output_checked) or \
+                rt.kernel != "auto":
+            return False
+        x = args[0]
+        if type(x) is not torch.Tensor or type(output) is not torch.Tensor or \
+                not module.training or not torch.is_grad_enabled() or \
+                torch._C._current_graph_task_id() != -1:
+            return False
+        if not x.dim() or x.shape[-1] != self._width or not output.numel():
+            return False
+        v = self._rows(x, output, None)
+        if v is None:
+            return False
+        width = x.shape[-1]
+        n = x.numel() // width
+        rt.accumulator.stage(CallRows(self.row, float(rt.step * KEY_STRIDE + rt.calls_this_step),
+                                      width, self._eps, v, n, True, False, False,
+                                      self.layer.kind != "rmsnorm"))
+        rt.calls_this_step += 1
+        c.calls += 1
+        c.tokens += n
+        c.input_shape = x.shape
+        return True
 
     def _fail(self, exc: Exception) -> None:
         """Disable this hook with one warning (while tracing: Dynamo breaks the graph

@@ -7,9 +7,11 @@ import warnings
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 import normwatch
+import normwatch.measure.native
 from normwatch.catalog import COLUMNS
 from normwatch.demos.toymodel import TinyLM, synthetic_batch
 from normwatch.measure.accumulator import Accumulator
@@ -130,3 +132,124 @@ def test_a_paused_runtime_measures_nothing() -> None:
     hook = LayerHook(layer, norm, 0, rt)
     norm(torch.randn(3, 4, requires_grad=True))
     assert hook.counts.calls == 0
+
+
+class GatedRMSNorm(nn.Module):
+    """An RMS norm that may take a gate (a second tensor: such a call is not the one an
+    output check reads)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = 1e-6
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return y if gate is None else y * torch.sigmoid(gate)
+
+
+class _Lanes(nn.Module):
+    """A layer norm, an RMS norm called twice, a gated norm whose first call has a gate,
+    and norms inside activation checkpoints (reentrant: recomputed and counted inside
+    backward; not: recomputed, not counted): calls the sentinel's lane takes and calls
+    it leaves to the general path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(48)
+        self.rms = nn.RMSNorm(48, eps=1e-6)
+        self.gated = GatedRMSNorm(48)
+        self.lin = nn.Linear(48, 48)
+        self.inner = nn.Sequential(nn.Linear(48, 48), nn.RMSNorm(48))
+        self.last = nn.Sequential(nn.Linear(48, 48), nn.LayerNorm(48))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.rms(self.lin(self.ln(x)))
+        h = self.rms(h + x)
+        h = self.gated(h, gate=x) + self.gated(h)
+        h = torch.utils.checkpoint.checkpoint(self.inner, h, use_reentrant=True)
+        return torch.utils.checkpoint.checkpoint(self.last, h, use_reentrant=False)
+
+
+FLUSHED = (5, 8, 15)
+"""Steps the lane's loop flushes after: its second interval (6-8) has sentinel steps only
+(``stats_every=4``), run under autocast."""
+
+
+def _lane_run(lane: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[object], int]:
+    """Each interval's raw rows, host counts and snapshot of one loop (token counts that
+    change from step to step, eval and no-grad forwards between steps, two backward
+    passes in one step, a NaN in one step, autocast in one interval), and how many calls
+    the lane measured."""
+    taken = [0]
+    real = LayerHook._sentinel
+
+    def sentinel(self: LayerHook, *args: object) -> bool:
+        done = real(self, *args) if lane else False  # type: ignore[arg-type]
+        taken[0] += done
+        return done
+
+    monkeypatch.setattr(LayerHook, "_sentinel", sentinel)
+    torch.manual_seed(0)
+    model = _Lanes()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    w = normwatch.watch(model, opt, stats_every=4, flush_every=100, output_check_every=1,
+                        report_dir=None)
+    assert len(w._measure._hooks) == 5
+    gen = torch.Generator().manual_seed(1)
+    out: list[object] = []
+    for step in range(1, 16):
+        x = torch.randn(3, 5 + step % 3, 48, generator=gen, requires_grad=True)
+        if step == 12:
+            x.data[1, 2, 5] = float("nan")
+        with warnings.catch_warnings(), torch.autocast("cpu", torch.bfloat16,
+                                                       enabled=6 <= step <= 8):
+            warnings.simplefilter("ignore")
+            loss = model(x).float().square().mean()
+            loss.backward(retain_graph=step == 3)
+            if step == 3:  # the reentrant checkpoint recomputed again: not counted again
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            model.eval()
+            model(x)
+            model.train()
+            with torch.no_grad():
+                model(x)
+        w.step()
+        if step in FLUSHED:
+            counts = [repr(h.counts) for h in w._measure._hooks]
+            out += [w._measure.read()[0], counts, w.flush()]
+    w.close()
+    monkeypatch.undo()
+    return out, taken[0]
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (a != a and b != b)
+
+
+def test_the_sentinels_lane_measures_as_the_general_path(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sentinel tier's common CPU call is measured in a lane of few lines; every
+    column of every layer, its host counts and the snapshot, interval by interval, are
+    what the general path gives: the full tier, each interval's first call (its dtypes:
+    autocast in an interval of sentinel steps), the output check (a gated call first),
+    eval and no-grad calls, the reentrant checkpoint's recompute inside backward and a
+    NaN all left as they were."""
+    if normwatch.measure.native.library() is None:
+        pytest.skip("no C compiler: no lane")
+    lane, taken = _lane_run(True, monkeypatch)
+    general, none = _lane_run(False, monkeypatch)
+    assert taken > 20 and none == 0
+    assert len(lane) == len(general) == 3 * len(FLUSHED)
+    for got, want in zip(lane, general, strict=True):
+        if not isinstance(got, list) or not isinstance(got[0], dict):
+            assert repr(got) == repr(want)  # host counts; the interval as reported
+            continue
+        for row, expected in zip(got, want, strict=True):  # type: ignore[call-overload]
+            assert row.keys() == expected.keys()
+            bad = [k for k in row if not _same(row[k], expected[k])]
+            assert not bad, [(k, row[k], expected[k]) for k in bad]
+    assert any(row["nonfinite"] > 0 for row in lane[-3])  # type: ignore[attr-defined]
+    assert "bfloat16" in repr(lane[4]) and "bfloat16" not in repr(lane[1])
