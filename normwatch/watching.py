@@ -212,8 +212,9 @@ class Watch:
 
     def _early_check(self) -> bool:
         """Poll the last in-flight peek (no stall), launch the next; ``True``: flush now."""
-        if not self.config.early_warning:
-            return False
+        if not self.config.early_warning or (self._early is None and
+                                             not self._measure.on_cuda()):
+            return False  # (the CPU's blocks are peeked only beside a CUDA one's)
         blocks = {d: b for d, b in self._measure.blocks.items()
                   if d.type == "cuda" or self._early is not None}
         if not blocks:
