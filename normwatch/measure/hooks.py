@@ -2,7 +2,8 @@
 
 Per counted call it reduces the layer's input and output to a few floats per token on
 their device (:func:`~normwatch.measure.reductions.reduce_call`, or the fused Triton
-kernel) and stages them in the accumulator, with no host synchronisation (no
+kernel; a sentinel-tier CPU call through a lane of few lines, :meth:`LayerHook._sentinel`)
+and stages them in the accumulator, with no host synchronisation (no
 ``.item()``, ``.cpu()``, ``bool(tensor)``, masking or ``nonzero``). Host-side it only
 reads metadata (shapes, dtypes, flags). Any exception disables this hook with one
 warning; training goes on (:mod:`normwatch.guarded`).
