@@ -337,9 +337,10 @@ class RowReader:
     __slots__ = ("_planned",)
 
     def __init__(self) -> None:
-        self._planned: tuple[tuple[object, ...] | None, RowPlan | None] = (None, None)
-        """The last layout met and its plan, as one pair (swapped whole: a call on
-        another thread never reads another layout's plan)."""
+        self._planned: dict[str | None, tuple[tuple[object, ...], RowPlan | None]] = {}
+        """Per moments (each tier's: a layer's calls switch tiers every few steps), the
+        last layout met and its plan, as one pair (swapped whole: a call on another
+        thread never reads another layout's plan)."""
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor,
                  moments: str | None = None) -> torch.Tensor | None:
@@ -350,10 +351,10 @@ class RowReader:
                 or not x.is_contiguous() or not out.is_contiguous() \
                 or _wrapped(x) or _wrapped(out):
             return None
-        key = (x.shape, out.shape, x.dtype, out.dtype, moments, torch.get_num_threads())
-        planned = self._planned
-        if key != planned[0]:
-            planned = self._planned = (
+        key = (x.shape, out.shape, x.dtype, out.dtype, torch.get_num_threads())
+        planned = self._planned.get(moments)
+        if planned is None or key != planned[0]:
+            planned = self._planned[moments] = (
                 key, row_plan(x, out, moments) if out.shape == x.shape else None)
         plan = planned[1]
         return None if plan is None else read_rows(plan, x, out)

@@ -137,6 +137,34 @@ def test_a_layers_reader_reads_alike_calls_as_row_stats_does() -> None:
     assert same(read(x, x), row_stats(x, x))  # and back
 
 
+def test_a_layers_reader_keeps_a_plan_per_tier(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer's calls switch tiers every few steps (sentinel rows, then the full tier's
+    moments): the reader keeps a plan for each, planned once, each read as row_stats
+    reads it; a new layout is planned again for that tier only."""
+    x = torch.randn(6, 48)
+    y = x * 2 + 1
+    fewer = x[:4]
+    want = {m: row_stats(x, y, m) for m in (None, "rms")}
+    want_fewer = row_stats(fewer, fewer * 2)
+    planned: list[str | None] = []
+    real = native.row_plan
+
+    def counting(x: torch.Tensor, out: torch.Tensor | None, moments: str | None = None
+                 ) -> native.RowPlan | None:
+        planned.append(moments)
+        return real(x, out, moments)
+
+    monkeypatch.setattr(native, "row_plan", counting)
+    read = native.RowReader()
+    for moments in (None, "rms", None, None, None, "rms", None):
+        got = read(x, y, moments)
+        assert got is not None and same(got, want[moments]), moments  # type: ignore[arg-type]
+    assert planned == [None, "rms"]
+    assert same(read(fewer, fewer * 2, None), want_fewer)  # type: ignore[arg-type]
+    assert same(read(x, y, "rms"), want["rms"])  # type: ignore[arg-type]
+    assert planned == [None, "rms", None]
+
+
 @contextmanager
 def threads(n: int) -> Iterator[None]:
     before = torch.get_num_threads()
