@@ -180,6 +180,7 @@ static void rows_of(const char *p, int kind, int64_t n, int64_t w, int64_t strid
 #else
 #define SPLIT (void)threads;
 #endif
+#define MAX_THREADS 256 /* a team's threads at most (kernels keep a part per thread) */
 /* This thread's index in its team and the team's size (0 and 1 outside a parallel
  * region, or without OpenMP) */
 static void team(int64_t *t, int64_t *k) {
@@ -323,7 +324,6 @@ static void grads_f32(const float *a, const float *b, int64_t n, int64_t w, floa
     else grads_plain(a, b, n, w, norm, e);
 }
 
-#define MAX_THREADS 256
 int normwatch_grad_rows(const void *a, const void *b, int kind, int64_t n, int64_t w,
                         float *out, int threads) {
     if (kind < 0 || kind > 2 || threads < 1) return -1;
@@ -443,7 +443,6 @@ SAMPLE(sample_f32, float, same)
 SAMPLE(sample_bf16, uint16_t, from_bf16)
 SAMPLE(sample_f16, uint16_t, from_f16)
 
-#define TEAM_MAX 64 /* threads the sample is split over, at most */
 /* kind as for normwatch_rows; mode: MEASURE | SIZE bits (0: keep the values only);
  * threads: each tensor's blocks split over them in contiguous runs (its misses are
  * waited on by each core apart), their sums added in thread order (the same threads,
@@ -453,9 +452,8 @@ int normwatch_sample(int64_t n, int kind, const int64_t *blocks, const int64_t *
                      void *const *grads, void *kept, int mode, double *out, int threads) {
     if (kind < 0 || kind > 2 || threads < 1)
         return -1;
-    if (threads > TEAM_MAX)
-        threads = TEAM_MAX;
-    double part[3 * TEAM_MAX];
+    threads = threads > MAX_THREADS ? MAX_THREADS : threads;
+    double part[3 * MAX_THREADS];
     int64_t used = 1;
     SPLIT
     {
