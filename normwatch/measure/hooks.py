@@ -134,6 +134,8 @@ class LayerHook:
         self._skipped: set[str] = set()
         self._token_ndim = len(layer.normalized_shape) if layer.normalized_shape else 1
         self._eps = 0.0 if math.isnan(layer.eps) else layer.eps
+        self._centred = layer.kind != "rmsnorm"
+        """Whether the norm subtracts the mean (the full tier's moments then centre)."""
         self._width = layer.token_size
         self._signature: tuple[Any, ...] = ()
         self._rows = RowReader()
@@ -229,17 +231,13 @@ class LayerHook:
             return False
         if not x.dim() or x.shape[-1] != self._width or not output.numel():
             return False
-        v = self._rows(x, output, None)
-        if v is None:
+        call = self._read(x, output, float(rt.step * KEY_STRIDE + rt.calls_this_step), False)
+        if call is None:
             return False
-        width = x.shape[-1]
-        n = x.numel() // width
-        rt.accumulator.stage(CallRows(self.row, float(rt.step * KEY_STRIDE + rt.calls_this_step),
-                                      width, self._eps, v, n, True, False, False,
-                                      self.layer.kind != "rmsnorm"))
+        rt.accumulator.stage(call)
         rt.calls_this_step += 1
         c.calls += 1
-        c.tokens += n
+        c.tokens += call.n
         c.input_shape = x.shape
         return True
 
@@ -326,12 +324,9 @@ class LayerHook:
         kind, eps, rt = self.layer.kind, self._eps, self.rt
         whole = x.dim() > 0 and x.shape[-1] == self._width
         if whole and out is not None and rt.kernel == "auto":
-            centred = kind != "rmsnorm"
-            v = self._rows(x, out, ("centred" if centred else "rms") if rt.full_stats else None)
-            if v is not None:  # (x and out alike: its rows line up)
-                width = x.shape[-1]
-                return CallRows(self.row, key, width, eps, v, x.numel() // width, True,
-                                rt.full_stats, False, centred)
+            call = self._read(x, out, key, rt.full_stats)
+            if call is not None:
+                return call
         # Detached tensors record no autograd graph: no no_grad() context needed.
         x, out = x.detach(), None if out is None else out.detach()
         tokens = x if whole else self._tokens(x)
@@ -351,6 +346,17 @@ class LayerHook:
         if out_tokens is not None and not same:
             call = call._replace(out=out_rows(out_tokens))
         return call
+
+    def _read(self, x: torch.Tensor, out: torch.Tensor, key: float,
+              full: bool) -> CallRows | None:
+        """The call's rows by the C reader (the layer's last dim one token, ``x`` and
+        ``out`` alike: its rows line up), or ``None``: left to the general path."""
+        v = self._rows(x, out, ("centred" if self._centred else "rms") if full else None)
+        if v is None:
+            return None
+        width = x.shape[-1]
+        return CallRows(self.row, key, width, self._eps, v, x.numel() // width, True, full,
+                        False, self._centred)
 
     def record_dtypes(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None) -> None:
         """Note the call's dtypes and autocast state (names built only on a change)."""
