@@ -44,7 +44,7 @@ from torch.utils.hooks import RemovableHandle
 
 from normwatch.catalog import COLUMNS, GRAD_SITES, GRAD_SUMS
 from normwatch.guarded import guarded
-from normwatch.measure.native import fold_grad_rows, grad_rows
+from normwatch.measure.native import GradReader, fold_grad_rows
 from normwatch.measure.opaque import observe_grad
 from normwatch.measure.reductions import runs, summed_dtype
 from normwatch.measure.sharding import local
@@ -160,9 +160,9 @@ class GradRows(NamedTuple):
 
     norms: torch.Tensor
     """Each token's L2 norm (:func:`token_rows`; one element per token, any shape); the
-    weight: its gradient's norm (0-d); :attr:`packed`, the C kernel's one buffer: the
-    tokens' norms, then the gradient's min and max (:func:`~normwatch.measure.native.
-    grad_rows`)."""
+    weight: its gradient's norm (0-d, or first of the C kernel's three: its norm, min and
+    max); :attr:`packed`, the C kernel's one buffer: the tokens' norms, then the
+    gradient's min and max (:func:`~normwatch.measure.native.grad_rows`)."""
     lo: torch.Tensor | None
     """The gradient's min and max (0-d; the weight, or packed: ``None``)."""
     hi: torch.Tensor | None
@@ -284,7 +284,7 @@ def fold_grads(block: torch.Tensor, staged: Sequence[GradRows], plan: GradPlan,
         cells = block[:, peaks_at:peaks_at + len(SITES)]
         torch.fmax(cells, peaks.view(n_rows, len(SITES)).to(block.dtype), out=cells)
     if weights:
-        norms = torch.stack([w.reshape(()) for w in weights]).to(block.dtype)
+        norms = torch.cat([w.reshape(-1)[:1] for w in weights]).to(block.dtype)
         both = torch.stack([torch.ones_like(norms), norms * norms], 1)
         block[:, WEIGHT_AT:WEIGHT_AT + 2].index_add_(0, plan.weights, both)
 
@@ -304,8 +304,9 @@ def _folded_natively(block: torch.Tensor, acts: Sequence[GradRows],
         if s.lo is not None or s.norms.dtype != f32 or not s.norms.is_contiguous() \
                 or s.norms.dim() != 1:
             return False  # (the plan's token counts are the rows' sizes: its signature)
-    for w in weights:
-        if w.dtype != f32 or w.numel() != 1 or w.device.type != "cpu":
+    for w in weights:  # (the C fold reads each one's first value: its norm)
+        if w.dtype != f32 or w.numel() not in (1, 3) or w.device.type != "cpu" \
+                or not w.is_contiguous():
             return False
     return fold_grad_rows([s.norms for s in acts], plan.table, weights, plan.weights_at,
                           block)
@@ -390,6 +391,8 @@ class GradHooks:
         self._armed = True
         """Whether the weight's hook is registered (on steps whose backward is measured:
         a hook that fires only to return costs ~40 µs inside a backward, :meth:`arm`)."""
+        self._readers = tuple(GradReader(whole=site == WEIGHT) for site in range(WEIGHT + 1))
+        """Per site (:data:`SITES`, then :data:`WEIGHT`), the C reader of its gradients."""
 
     def watch_call(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Eager: hook one call's gradients (input ``x``, output ``y``) without touching
@@ -487,9 +490,9 @@ class GradHooks:
             if row is not None:
                 observe_grad(g, row, SITES[site], None, None)
         elif g.numel() and self._target() is not None:
-            t = self._view(g.detach())
+            t = self._view(g.detach() if g.requires_grad else g)  # (create_graph=True)
             if self.native and len(parts) < 2:  # one pass on the CPU, adding a second part
-                packed = grad_rows(t, self._view(parts[0]) if parts else None)
+                packed = self._readers[site](t, self._view(parts[0]) if parts else None)
                 if packed is not None:
                     self._stage(site, (packed, None, None), t.shape[-1])
                     return
@@ -504,6 +507,9 @@ class GradHooks:
     @guarded
     def _weight_grad(self, g: torch.Tensor) -> None:
         if g is not None and self._target() is not None:
-            g = local(g).detach()
-            norm = torch.linalg.vector_norm(g, dtype=summed_dtype(g.dtype))
+            g = local(g)
+            g = g.detach() if g.requires_grad else g
+            norm = self._readers[WEIGHT](g) if self.native else None  # (its norm first)
+            if norm is None:
+                norm = torch.linalg.vector_norm(g, dtype=summed_dtype(g.dtype))
             self._stage(WEIGHT, (norm, None, None), 1)

@@ -86,9 +86,9 @@ def library() -> ctypes.CDLL | None:
     lines = lib.normwatch_accumulate  # accumulate
     lines.argtypes = [i64, ctypes.c_void_p, i64, ctypes.c_void_p, i64, i64, ctypes.c_void_p]
     lines.restype = ctypes.c_int
-    planned = lib.normwatch_rows_planned  # read_rows
-    planned.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    planned.restype = ctypes.c_int
+    for planned in (lib.normwatch_rows_planned, lib.normwatch_grad_rows_planned):
+        planned.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        planned.restype = ctypes.c_int  # read_rows, GradReader
     i64s, ptrs = ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_void_p)
     sample = lib.normwatch_sample  # normwatch.measure.native_updates
     sample.argtypes = [ctypes.c_int64, ctypes.c_int, i64s, i64s, i64s,
@@ -366,17 +366,63 @@ def grad_rows(a: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor | 
     it holds a NaN); ``b``: a second part of the gradient, laid out as ``a`` (added in
     float32). ``None`` where torch's reductions must do it (:func:`row_stats`' cases, and
     rows that are not contiguous)."""
+    plan = grad_read_plan(a, b)
+    return None if plan is None else read_grad(plan, a, b)
+
+
+def grad_read_plan(a: torch.Tensor, b: torch.Tensor | None = None,
+              whole: bool = False) -> ctypes.Array[ctypes.c_int64] | None:
+    """``normwatch_grad_rows_planned``'s plan of reading ``a`` (and ``b``) as
+    :func:`grad_rows` does (``whole``: as one row), or ``None`` where it does not."""
     shape = _rowwise(a)
     if shape is None or shape[0] != shape[1] or (b is not None and (
-            b.shape != a.shape or b.dtype != a.dtype or _rowwise(b) != shape)):
+            b.shape != a.shape or b.dtype != a.dtype or _rowwise(b) != shape)) or \
+            (whole and not a.is_contiguous()):
         return None
     lib = library()
     threads = 0 if lib is None else _threads(a, b)
     if lib is None or not threads:
         return None
-    width = a.shape[-1]
-    n = a.numel() // width
-    rows = torch.empty(n + 2, dtype=torch.float32)
-    lib.normwatch_grad_rows(a.data_ptr(), None if b is None else b.data_ptr(), KINDS[a.dtype],
-                            n, width, rows.data_ptr(), threads)
+    width = a.numel() if whole else a.shape[-1]
+    args = (KINDS[a.dtype], a.numel() // width, width, threads)
+    return (ctypes.c_int64 * len(args))(*args)
+
+
+def read_grad(plan: ctypes.Array[ctypes.c_int64], a: torch.Tensor,
+              b: torch.Tensor | None) -> torch.Tensor:
+    """``a``'s (and ``b``'s) rows as ``plan`` (theirs) says: one allocation, one call."""
+    rows = torch.empty(plan[1] + 2, dtype=torch.float32)
+    library().normwatch_grad_rows_planned(  # type: ignore[union-attr]
+        a.data_ptr(), None if b is None else b.data_ptr(), rows.data_ptr(), plan)
     return rows
+
+
+class GradReader:
+    """:func:`grad_rows` for one site's gradients (``whole``: each read as one row, a
+    weight's), mostly laid out alike from one step to the next: the plan of the last
+    layout kept (the checks and argument conversions of a general call cost several
+    times the call's own Python inside a backward)."""
+
+    __slots__ = ("_planned", "_whole")
+
+    def __init__(self, whole: bool = False) -> None:
+        self._whole = whole
+        self._planned: tuple[tuple[object, ...], ctypes.Array[ctypes.c_int64] | None] | None \
+            = None
+        """The last layout met and its plan (one pair, swapped whole)."""
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The rows of ``a`` (and ``b``) (:func:`grad_rows`), or ``None``: left to torch's
+        reductions."""
+        if type(a) is not torch.Tensor or not a.is_cpu or a.layout != torch.strided \
+                or not a.is_contiguous() or _wrapped(a) or (b is not None and (
+                    type(b) is not torch.Tensor or not b.is_cpu or b.layout != torch.strided
+                    or not b.is_contiguous() or _wrapped(b))):
+            return None if self._whole else grad_rows(a, b)
+        key = (a.shape, a.dtype, None if b is None else (b.shape, b.dtype),
+               torch.get_num_threads())
+        planned = self._planned
+        if planned is None or key != planned[0]:
+            planned = self._planned = (key, grad_read_plan(a, b, self._whole))
+        plan = planned[1]
+        return None if plan is None else read_grad(plan, a, b)

@@ -360,6 +360,12 @@ int normwatch_grad_rows(const void *a, const void *b, int kind, int64_t n, int64
     return 0;
 }
 
+/* normwatch_grad_rows with its layout in `plan`: the kind, the row count, the width and
+ * the threads (see normwatch_rows_planned) */
+int normwatch_grad_rows_planned(const void *a, const void *b, float *out, const int64_t *plan) {
+    return normwatch_grad_rows(a, b, (int)plan[0], plan[1], plan[2], out, (int)plan[3]);
+}
+
 /* normwatch_rows with its layout in `plan`: x's kind, width and row stride, y's, the
  * row count, the threads and the moments (one pointer: the per-call argument
  * conversions of the caller cost more than the call's own work on small calls) */

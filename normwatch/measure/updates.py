@@ -213,8 +213,8 @@ class _Sampled:
     def __init__(self, params: list[torch.Tensor], native: bool = True) -> None:
         self.params = params
         self.addresses = [p.data_ptr() for p in params]
-        self.versions: list[int] | None = None
-        """The parameters' versions when last copied into :data:`AFTER` (see
+        self.versions: int | None = None
+        """The sum of the parameters' versions when last copied into :data:`AFTER` (see
         :meth:`unchanged`)."""
         self.samples = [sample(local(p).detach()) for p in params]
         self.copied = [i for i, p in enumerate(params) if not dense(local(p))]
@@ -225,6 +225,9 @@ class _Sampled:
                         for p, s in zip(params, self.samples, strict=True)]
         """Per parameter, what a gradient laid out like it is sampled by: the sample's
         size and strides, the (local) parameter's shape, strides and dtype."""
+        self.strides = [layout[3] for layout in self.layouts]
+        self.dtypes = [layout[4] for layout in self.layouts]
+        self.strided = [torch.strided] * len(params)
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for i, s in enumerate(self.samples):
             groups.setdefault((s.device, s.dtype), []).append(i)
@@ -239,14 +242,15 @@ class _Sampled:
 
     def seen(self) -> None:
         """The parameters were just copied into :data:`AFTER`: note their versions."""
-        self.versions = list(map(_version, self.params))
+        self.versions = sum(map(_version, self.params))
 
     def unchanged(self) -> bool:
         """Whether no parameter was written since :meth:`seen` (once: the next call says
-        ``False`` until :meth:`seen` again). In-place writes bump a tensor's version; a
-        write through ``.data`` bypasses it (and is not seen)."""
+        ``False`` until :meth:`seen` again). In-place writes bump a tensor's version (and
+        versions only grow: an equal sum is every version equal); a write through
+        ``.data`` bypasses it (and is not seen)."""
         versions, self.versions = self.versions, None
-        return versions is not None and versions == list(map(_version, self.params))
+        return versions is not None and versions == sum(map(_version, self.params))
 
     def fits(self, params: list[torch.Tensor]) -> bool:
         """Whether ``params`` are these, in place (no parameter replaced or re-allocated)."""
@@ -267,10 +271,15 @@ class _Sampled:
         has its shape (torch refuses any other): a shard's is asked."""
         if self.copied:
             return None
+        grads = list(map(_grad, self.params))
+        if set(map(type, grads)) == _PLAIN and list(map(_dtype, grads)) == self.dtypes \
+                and list(map(_layout, grads)) == self.strided \
+                and list(map(torch.Tensor.stride, grads)) == self.strides:
+            return grads  # (each checked at once in C, not in a loop: a loop of Python
+            # inside the step costs several times what it costs warm)
         out = []
         plain, strided = torch.Tensor, torch.strided
-        for p, (_, _, shape, strides, dtype) in zip(self.params, self.layouts, strict=True):
-            g = p.grad
+        for g, (_, _, shape, strides, dtype) in zip(grads, self.layouts, strict=True):
             if g is None:
                 return None
             if type(g) is not plain:  # a DTensor's: its shard
@@ -290,6 +299,8 @@ class _Sampled:
 
 _version = operator.attrgetter("_version")
 """A tensor's version counter (bumped by each in-place write)."""
+_grad, _dtype, _layout = (operator.attrgetter(a) for a in ("grad", "dtype", "layout"))
+_PLAIN = {torch.Tensor}
 
 
 def _scale(t: torch.Tensor, s: torch.Tensor) -> float:

@@ -1,7 +1,7 @@
 """This tree's normwatch against an earlier commit's, side by side in one process (CPU).
 
 Run: ``python -m tests.benchmarks.compare REV [--hidden 256 --batch 4 --seq 128]
-[--steps 100] [--optimizer]``.
+[--steps 100] [--optimizer] [--stats-every 4]``.
 
 ``REV``'s ``normwatch/`` is exported (``git archive``) into a temporary folder as the
 package ``normwatch_then``, its imports rewritten to that name. Three copies of one tiny
@@ -71,7 +71,7 @@ def blocks(values: Iterable[float]) -> list[float]:
 
 
 def compare(rev: str, hidden: int, layers: int, batch: int, seq: int, steps: int,
-            optimizer: bool, dtype: torch.dtype = torch.float32) -> str:
+            optimizer: bool, dtype: torch.dtype = torch.float32, stats_every: int = 4) -> str:
     import normwatch
 
     with tempfile.TemporaryDirectory() as folder, contextlib.ExitStack() as stack:
@@ -85,7 +85,7 @@ def compare(rev: str, hidden: int, layers: int, batch: int, seq: int, steps: int
         models = {k: copy.deepcopy(base) for k in ("plain", "then", "now")}
         opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
         watches = {k: package.watch(models[k], opts[k] if optimizer else None,
-                                    report_dir=None)
+                                    report_dir=None, stats_every=stats_every)
                    for k, package in (("then", then), ("now", normwatch))}
         gen = torch.Generator().manual_seed(0)
         times: dict[str, list[float]] = {k: [] for k in models}
@@ -109,7 +109,9 @@ def compare(rev: str, hidden: int, layers: int, batch: int, seq: int, steps: int
     ms = statistics.median(plain) * 1e3
     lines = [f"tiny Llama (hidden {hidden}, {layers} layers, batch {batch} x {seq} tokens, "
              f"{str(dtype).removeprefix('torch.')}"
-             f"{', optimizer watched' if optimizer else ''}), {steps} steps each in turn, "
+             f"{', optimizer watched' if optimizer else ''}"
+             f"{f', stats_every={stats_every}' if stats_every != 4 else ''}), {steps} steps "
+             "each in turn, "
              f"torch {torch.__version__}, {torch.get_num_threads()} threads; unwatched step "
              f"{ms:.1f} ms", "", "| normwatch | inside (ms/step) | share of the step | ratio |",
              "|---|---:|---:|---:|"]
@@ -129,11 +131,12 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=100, help="a multiple of 10")
     parser.add_argument("--optimizer", action="store_true", help="watch the optimizer too")
+    parser.add_argument("--stats-every", type=int, default=4)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                         default="float32", help="the model's parameters and activations")
     args = parser.parse_args(argv)
     text = compare(args.rev, args.hidden, args.layers, args.batch, args.seq, args.steps,
-                   args.optimizer, getattr(torch, args.dtype))
+                   args.optimizer, getattr(torch, args.dtype), args.stats_every)
     print(text)
     return text
 

@@ -75,7 +75,7 @@ def _one_launch() -> Iterator[None]:
     CPU's compiled kernel (one pass per tensor), which no dispatch mode sees."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from normwatch.measure import gradients, hooks, native
+    from normwatch.measure import hooks, native
 
     real = hooks.row_stats_triton
 
@@ -96,23 +96,23 @@ def _one_launch() -> Iterator[None]:
             mode.kernels[NATIVE] += 1
         return rows
 
-    def native_grad(a: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor | None:
-        rows = real_grad(a, b)
+    def native_grad(plan: Any, a: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        rows = real_grad(plan, a, b)
         mode = torch.utils._python_dispatch._get_current_dispatch_mode()
-        if rows is not None and isinstance(mode, OpCounter):
+        if isinstance(mode, OpCounter):
             mode.kernels[NATIVE] += 1
         return rows
 
-    real_native, real_grad = native.read_rows, gradients.grad_rows
+    real_native, real_grad = native.read_rows, native.read_grad
     hooks.row_stats_triton = counted  # type: ignore[assignment]
     native.read_rows = native_call
-    gradients.grad_rows = native_grad
+    native.read_grad = native_grad
     try:
         yield
     finally:
         hooks.row_stats_triton = real  # type: ignore[assignment]
         native.read_rows = real_native
-        gradients.grad_rows = real_grad
+        native.read_grad = real_grad
 
 
 def count(fn: Callable[[], object]) -> Count:

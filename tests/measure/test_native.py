@@ -9,6 +9,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -469,6 +470,47 @@ def test_a_gradient_in_one_pass(dtype: torch.dtype) -> None:
     assert grad_rows(t.double()) is None and grad_rows(t.t()) is None
     assert grad_rows(t, t[:3]) is None and grad_rows(t, t.t().contiguous().t()) is None
     assert grad_rows(torch.zeros(0, 4, dtype=dtype)) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sites_gradient_reader_plans_once_and_reads_as_grad_rows(
+        dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A site's reader plans a layout once and then reads as :func:`grad_rows` does (a
+    second part included); a new layout, or another thread count, is planned again; what
+    the C kernel does not take goes to :func:`grad_rows` (torch's, there); a weight's
+    reader reads the whole gradient as one row: its norm (against float64), min and max."""
+    gen = torch.Generator().manual_seed(5)
+    a, b = (torch.randn(3, 7, 32, generator=gen).to(dtype) for _ in range(2))
+    fewer = a[:2]
+    want, want_parts, want_fewer = grad_rows(a), grad_rows(a, b), grad_rows(fewer)
+    planned: list[tuple[int, ...]] = []
+    real = native.grad_read_plan
+
+    def counting(a: torch.Tensor, b: torch.Tensor | None = None, whole: bool = False
+                 ) -> Any:
+        planned.append(tuple(a.shape))
+        return real(a, b, whole)
+
+    monkeypatch.setattr(native, "grad_read_plan", counting)
+    read, read_parts = native.GradReader(), native.GradReader()
+    for _ in range(3):
+        assert same(read(a), want) and same(read_parts(a, b), want_parts)  # type: ignore[arg-type]
+    assert planned == [(3, 7, 32)] * 2  # once each
+    assert same(read(fewer), want_fewer)  # type: ignore[arg-type]
+    with threads(1):
+        assert same(read(fewer), want_fewer)  # type: ignore[arg-type]
+    assert planned == [(3, 7, 32)] * 2 + [(2, 7, 32)] * 2
+    planned.clear()
+    across = a.transpose(0, 1)  # not contiguous: grad_rows', which leaves it to torch
+    assert read(across) is None and read(a, b.transpose(1, 2).contiguous().transpose(1, 2)) \
+        is None
+    assert planned == [(7, 3, 32), (3, 7, 32)]
+    weight = torch.randn(4, 48, generator=gen).to(dtype)
+    got = native.GradReader(whole=True)(weight)
+    assert got is not None and got.shape == (3,)
+    torch.testing.assert_close(got[0].double(), weight.double().norm(), rtol=1e-5, atol=0)
+    assert got[1] == weight.min() and got[2] == weight.max()
+    assert native.GradReader(whole=True)(weight.t()) is None  # (torch's norm, there)
 
 
 def test_a_folds_lines_accumulate_into_the_state_as_a_loop_says() -> None:

@@ -332,6 +332,25 @@ def test_sparse_embedding_gradients_are_counted_by_their_values() -> None:
     assert u.grad_norm == pytest.approx(float(grad), rel=1e-6) and u.update_norm > 0
 
 
+def test_a_gradient_laid_out_unlike_its_parameter_is_measured_as_its_own() -> None:
+    """A gradient assigned as a view of a wider tensor (its rows further apart than its
+    parameter's) is not sampled at the parameter's offsets, which would read the
+    elements between its rows: it is measured tensor by tensor, as the values it holds."""
+    lin = nn.Linear(64, 128, bias=False)  # 8192 elements: sampled, not copied whole
+    opt = torch.optim.SGD(lin.parameters(), lr=0.0)
+    w = normwatch.watch(nn.Sequential(lin, nn.LayerNorm(128)), opt, report_dir=None)
+    wide = torch.full((128, 128), 1e6)
+    wide[:, :64] = torch.randn(128, 64, generator=torch.Generator().manual_seed(0))
+    for _ in range(2):  # (the second step: the parameter list is known, the fast path)
+        lin.weight.grad = wide[:, :64]
+        opt.step()
+        w.step()
+    updates = w.flush().updates
+    assert [u.grad_norm for u in updates] == [pytest.approx(float(wide[:, :64].norm()),
+                                                            rel=1e-5)] * 2
+    w.close()
+
+
 @pytest.mark.parametrize("kept", [True, False], ids=["copies kept", "copies per step"])
 def test_channels_last_and_transposed_parameters_are_measured_in_memory_order(
         kept: bool, monkeypatch: pytest.MonkeyPatch) -> None:
