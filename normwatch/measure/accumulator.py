@@ -15,7 +15,7 @@ import torch
 
 from normwatch.catalog import COLUMNS, MAX_COLUMNS, SUM_COLUMNS, combine
 from normwatch.measure.gradients import GradPlan, GradRows, fold_grads, grad_plan
-from normwatch.measure.native import accumulate
+from normwatch.measure.native import RowBuffers, accumulate
 from normwatch.measure.reductions import CallRows, FoldPlan, fold_calls, fold_plan
 from normwatch.records import Limits
 
@@ -60,6 +60,10 @@ class Accumulator:
         """Where this step's calls begin in the staged list."""
         self._cuda = False
         """Whether a block or a staged call was seen on a CUDA device (:meth:`on_cuda`)."""
+        self.buffers = RowBuffers()
+        """Where the C reader's calls put their rows (lent until :meth:`commit` folds them)."""
+        self.grad_buffers = RowBuffers()
+        """Where the C reader's gradients go (lent until :meth:`commit_grads` folds them)."""
 
     def stage(self, call: CallRows) -> None:
         """Queue one call's rows; no tensor op (the fold is a few dozen ops per step)."""
@@ -83,6 +87,7 @@ class Accumulator:
     def drop_grads(self) -> None:
         """Drop the staged gradients (not yet folded)."""
         self._staged_grads = []
+        self.grad_buffers.give_back()
         self._staged_tokens = sum(c.n for c in self._staged)
 
     def mark(self) -> tuple[int, int]:
@@ -129,6 +134,12 @@ class Accumulator:
         self._commits += 1
         self.commit_grads()
         self._staged_tokens = 0
+        try:
+            self._fold(groups)
+        finally:
+            self.buffers.give_back()  # (the rows were read: folded, or dropped)
+
+    def _fold(self, groups: dict[tuple[torch.device, bool, bool], list[CallRows]]) -> None:
         for (device, *_), calls in groups.items():
             plan = self._plan(device, calls)
             index = plan.rows
@@ -156,9 +167,12 @@ class Accumulator:
         for grad in staged:
             grads.setdefault(grad.norms.device, []).append(grad)
             self._staged_tokens -= grad.norms.numel()
-        for device, group in grads.items():
-            fold_grads(self._block(device), group, self._grad_plan(device, group),
-                       self.native)
+        try:
+            for device, group in grads.items():
+                fold_grads(self._block(device), group, self._grad_plan(device, group),
+                           self.native)
+        finally:
+            self.grad_buffers.give_back()  # (the rows were read: folded, or dropped)
 
     def _plan(self, device: torch.device, calls: list[CallRows]) -> FoldPlan:
         """The fold's constant vectors, cached: the same forward pass stages the same

@@ -374,7 +374,8 @@ class GradHooks:
 
     def __init__(self, tokens: Tokens, target: Target, stage: Stage,
                  fail: Callable[[Exception], None], through: Through | None = None,
-                 width: int | None = None, native: bool = True) -> None:
+                 width: int | None = None, native: bool = True,
+                 take: Callable[[tuple[int, ...]], torch.Tensor] | None = None) -> None:
         self.tokens = tokens
         self.native = native
         """Whether CPU gradients are read by the C kernel where it covers them."""
@@ -391,8 +392,9 @@ class GradHooks:
         self._armed = True
         """Whether the weight's hook is registered (on steps whose backward is measured:
         a hook that fires only to return costs ~40 µs inside a backward, :meth:`arm`)."""
-        self._readers = tuple(GradReader(whole=site == WEIGHT) for site in range(WEIGHT + 1))
-        """Per site (:data:`SITES`, then :data:`WEIGHT`), the C reader of its gradients."""
+        self._readers = tuple(GradReader(site == WEIGHT, take) for site in range(WEIGHT + 1))
+        """Per site (:data:`SITES`, then :data:`WEIGHT`), the C reader of its gradients (into
+        ``take``'s buffers, lent until the staged rows are folded)."""
 
     def watch_call(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Eager: hook one call's gradients (input ``x``, output ``y``) without touching

@@ -88,16 +88,17 @@ def _one_launch() -> Iterator[None]:
             mode.kernels["empty"] += 1  # its output
         return rows
 
-    def native_call(plan: native.RowPlan, x: torch.Tensor, out: torch.Tensor | None
-                    ) -> torch.Tensor:
-        rows = real_native(plan, x, out)  # (its output's allocation is counted as it is)
+    def native_call(plan: native.RowPlan, x: torch.Tensor, out: torch.Tensor | None,
+                    rows: torch.Tensor | None = None) -> torch.Tensor:
+        rows = real_native(plan, x, out, rows)  # (its output's allocation: counted as it is)
         mode = torch.utils._python_dispatch._get_current_dispatch_mode()
         if isinstance(mode, OpCounter):
             mode.kernels[NATIVE] += 1
         return rows
 
-    def native_grad(plan: Any, a: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        rows = real_grad(plan, a, b)
+    def native_grad(plan: Any, a: torch.Tensor, b: torch.Tensor | None,
+                    rows: torch.Tensor | None = None) -> torch.Tensor:
+        rows = real_grad(plan, a, b, rows)
         mode = torch.utils._python_dispatch._get_current_dispatch_mode()
         if isinstance(mode, OpCounter):
             mode.kernels[NATIVE] += 1

@@ -334,10 +334,10 @@ def test_a_watched_run_sees_the_same_with_either_kernel(monkeypatch: pytest.Monk
     passes: list[int] = []
     read = native.read_rows
 
-    def counted(plan: native.RowPlan, x: torch.Tensor, out: torch.Tensor | None
-                ) -> torch.Tensor:
+    def counted(plan: native.RowPlan, x: torch.Tensor, out: torch.Tensor | None,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
         passes.append(plan.args[8])  # the moments read: 0 none, 1 RMS, 2 centred
-        return read(plan, x, out)
+        return read(plan, x, out, rows)
 
     folds: list[int] = []
 
@@ -470,6 +470,22 @@ def test_a_gradient_in_one_pass(dtype: torch.dtype) -> None:
     assert grad_rows(t.double()) is None and grad_rows(t.t()) is None
     assert grad_rows(t, t[:3]) is None and grad_rows(t, t.t().contiguous().t()) is None
     assert grad_rows(torch.zeros(0, 4, dtype=dtype)) is None
+
+
+def test_row_buffers_are_lent_again_only_once_given_back() -> None:
+    """Buffers are lent by shape, none twice before :meth:`give_back` (the rows in them
+    wait for a fold); then the same ones are lent again, and a shape not lent since the
+    last give-back is let go at the next."""
+    buffers = native.RowBuffers()
+    first = [buffers.take((4, 8)) for _ in range(3)] + [buffers.take((7, 8))]
+    assert len({id(b) for b in first}) == 4 and all(b.dtype == torch.float32 for b in first)
+    assert first[0].shape == (4, 8) and first[3].shape == (7, 8)
+    buffers.give_back()
+    again = [buffers.take((4, 8)) for _ in range(4)]
+    assert {id(b) for b in again[:3]} == {id(b) for b in first[:3]}  # the same three
+    assert id(again[3]) not in {id(b) for b in first}  # a fourth: made
+    buffers.give_back()  # (7, 8) was not lent since the last give-back: let go
+    assert id(buffers.take((7, 8))) != id(first[3])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
