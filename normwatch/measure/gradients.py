@@ -392,22 +392,41 @@ class GradHooks:
         self._armed = True
         """Whether the weight's hook is registered (on steps whose backward is measured:
         a hook that fires only to return costs ~40 µs inside a backward, :meth:`arm`)."""
+        self._first = {site: partial(self._node, site, 0) for site in (OUT, HIDDEN)}
+        """The pre-hooks of nodes whose first output is the tensor watched."""
         self._readers = tuple(GradReader(site == WEIGHT, take) for site in range(WEIGHT + 1))
         """Per site (:data:`SITES`, then :data:`WEIGHT`), the C reader of its gradients (into
         ``take``'s buffers, lent until the staged rows are folded)."""
 
     def watch_call(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Eager: hook one call's gradients (input ``x``, output ``y``) without touching
-        the model's graph: tensor hooks on ``y`` and ``x``, node hooks for the part
-        through the norm."""
-        y.register_hook(self._out)  # type: ignore[no-untyped-call]
+        the model's graph: pre-hooks on the nodes that made ``y`` and ``x`` (what a tensor
+        hook is, without its Python bookkeeping: ~4 µs warm each, several times that in a
+        training step), node hooks for the part through the norm."""
+        self._before(y, OUT)
         if not x.requires_grad:
             return
         if not isinstance(x, nn.Parameter):  # a leaf that lives on keeps its hooks
-            x.register_hook(self._hidden)  # type: ignore[no-untyped-call]
+            self._before(x, HIDDEN)
         nodes = through_nodes(y, x)
         if nodes:
             _Through(nodes, self._in)
+
+    def _before(self, t: torch.Tensor, site: int) -> None:
+        """Measure ``t``'s gradient at ``site`` when the node that made ``t`` is about to
+        run (a leaf, which has none: a tensor hook)."""
+        node = t.grad_fn
+        if node is None:
+            t.register_hook(self._out if site == OUT else self._hidden)  # type: ignore[no-untyped-call]
+        else:
+            node.register_prehook(self._first[site] if t.output_nr == 0 else
+                                  partial(self._node, site, t.output_nr))
+
+    def _node(self, site: int, k: int, grads: Sequence[torch.Tensor | None]) -> None:
+        """A node's pre-hook: its output ``k``'s gradient (``None``: it got none)."""
+        g = grads[k]
+        if g is not None:
+            self._measure(site, g)
 
     def watch_hidden(self, x: torch.Tensor) -> None:
         """Compiled: hook ``x``, the hidden state's gradient (a tensor hook: no node in

@@ -197,7 +197,8 @@ SWEPT = ("normwatch (defaults)", "normwatch + optimizer", "normwatch stats_every
 ENTRY_POINTS = (
     ("normwatch.measure.hooks", "LayerHook", ("__call__",)),
     ("normwatch.measure.traced", "CompiledPath", ("pre",)),
-    ("normwatch.measure.gradients", "GradHooks", ("_out", "_in", "_hidden", "_weight_grad")),
+    ("normwatch.measure.gradients", "GradHooks",
+     ("_out", "_in", "_hidden", "_node", "_weight_grad")),
     ("normwatch.measure.gradients", "_Through", ("_part",)),
     ("normwatch.measure.measurement", "Measurement", ("_forward_begins", "_forward_ends")),
     ("normwatch.measure.updates", "UpdateMonitor", ("_pre", "_post")),

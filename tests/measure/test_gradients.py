@@ -140,6 +140,32 @@ def test_gradient_statistics_match_a_float64_reference(pre: bool, seqs: tuple[in
         assert same is (not pre), name
 
 
+class Halves(nn.Module):
+    """A norm whose input is the second output of one node (a chunk: ``output_nr`` 1)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.up, self.norm = nn.Linear(d, 2 * d), nn.LayerNorm(d)
+        nn.init.uniform_(self.norm.weight, 0.5, 1.5)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        a, b = self.up(h).chunk(2, -1)
+        return a * 0.5 + self.norm(b)
+
+
+def test_a_norm_reading_a_nodes_second_output_is_measured_at_that_output() -> None:
+    """The hidden state's gradient is the one of the tensor the norm read, not of its
+    node's first output (which here gets another gradient: a scaled copy of dL/dy)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(Halves(16))
+    batches = [batch(seed) for seed in range(2)]
+    ref = reference(net, batches)
+    snap = train(net, batches)
+    got = measured(snap.layers["0.norm"])
+    for field, value in ref["0.norm"].items():
+        assert got[field] == pytest.approx(value, rel=1e-5), field
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_a_float64_or_bf16_model_is_measured_whole(dtype: torch.dtype) -> None:
     # the weight gradient's norm is summed in fp32 for bf16, in float64 for float64 (not
