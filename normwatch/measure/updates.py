@@ -116,7 +116,8 @@ class _Pack:
     reduce it, whatever the number of tensors), in two slots (:data:`BEFORE`,
     :data:`AFTER`): the sampled tensors' blocks as ``(rows, BLOCK)``, the small tensors
     flat; each block row weighted by its tensor's elements per sampled element (the small
-    ones are whole: weight 1)."""
+    ones are whole: weight 1). Its ops on the parameters run without grad (the optimizer's
+    hooks run in the loop's grad mode; the C pack's path needs no such context)."""
 
     def __init__(self, samples: list[torch.Tensor], scales: list[float]) -> None:
         self.blocked = [i for i, s in enumerate(samples) if s.dim() == 2]
@@ -141,6 +142,7 @@ class _Pack:
         self.buffers: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * 2
         """Per slot: the blocked and the flat buffer (``None``: none made, or released)."""
 
+    @torch.no_grad()
     def fill(self, tensors: list[torch.Tensor], slot: int) -> None:
         """Copy ``tensors`` (laid out like the samples) into ``slot``'s buffers, made on the
         first fill (or after :meth:`release`)."""
@@ -180,6 +182,7 @@ class _Pack:
         both = norms[0] if len(norms) == 1 else torch.stack([n.double() for n in norms])
         return both.double().square().sum()
 
+    @torch.no_grad()
     def measure(self, after: list[torch.Tensor], grads: list[torch.Tensor] | None,
                 size: bool) -> torch.Tensor:
         """``[|g|², |Δp|², |p|²]`` (float64, on the device) from :data:`BEFORE` and the
@@ -348,7 +351,6 @@ class UpdateMonitor:
                           inner.register_step_post_hook(self._post)]
 
     @guarded
-    @torch.no_grad()
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         sampled = self._sampled.get(id(optimizer))
@@ -373,7 +375,6 @@ class UpdateMonitor:
         self._measure(optimizer, sampled)
 
     @guarded
-    @torch.no_grad()
     def _measure(self, optimizer: torch.optim.Optimizer, sampled: _Sampled) -> None:
         """The step's rows: ``|g|²``, ``|Δp|²`` and (full-tier steps) ``|p|²`` of the
         samples, per device."""
@@ -451,6 +452,7 @@ class UpdateMonitor:
         self._sampled.clear()
 
 
+@torch.no_grad()
 def _grad_sumsq(grads: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
     """``|g|²`` estimated tensor by tensor, for gradients not laid out like their
     parameters (missing, sparse), on ``device``: one norm call per dtype, each sample's
