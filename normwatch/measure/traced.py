@@ -36,15 +36,19 @@ class CompiledPath:
     def _fail(self, exc: Exception) -> None:
         self.hook._fail(exc)
 
-    @guarded
     def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Forward pre-hook, compiled code only: a tensor hook on the input (the hidden
         state's gradient, :meth:`GradHooks.watch_hidden`). Nothing is put between the
         input and the norm: eager calls hook their gradients from the forward hook
-        (:meth:`GradHooks.watch_call`), compiled ones from the output's tap."""
+        (:meth:`GradHooks.watch_call`), compiled ones from the output's tap. An eager
+        call returns at once (before the guard's frame: every norm call pays it)."""
+        if torch.compiler.is_compiling():
+            self._pre(module, args, kwargs)
+
+    @guarded
+    def _pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         grads = self.hook.grads
-        if not torch.compiler.is_compiling() or grads is None or \
-                not (module.training and torch.is_grad_enabled()):
+        if grads is None or not (module.training and torch.is_grad_enabled()):
             return
         x = input_of(args, kwargs)
         if x is not None and x.requires_grad and x.is_floating_point():
