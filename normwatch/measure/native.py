@@ -405,7 +405,7 @@ def grad_rows(a: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor | 
 
 
 def grad_read_plan(a: torch.Tensor, b: torch.Tensor | None = None,
-              whole: bool = False) -> ctypes.Array[ctypes.c_int64] | None:
+                   whole: bool = False) -> ctypes.Array[ctypes.c_int64] | None:
     """``normwatch_grad_rows_planned``'s plan of reading ``a`` (and ``b``) as
     :func:`grad_rows` does (``whole``: as one row), or ``None`` where it does not."""
     shape = _rowwise(a)
