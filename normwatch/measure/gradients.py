@@ -7,15 +7,17 @@ hidden state's gradient where it reads it; and its weight's gradient.
     >>> y = hooks.watch_output(y, x)  # forward hook, compiled: the model goes on with y
 
 Hooks registered in the forward (on full-tier steps) fire in the backward with
-``dL/dy`` (``grad_out``, a tensor hook on the output), ``dL/dx`` through the norm only
-(``grad_in``: hooks on the autograd nodes of the norm's own graph that feed ``x``, their
-parts summed; :func:`through_nodes`) and ``dL/dx`` in total (``grad_hidden``, a tensor
-hook on the input itself: the residual stream of a pre-norm block). None of them puts a
+``dL/dy`` (``grad_out``, a pre-hook on the node that made the output: what a tensor hook
+is, without its Python bookkeeping), ``dL/dx`` through the norm only (``grad_in``: hooks
+on the autograd nodes of the norm's own graph that feed ``x``, their parts summed;
+:func:`through_nodes`) and ``dL/dx`` in total (``grad_hidden``, a pre-hook on the node
+that made the input itself: the residual stream of a pre-norm block). None of them puts a
 node into the model's graph, so the order in which autograd sums the hidden state's
 gradient, and every trained bit, stays as unwatched. Eager hooks reduce each to its
 tokens' L2 norms and its min and max (:func:`token_rows`: two reductions; on the CPU one
 pass of the C kernel, which also adds two parts of ``grad_in`` as it reads them,
-:func:`~normwatch.measure.native.grad_rows`) and stage them;
+:class:`~normwatch.measure.native.GradReader`, into buffers lent until the fold) and
+stage them;
 the accumulator folds every staged gradient at once when the step ends (:func:`fold_grads`).
 Compiled code taps the output with :class:`_Tap` instead (an autograd function traced
 into the backward graph), whose backward hands ``dL/dy`` to one opaque operator

@@ -336,7 +336,8 @@ class RowBuffers:
     back when the rows lent since the last fold are folded (:meth:`give_back`), then lent
     again. An allocation costs ~11 µs inside a training step, a loan ~3. What is kept is
     what the last fold's rows held (and they were alive until it anyway); a shape not
-    lent since is let go."""
+    lent since is let go. A loan is a list's pop (one at a time under the GIL); the
+    give-back runs where the fold does, between steps."""
 
     __slots__ = ("_free", "_lent")
 
