@@ -230,7 +230,6 @@ class _Sampled:
         size and strides, the (local) parameter's shape, strides and dtype."""
         self.strides = [layout[3] for layout in self.layouts]
         self.dtypes = [layout[4] for layout in self.layouts]
-        self.strided = [torch.strided] * len(params)
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for i, s in enumerate(self.samples):
             groups.setdefault((s.device, s.dtype), []).append(i)
@@ -276,7 +275,7 @@ class _Sampled:
             return None
         grads = list(map(_grad, self.params))
         if set(map(type, grads)) == _PLAIN and list(map(_dtype, grads)) == self.dtypes \
-                and list(map(_layout, grads)) == self.strided \
+                and set(map(_layout, grads)) == _STRIDED \
                 and list(map(torch.Tensor.stride, grads)) == self.strides:
             return grads  # (each checked at once in C, not in a loop: a loop of Python
             # inside the step costs several times what it costs warm)
@@ -303,7 +302,7 @@ class _Sampled:
 _version = operator.attrgetter("_version")
 """A tensor's version counter (bumped by each in-place write)."""
 _grad, _dtype, _layout = (operator.attrgetter(a) for a in ("grad", "dtype", "layout"))
-_PLAIN = {torch.Tensor}
+_PLAIN, _STRIDED = {torch.Tensor}, {torch.strided}
 
 
 def _scale(t: torch.Tensor, s: torch.Tensor) -> float:
