@@ -13,6 +13,7 @@ import torch
 
 import normwatch
 from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
+from tests.threads import threads
 
 STEPS = 50
 MODES = {
@@ -80,12 +81,8 @@ def one_thread() -> Iterator[None]:
     threads, and so the last bit of a row two tokens share, is up to their timing. On 2
     threads 2 comparisons in 46 differed there (one element of the embedding, 9.3e-10);
     on one thread 60 in 60 were equal."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with threads(1):
         yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("tier", sorted(TIERS))

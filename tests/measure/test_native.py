@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from normwatch.measure.gradients import SITES, WEIGHT, GradRows, fold_grads, gra
 from normwatch.measure.native import GRAIN, MAX_ELEMENTS, grad_rows, library, row_stats, threaded
 from normwatch.measure.reductions import CallRows, fold_calls, fold_plan, reduce_call
 from normwatch.records import Limits
+from tests.threads import threads
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler here")
 
@@ -164,16 +164,6 @@ def test_a_layers_reader_keeps_a_plan_per_tier(monkeypatch: pytest.MonkeyPatch) 
     assert same(read(fewer, fewer * 2, None), want_fewer)  # type: ignore[arg-type]
     assert same(read(x, y, "rms"), want["rms"])  # type: ignore[arg-type]
     assert planned == [None, "rms", None]
-
-
-@contextmanager
-def threads(n: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_without_torch_threads_shared_big_float32_is_left_to_torch(

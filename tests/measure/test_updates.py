@@ -17,6 +17,7 @@ from normwatch.errors import ConfigError
 from normwatch.measure.native import library
 from normwatch.measure.native_updates import NativePack
 from normwatch.measure.updates import _Pack
+from tests.threads import threads
 
 NATIVE = pytest.mark.skipif(library() is None, reason="no C compiler: no native kernel")
 
@@ -437,9 +438,7 @@ def test_a_large_sample_split_over_threads_sums_as_one_thread(dtype: torch.dtype
     sampled = normwatch.measure.updates._Sampled(params)
     (_, pack), = sampled.packs
     assert isinstance(pack, NativePack) and sum(pack._blocks) >= native_updates.SPLIT_FROM
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with threads(2):
         results = []
         for split in (False, True):
             pack._split = split
@@ -450,8 +449,6 @@ def test_a_large_sample_split_over_threads_sums_as_one_thread(dtype: torch.dtype
             results.append((row.tolist(), pack.kept.clone()))
             for p in params:
                 p.mul_(2.0)  # exact in binary floating point: as they were
-    finally:
-        torch.set_num_threads(threads)
     (one, kept_one), (split_row, kept_split) = results
     assert split_row == pytest.approx(one, rel=1e-12)
     assert torch.equal(kept_one, kept_split)
