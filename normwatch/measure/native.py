@@ -353,7 +353,11 @@ class RowBuffers:
         return rows
 
     def give_back(self) -> None:
-        """Every buffer lent is free again: the rows in them were folded (or dropped)."""
+        """Every buffer lent is free again: the rows in them were folded (or dropped).
+        With none lent since the last, nothing changes (a flush folds twice over: its
+        second fold must not let the first's buffers go)."""
+        if not self._lent:
+            return
         free: dict[tuple[int, ...], list[torch.Tensor]] = {}
         for rows in self._lent:
             free.setdefault(tuple(rows.shape), []).append(rows)

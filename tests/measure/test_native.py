@@ -464,13 +464,15 @@ def test_a_gradient_in_one_pass(dtype: torch.dtype) -> None:
 
 def test_row_buffers_are_lent_again_only_once_given_back() -> None:
     """Buffers are lent by shape, none twice before :meth:`give_back` (the rows in them
-    wait for a fold); then the same ones are lent again, and a shape not lent since the
-    last give-back is let go at the next."""
+    wait for a fold); then the same ones are lent again, also after a give-back with
+    none lent (a flush folds twice), and a shape not lent since the last give-back is
+    let go at the next."""
     buffers = native.RowBuffers()
     first = [buffers.take((4, 8)) for _ in range(3)] + [buffers.take((7, 8))]
     assert len({id(b) for b in first}) == 4 and all(b.dtype == torch.float32 for b in first)
     assert first[0].shape == (4, 8) and first[3].shape == (7, 8)
     buffers.give_back()
+    buffers.give_back()  # none lent since: the free ones stay
     again = [buffers.take((4, 8)) for _ in range(4)]
     assert {id(b) for b in again[:3]} == {id(b) for b in first[:3]}  # the same three
     assert id(again[3]) not in {id(b) for b in first}  # a fourth: made
