@@ -96,6 +96,8 @@ def library() -> ctypes.CDLL | None:
                        ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     sample.restype = ctypes.c_int
     lib.normwatch_threaded.restype = ctypes.c_int
+    lib.normwatch_hash.argtypes = [ctypes.c_void_p, ctypes.c_int, i64]  # batch_hash
+    lib.normwatch_hash.restype = i64
     fold = lib.normwatch_fold  # fold_rows
     fold.argtypes = [i64, ptrs, ctypes.c_void_p, ctypes.c_int, ctypes.c_float,
                      ctypes.c_float, ctypes.c_double, i64s, i64, ctypes.c_void_p]
@@ -275,6 +277,22 @@ def fold_grad_rows(rows: Sequence[torch.Tensor], table: torch.Tensor,
     lib.normwatch_fold_grads(len(rows), pointers(rows), table.data_ptr(), len(weights),
                              pointers(weights), at.data_ptr(), block.data_ptr())
     return True
+
+
+INTEGERS = {torch.int64: 0, torch.int32: 1}
+"""The integer dtypes :func:`batch_hash` reads."""
+
+
+def batch_hash(t: torch.Tensor) -> int | None:
+    """The replay log's hash of ``t`` (:func:`~normwatch.measure.replay.hashed`: a CPU
+    integer tensor's, in one call, on the host), or ``None`` where the kernel does not
+    read it (another device, dtype or layout, no library)."""
+    kind = INTEGERS.get(t.dtype)
+    if kind is None or type(t) is not torch.Tensor or not t.is_cpu \
+            or t.layout != torch.strided or not t.is_contiguous() or _wrapped(t):
+        return None
+    lib = library()
+    return None if lib is None else lib.normwatch_hash(t.data_ptr(), kind, t.numel())
 
 
 MOMENTS = {"rms": 1, "centred": 2}

@@ -374,6 +374,21 @@ int normwatch_rows_planned(const void *x, const void *y, float *out, const int64
                           plan[5], plan[6], out, (int)plan[7], (int)plan[8]);
 }
 
+/* The replay log's batch hash (normwatch.measure.replay.hashed) of n integers (kind 0:
+ * int64, 1: int32): sum(x_i * (2654435761 i + 1)) wrapping in 64 bits, then modulo
+ * 2^31 - 1 as a floored remainder (torch's `remainder`: never negative) */
+int64_t normwatch_hash(const void *p, int kind, int64_t n) {
+    uint64_t total = 0;
+    if (kind == 0)
+        for (int64_t i = 0; i < n; i++)
+            total += (uint64_t)((const int64_t *)p)[i] * (2654435761u * (uint64_t)i + 1);
+    else
+        for (int64_t i = 0; i < n; i++)
+            total += (uint64_t)(int64_t)((const int32_t *)p)[i] * (2654435761u * (uint64_t)i + 1);
+    int64_t r = (int64_t)total % 2147483647;
+    return r < 0 ? r + 2147483647 : r;
+}
+
 /* 1: built with OpenMP (normwatch_rows uses its `threads`) */
 int normwatch_threaded(void) {
 #ifdef _OPENMP

@@ -9,15 +9,17 @@ stood, the RNG states it started from.
     >>> log.resolve(copied)                  # the hashes come back
     >>> log.at(7)                            # ReplayPoint(step=7, fingerprint=..., ...)
 
-The fingerprint is computed on the device at the flush, for the interval's steps at
-once (a forward only copies its integer inputs, one op; inputs past :data:`COPY_LIMIT`
-elements are hashed at once instead), and rides along the flush copy (no sync): for
-each integer tensor of the step's batch (Lightning) or first forward's inputs,
-``sum(x_i * (2654435761 i + 1))`` over its flattened elements in int64 (wrapping), modulo
-``2**31 - 1``, as ``dtype[shape]:hash`` (``int64[4x16]:0a1b2c3d``; one per tensor,
-space-separated): equal batches give equal fingerprints, a changed token changes it. The
-RNG states are copied on the host as the step's first forward begins
-(``torch.get_rng_state()``, and CUDA's where it is initialised: the generator's seed and
+For each integer tensor of the step's batch (Lightning) or first forward's inputs, the
+fingerprint is ``sum(x_i * (2654435761 i + 1))`` over its flattened elements in int64
+(wrapping), modulo ``2**31 - 1``, as ``dtype[shape]:hash`` (``int64[4x16]:0a1b2c3d``; one
+per tensor, space-separated): equal batches give equal fingerprints, a changed token
+changes it. A batch of contiguous CPU int64/int32 tensors is hashed as the forward begins,
+on the host by the C kernel (:func:`~normwatch.measure.native.batch_hash`: one call a
+tensor, nothing kept). Others are hashed on their device at the flush, for the interval's
+steps at once (a forward only copies its integer inputs, one op; inputs past
+:data:`COPY_LIMIT` elements are hashed at once instead), and ride along the flush copy (no
+sync). The RNG states are kept on the host as the step's first forward begins (a copy of
+the CPU generator, and CUDA's state where it is initialised: the generator's seed and
 offset, no device sync); the last :data:`KEEP` steps are kept.
 """
 
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 
 from normwatch.measure.losses import ride_along
+from normwatch.measure.native import batch_hash
 from normwatch.records import ReplayPoint
 
 KEEP = 64
@@ -96,18 +99,19 @@ class ReplayLog:
         if self._hashed:
             return
         self._hashed = True
-        rng: dict[str, Any] = {"torch_initial_seed": str(torch.initial_seed()),
-                               "torch_cpu": torch.get_rng_state()}
-        if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # never without CUDA
-            rng["torch_cuda"] = torch.cuda.get_rng_state()
         point = self._points.get(self._step)
         if point is not None:
-            point["rng"] = rng
+            point["rng"] = rng_states()
         tensors = list(_integer_tensors((*args, *kwargs.values())))
         if not tensors:
             return
-        first = tensors[0]
         names = [self._name(t) for t in tensors]
+        on_host = [batch_hash(t) for t in tensors]  # CPU tensors: hashed now, in C
+        if None not in on_host:
+            if point is not None:
+                point["fingerprint"] = list(zip(names, on_host, strict=True))
+            return
+        first = tensors[0]
         if len(tensors) > 1 and all(t.shape == first.shape and t.dtype == first.dtype and
                                     t.device == first.device for t in tensors):
             # alike (a language model's input ids and labels): one copy, hashed row by row
@@ -192,6 +196,31 @@ class ReplayLog:
         point = self._points.get(step)
         if point is None:
             return None
-        rng = {k: v if isinstance(v, str) else base64.b64encode(v.numpy().tobytes()).decode()
-               for k, v in point["rng"].items()}
-        return ReplayPoint(step, point["fingerprint"], dict(point["position"]), rng)
+        rng = {k: _encoded(v) for k, v in point["rng"].items()}
+        said = point["fingerprint"]
+        if isinstance(said, list):  # hashed on the host: (name, hash) pairs
+            said = " ".join(f"{name}:{value:08x}" for name, value in said)
+        return ReplayPoint(step, said, dict(point["position"]), rng)
+
+
+def rng_states() -> dict[str, Any]:
+    """The initial seed and the RNG states a step starts from, kept as they are (a copy of
+    the CPU generator, CUDA's state); :func:`_encoded` writes them down when asked. The
+    generator's copy is one C++ copy, where ``torch.get_rng_state()`` makes a tensor
+    through the dispatcher (~70 µs at a step's first forward, against ~1 warm)."""
+    cpu = torch.default_generator
+    rng: dict[str, Any] = {"torch_initial_seed": cpu.initial_seed(),
+                           "torch_cpu": cpu.clone_state() if hasattr(cpu, "clone_state")
+                           else cpu.get_state()}
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # never without CUDA
+        rng["torch_cuda"] = torch.cuda.get_rng_state()
+    return rng
+
+
+def _encoded(state: Any) -> str:
+    """A kept RNG state as text: the seed in decimal, a state's bytes in base64."""
+    if isinstance(state, int | str):
+        return str(state)
+    if isinstance(state, torch.Generator):
+        state = state.get_state()
+    return base64.b64encode(state.numpy().tobytes()).decode()

@@ -10,8 +10,20 @@ from normwatch.measure.replay import ReplayLog
 
 
 def python_hash(t: torch.Tensor) -> int:
+    """The hash in Python integers: the sum wraps as int64's does, then the floored
+    remainder."""
     flat = t.flatten().tolist()
-    return sum(x * (2654435761 * i + 1) for i, x in enumerate(flat)) % (2**31 - 1)
+    total = sum(x * (2654435761 * i + 1) for i, x in enumerate(flat)) % 2**64
+    return (total - 2**64 if total >= 2**63 else total) % (2**31 - 1)
+
+
+@pytest.fixture(params=["host", "device"])
+def where(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Where CPU batches are hashed: on the host in the forward (the C kernel), or as
+    any other device's at the flush (torch's ops; where there is no C library)."""
+    if request.param == "device":
+        monkeypatch.setattr(replay, "batch_hash", lambda t: None)
+    return str(request.param)
 
 
 def fingerprint(*args: object, **kwargs: object) -> str | None:
@@ -24,7 +36,7 @@ def fingerprint(*args: object, **kwargs: object) -> str | None:
     return point.fingerprint
 
 
-def test_alike_tensors_are_hashed_together_and_each_as_alone() -> None:
+def test_alike_tensors_are_hashed_together_and_each_as_alone(where: str) -> None:
     """A language model's input ids and labels (alike: hashed in one pass) and a mixed
     batch (ids, a mask of another dtype, positions of another shape) hash the same as
     one tensor at a time; float tensors are left out."""
@@ -46,7 +58,7 @@ def test_alike_tensors_are_hashed_together_and_each_as_alone() -> None:
 
 
 def test_an_intervals_steps_hash_at_the_flush_each_as_its_own(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, where: str) -> None:
     """Steps of several layouts (alike ids and labels, a longer batch, a mixed one, one
     past the copy limit: hashed in its forward) resolve at one flush, each step to its
     own batch's hashes; a batch the loop overwrites after its forward (a reused buffer)
@@ -80,3 +92,23 @@ def test_an_intervals_steps_hash_at_the_flush_each_as_its_own(
     for step, fingerprint_ in want.items():
         point = log.at(step)
         assert point is not None and point.fingerprint == fingerprint_, step
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_the_host_hash_wraps_and_floors_as_torchs_ops(dtype: torch.dtype) -> None:
+    """The C kernel's hash of a CPU tensor (negative values, sums past int64 that wrap)
+    is torch's ops' (the device path) and the Python integers' (wrapped as int64); what it
+    does not read (another dtype, a view that is not contiguous) it leaves."""
+    from normwatch.measure.native import batch_hash, library
+
+    if library() is None:
+        pytest.skip("no C compiler")
+    info = torch.iinfo(dtype)
+    gen = torch.Generator().manual_seed(3)
+    t = torch.randint(info.min, info.max, (3, 257), generator=gen, dtype=dtype)
+    t[0, :4] = torch.tensor([info.min, info.max, -1, 0], dtype=dtype)
+    flat = t.reshape(1, -1).long()
+    expected = int(replay.hashed(flat, replay.hash_weights(flat.shape[1], flat.device)))
+    assert batch_hash(t) == expected == python_hash(t)
+    assert batch_hash(t[:, ::2]) is None and batch_hash(t.to(torch.int16)) is None
+    assert batch_hash(torch.zeros(0, dtype=dtype)) == 0
