@@ -480,6 +480,33 @@ def test_row_buffers_are_lent_again_only_once_given_back() -> None:
     assert id(buffers.take((7, 8))) != id(first[3])
 
 
+def test_a_watchs_intervals_read_into_the_last_ones_buffers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a watched run the sentinel's rows of an interval go into the buffers the last
+    interval's went into, none made again (a flush folds twice: its second give-back,
+    with none lent, once let them all go)."""
+    seen: list[list[torch.Tensor]] = []
+    read = native.read_rows
+
+    def kept(plan: native.RowPlan, x: torch.Tensor, out: torch.Tensor | None,
+             rows: torch.Tensor | None = None) -> torch.Tensor:
+        seen[-1].append(rows)  # type: ignore[arg-type]  # (held: ids stay unique)
+        return read(plan, x, out, rows)
+
+    monkeypatch.setattr(native, "read_rows", kept)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 1))
+    watch = normwatch.watch(model, flush_every=2, stats_every=1000, gradients=False,
+                            report_dir=None)
+    for step in range(8):
+        if step % 2 == 0:
+            seen.append([])
+        model(torch.randn(4, 8)).sum().backward()
+        watch.step()
+    watch.close()
+    ids = [{id(rows) for rows in interval if rows.shape[0] == 4} for interval in seen]
+    assert len(ids[1]) == 2 and ids[2] == ids[3] == ids[1]  # sentinel calls: 4 rows each
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_sites_gradient_reader_plans_once_and_reads_as_grad_rows(
         dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
