@@ -63,6 +63,9 @@ class Runtime:
     gradients: bool = True
     """Whether gradients through the norms are measured (fixed: compiled graphs tap the
     outputs for it)."""
+    recomputing: bool = False
+    """A training call without grad was counted as one to be recomputed in the backward
+    (:attr:`LayerHook.pending_recompute`) since the step began."""
 
     @property
     def grads_now(self) -> bool:
@@ -265,6 +268,7 @@ class LayerHook:
             return True
         if module.training:
             self.pending_recompute += 1
+            self.rt.recomputing = True
             self.counts.no_grad_calls += 1
         else:
             self.counts.eval_calls += 1

@@ -63,6 +63,11 @@ class Measurement:
         self._hooks = [LayerHook(layer, module, i, self._rt, module_device(module) or fallback)
                        for i, (layer, module) in enumerate(pairs)]
         self._probes = ProbeCache(self.paused)
+        self._measured: bool | None = None
+        """Whether the weights' hooks are armed for a measured backward (``None``: not yet
+        set by :meth:`begin_step`)."""
+        self._unplaced = any(hook.state is None for hook in self._hooks)
+        """Whether a hook waits for its module to leave the meta device."""
         self._folding = Part("folding the step's statistics", "those measurements are dropped")
         # A forward of ``root`` that raised leaves its calls behind: marked where it began,
         # dropped at the next step unless it completed.
@@ -97,6 +102,10 @@ class Measurement:
         if self._find_unsharded:
             self._follow_unsharded()
         measured = rt.gradients and full
+        if measured is self._measured and not rt.recomputing and not self._unplaced:
+            return  # (inside a training run every line costs: the hooks are as they were)
+        self._measured, self._unplaced = measured, False
+        rt.recomputing = False
         for hook in self._hooks:
             hook.pending_recompute = 0
             if hook.grads is not None:
@@ -105,6 +114,8 @@ class Measurement:
                 device = module_device(hook.module)
                 if device is not None and device.type != "meta":
                     hook.home(device)  # compiled code traced without it recompiles once
+                else:
+                    self._unplaced = True
 
     def _follow_unsharded(self) -> None:
         """Hook the weights FSDP2 unshards into the norms (eager hooks follow them inside

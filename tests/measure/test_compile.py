@@ -276,11 +276,17 @@ def test_a_failing_compiled_measurement_disables_that_layer_only(monkeypatch: py
     w.close()
 
 
-def test_a_model_built_on_the_meta_device_is_measured_once_materialised() -> None:
-    """FSDP2's usual flow: build on meta, watch, materialise (``to_empty``), compile."""
+@pytest.mark.parametrize("steps_before", [0, 2])
+def test_a_model_built_on_the_meta_device_is_measured_once_materialised(
+        steps_before: int) -> None:
+    """FSDP2's usual flow: build on meta, watch, materialise (``to_empty``), compile; also
+    with steps counted before it is materialised (their tiers set: the next step still
+    places the hooks)."""
     with torch.device("meta"):
         model = TinyLM(dim=32, depth=1)
     w = normwatch.watch(model, report_dir=None)
+    for _ in range(steps_before):
+        w.step()
     model.to_empty(device="cpu")
     with torch.no_grad():
         for p in model.parameters():

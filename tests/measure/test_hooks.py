@@ -37,6 +37,26 @@ def test_eval_and_no_grad_forwards_are_not_counted_unless_asked() -> None:
     assert w2.flush().layers["norm"].calls == 1
 
 
+def test_a_no_grad_training_forward_leaves_no_recompute_to_the_next_step() -> None:
+    """A training-mode forward without grad (a no-grad pass that left the model in train
+    mode) waits for a reentrant checkpoint's recompute in its step only: the next step's
+    checkpoint, recomputed by two backward passes, counts once."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    w = normwatch.watch(model, report_dir=None)
+    x = torch.randn(3, 8, requires_grad=True)
+    for _ in range(2):  # (the second: its step begins with the tiers as they were)
+        with torch.no_grad():
+            model(x)
+        w.step()
+    loss = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=True).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()  # recomputed again: not a call of this step's forward
+    w.step()
+    stats = w.flush().layers["1"]
+    assert (stats.calls, stats.tokens) == (1, 3)
+    w.close()
+
+
 def test_module_called_twice_counts_twice() -> None:
     norm = nn.RMSNorm(8)
     lin = nn.Linear(8, 8)
