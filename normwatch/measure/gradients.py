@@ -504,24 +504,36 @@ class GradHooks:
                  weight: torch.Tensor | None) -> None:
         self._measure(IN, through(self.tokens(g.detach()), self.tokens(x), weight))
 
-    @guarded
     def _measure(self, site: int, g: torch.Tensor, *parts: torch.Tensor) -> None:
         """Stage ``g`` (plus ``parts``, detached: the rest of a gradient that came in
         parts)."""
-        if torch.compiler.is_compiling():  # traced (the hidden state's hook)
-            row = self._target()
-            if row is not None:
-                observe_grad(g, row, SITES[site], None, None)
-        elif g.numel() and self._target() is not None:
-            t = self._view(g.detach() if g.requires_grad else g)  # (create_graph=True)
+        # guarded as @guarded does, in place, and the common case in few frames: inside a
+        # backward each frame costs several µs, and a full step runs four of these a norm
+        try:
+            if torch.compiler.is_compiling():  # traced (the hidden state's hook)
+                row = self._target()
+                if row is not None:
+                    observe_grad(g, row, SITES[site], None, None)
+                return
+            if not g.numel() or self._target() is None:
+                return
+            t = g.detach() if g.requires_grad else g  # (create_graph=True)
+            width = self.width
+            if t.shape[-1] != width:
+                t = self.tokens(t)
             if self.native and len(parts) < 2:  # one pass on the CPU, adding a second part
-                packed = self._readers[site](t, self._view(parts[0]) if parts else None)
+                b = parts[0] if parts else None
+                if b is not None and b.shape[-1] != width:
+                    b = self.tokens(b)
+                packed = self._readers[site](t, b)
                 if packed is not None:
                     self._stage(site, (packed, None, None), t.shape[-1])
                     return
             for part in parts:  # (as autograd would have summed them)
                 t = t + self._view(part)
             self._stage(site, token_rows(t), t.shape[-1])
+        except Exception as exc:  # never take the training run down
+            self._fail(exc)
 
     def _view(self, g: torch.Tensor) -> torch.Tensor:
         """``g`` as tokens: as it is where its last dim holds one."""

@@ -198,7 +198,7 @@ class LayerHook:
     def _stage_grad(self, site: int,
                     rows: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
                     width: int) -> None:
-        self.rt.accumulator.stage_grad(GradRows(*rows, self.row, site, width))
+        self.rt.accumulator.stage_grad(_new(GradRows, (*rows, self.row, site, width)))
 
     @property
     def disabled_reason(self) -> str | None:
@@ -400,6 +400,7 @@ _new = tuple.__new__
 """A named tuple made from all its fields, without its ``__new__``'s Python frame (inside a
 training step, ~3 µs a call)."""
 assert CallRows._fields[-1] == "out" and len(CallRows._fields) == 11  # (as _read makes it)
+assert GradRows._fields[3:] == ("layer", "site", "width")  # (as _stage_grad makes it)
 
 
 def module_device(module: nn.Module) -> torch.device | None:
