@@ -2,7 +2,7 @@
 
 Per counted call it reduces the layer's input and output to a few floats per token on
 their device (:func:`~normwatch.measure.reductions.reduce_call`, or the fused Triton
-kernel; a sentinel-tier CPU call through a lane of few lines, :meth:`LayerHook._sentinel`)
+kernel; a common CPU training call through a lane of few lines, :meth:`LayerHook._lane`)
 and stages them in the accumulator, with no host synchronisation (no
 ``.item()``, ``.cpu()``, ``bool(tensor)``, masking or ``nonzero``). Host-side it only
 reads metadata (shapes, dtypes, flags). Any exception disables this hook with one
@@ -216,18 +216,19 @@ class LayerHook:
             rt = self.rt
             if rt.paused:
                 return None
-            if rt.full_stats or not self._sentinel(module, args, output, rt):
+            if not self._lane(module, args, output, rt):
                 self._observe(module, args, kwargs, output)
         except Exception as exc:  # never take the training run down
             self._fail(exc)
         return None
 
-    def _sentinel(self, module: nn.Module, args: tuple[Any, ...], output: Any,
-                  rt: Runtime) -> bool:
-        """A sentinel-tier call in the CPU lane, measured in few lines (inside a training
-        step every line costs several times what it costs warm): a plain input and output
-        of one layout, a training call, not the interval's first (its dtypes are noted)
-        nor its output check. ``False``: nothing done, :meth:`_observe` measures it."""
+    def _lane(self, module: nn.Module, args: tuple[Any, ...], output: Any, rt: Runtime) -> bool:
+        """A training call in the CPU lane, measured in few lines (inside a training step
+        every line costs several times what it costs warm): a plain input and output of
+        one layout, a training call, not the interval's first (its dtypes are noted) nor
+        its output check. On full-tier steps its moments too, its gradients hooked and its
+        dtypes noted, as :meth:`_observe` does. ``False``: nothing done, :meth:`_observe`
+        measures it."""
         c = self.counts
         if not args or not c.calls or (rt.check_outputs and not c.output_checked) or \
                 rt.kernel != "auto":
@@ -239,7 +240,8 @@ class LayerHook:
             return False
         if not x.dim() or x.shape[-1] != self._width or not output.numel():
             return False
-        call = self._read(x, output, float(rt.step * KEY_STRIDE + rt.calls_this_step), False)
+        full = rt.full_stats
+        call = self._read(x, output, float(rt.step * KEY_STRIDE + rt.calls_this_step), full)
         if call is None:
             return False
         rt.accumulator.stage(call)
@@ -247,6 +249,13 @@ class LayerHook:
         c.calls += 1
         c.tokens += call.n
         c.input_shape = x.shape
+        if full:
+            grads = self.grads
+            if grads is not None and rt.grads_now:
+                if output.requires_grad:
+                    grads.watch_call(x, output)
+                grads.watch_weight(getattr(module, "weight", None))  # FSDP2 swaps it
+            self.record_dtypes(module, x, output)
         return True
 
     def _fail(self, exc: Exception) -> None:

@@ -196,20 +196,21 @@ FLUSHED = (5, 8, 15)
 (``stats_every=4``), run under autocast."""
 
 
-def _lane_run(lane: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[object], int]:
+def _lane_run(lane: bool, monkeypatch: pytest.MonkeyPatch
+              ) -> tuple[list[object], tuple[int, int]]:
     """Each interval's raw rows, host counts and snapshot of one loop (token counts that
     change from step to step, eval and no-grad forwards between steps, two backward
-    passes in one step, a NaN in one step, autocast in one interval), and how many calls
-    the lane measured."""
-    taken = [0]
-    real = LayerHook._sentinel
+    passes in one step, a NaN in one step, autocast over one interval and from a full-tier
+    step inside another), and how many calls of each tier the lane measured."""
+    taken = [0, 0]  # sentinel-tier calls, full-tier calls
+    real = LayerHook._lane
 
-    def sentinel(self: LayerHook, *args: object) -> bool:
+    def taking(self: LayerHook, *args: object) -> bool:
         done = real(self, *args) if lane else False  # type: ignore[arg-type]
-        taken[0] += done
+        taken[self.rt.full_stats] += done
         return done
 
-    monkeypatch.setattr(LayerHook, "_sentinel", sentinel)
+    monkeypatch.setattr(LayerHook, "_lane", taking)
     torch.manual_seed(0)
     model = _Lanes()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -223,7 +224,7 @@ def _lane_run(lane: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[object]
         if step == 12:
             x.data[1, 2, 5] = float("nan")
         with warnings.catch_warnings(), torch.autocast("cpu", torch.bfloat16,
-                                                       enabled=6 <= step <= 8):
+                                                       enabled=6 <= step <= 8 or step >= 13):
             warnings.simplefilter("ignore")
             loss = model(x).float().square().mean()
             loss.backward(retain_graph=step == 3)
@@ -242,18 +243,18 @@ def _lane_run(lane: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[object]
             out += [w._measure.read()[0], counts, w.flush()]
     w.close()
     monkeypatch.undo()
-    return out, taken[0]
+    return out, (taken[0], taken[1])
 
 
 def _same(a: float, b: float) -> bool:
     return a == b or (a != a and b != b)
 
 
-def test_the_sentinels_lane_measures_as_the_general_path(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sentinel tier's common CPU call is measured in a lane of few lines; every
-    column of every layer, its host counts and the snapshot, interval by interval, are
-    what the general path gives: the full tier, each interval's first call (its dtypes:
+def test_the_lane_measures_as_the_general_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The common CPU training call, of either tier (the full tier's gradients hooked and
+    dtypes noted there), is measured in a lane of few lines; every column of every layer
+    (the gradients' included), its host counts and the snapshot, interval by interval,
+    are what the general path gives: each interval's first call (its dtypes:
     autocast in an interval of sentinel steps), the output check (a gated call first),
     eval and no-grad calls, the reentrant checkpoint's recompute inside backward and a
     NaN all left as they were."""
@@ -261,7 +262,7 @@ def test_the_sentinels_lane_measures_as_the_general_path(
         pytest.skip("no C compiler: no lane")
     lane, taken = _lane_run(True, monkeypatch)
     general, none = _lane_run(False, monkeypatch)
-    assert taken > 20 and none == 0
+    assert taken[0] > 20 and taken[1] > 5 and none == (0, 0)
     assert len(lane) == len(general) == 3 * len(FLUSHED)
     for got, want in zip(lane, general, strict=True):
         if not isinstance(got, list) or not isinstance(got[0], dict):
@@ -273,3 +274,4 @@ def test_the_sentinels_lane_measures_as_the_general_path(
             assert not bad, [(k, row[k], expected[k]) for k in bad]
     assert any(row["nonfinite"] > 0 for row in lane[-3])  # type: ignore[attr-defined]
     assert "bfloat16" in repr(lane[4]) and "bfloat16" not in repr(lane[1])
+    assert "bfloat16" in repr(lane[7])  # from step 13 on, a full-tier step in the interval
