@@ -250,13 +250,17 @@ class LayerHook:
         c.tokens += call.n
         c.input_shape = x.shape
         if full:
-            grads = self.grads
-            if grads is not None and rt.grads_now:
-                if output.requires_grad:
-                    grads.watch_call(x, output)
-                grads.watch_weight(getattr(module, "weight", None))  # FSDP2 swaps it
+            self._watch_grads(module, x, output)
             self.record_dtypes(module, x, output)
         return True
+
+    def _watch_grads(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None) -> None:
+        """Hook a counted call's gradients, where this step's backward is measured."""
+        grads = self.grads
+        if grads is not None and self.rt.grads_now:
+            if y is not None and y.requires_grad:
+                grads.watch_call(x, y)
+            grads.watch_weight(getattr(module, "weight", None))  # FSDP2 swaps it
 
     def _fail(self, exc: Exception) -> None:
         """Disable this hook with one warning (while tracing: Dynamo breaks the graph
@@ -299,10 +303,7 @@ class LayerHook:
         alone = rt.check_outputs and not self.counts.output_checked and \
             not other_tensor(args, kwargs, x)
         self.measure(module, x, y, alone)
-        if self.grads is not None and rt.grads_now:
-            if y is not None and y.requires_grad:
-                self.grads.watch_call(x, y)
-            self.grads.watch_weight(getattr(module, "weight", None))  # FSDP2 swaps it
+        self._watch_grads(module, x, y)
         if rt.full_stats or self.counts.calls == 1:  # each interval's first call, and
             self.record_dtypes(module, x, y)         # the full-tier steps' calls
 
