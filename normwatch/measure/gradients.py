@@ -46,7 +46,7 @@ from torch.utils.hooks import RemovableHandle
 
 from normwatch.catalog import COLUMNS, GRAD_SITES, GRAD_SUMS
 from normwatch.guarded import guarded
-from normwatch.measure.native import GradReader, fold_grad_rows
+from normwatch.measure.native import GradReader, allocated, fold_grad_rows
 from normwatch.measure.opaque import observe_grad
 from normwatch.measure.reductions import runs, summed_dtype
 from normwatch.measure.sharding import local
@@ -377,7 +377,7 @@ class GradHooks:
     def __init__(self, tokens: Tokens, target: Target, stage: Stage,
                  fail: Callable[[Exception], None], through: Through | None = None,
                  width: int | None = None, native: bool = True,
-                 take: Callable[[tuple[int, ...]], torch.Tensor] | None = None) -> None:
+                 take: Callable[[tuple[int, ...]], torch.Tensor] = allocated) -> None:
         self.tokens = tokens
         self.native = native
         """Whether CPU gradients are read by the C kernel where it covers them."""

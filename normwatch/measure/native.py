@@ -328,12 +328,17 @@ def row_plan(x: torch.Tensor, out: torch.Tensor | None,
     return RowPlan((k, *x.shape[:-1]), (ctypes.c_int64 * len(args))(*args))
 
 
+def allocated(shape: tuple[int, ...]) -> torch.Tensor:
+    """A new float32 CPU buffer of ``shape``: where rows are read when none is lent."""
+    return torch.empty(shape, dtype=torch.float32)
+
+
 def read_rows(plan: RowPlan, x: torch.Tensor, out: torch.Tensor | None,
               rows: torch.Tensor | None = None) -> torch.Tensor:
     """``x``'s and ``out``'s rows as ``plan`` (theirs) says, into ``rows`` (float32,
     contiguous, of ``plan.shape``; ``None``: allocated): one call."""
     if rows is None:
-        rows = torch.empty(*plan.shape, dtype=torch.float32)
+        rows = allocated(plan.shape)
     library().normwatch_rows_planned(  # type: ignore[union-attr]
         x.data_ptr(), None if out is None else out.data_ptr(), rows.data_ptr(), plan.args)
     return rows
@@ -366,7 +371,7 @@ class RowBuffers:
     def take(self, shape: tuple[int, ...]) -> torch.Tensor:
         """A buffer of ``shape``, to hold until the next :meth:`give_back`."""
         free = self._free.get(shape)
-        rows = free.pop() if free else torch.empty(shape, dtype=torch.float32)
+        rows = free.pop() if free else allocated(shape)
         self._lent.append(rows)
         return rows
 
@@ -385,12 +390,13 @@ class RowBuffers:
 class RowReader:
     """:func:`row_stats` for one layer's calls whose input and output are alike (the
     same shape, contiguous, on the CPU): their layout worked out once (:func:`row_plan`),
-    then each call one call of the kernel, into a buffer of ``take``'s (``None``: one
-    allocation; the checks of a general call cost several times the call's own Python)."""
+    then each call one call of the kernel, into a buffer of ``take``'s (a lender's, or
+    :func:`allocated`; the checks of a general call cost several times the call's own
+    Python)."""
 
     __slots__ = ("_planned", "_take")
 
-    def __init__(self, take: Callable[[tuple[int, ...]], torch.Tensor] | None = None) -> None:
+    def __init__(self, take: Callable[[tuple[int, ...]], torch.Tensor] = allocated) -> None:
         self._take = take
         self._planned: dict[str | None, tuple[tuple[object, ...], RowPlan | None]] = {}
         """Per moments (each tier's: a layer's calls switch tiers every few steps), the
@@ -412,9 +418,7 @@ class RowReader:
             planned = self._planned[moments] = (
                 key, row_plan(x, out, moments) if out.shape == x.shape else None)
         plan = planned[1]
-        if plan is None:
-            return None
-        return read_rows(plan, x, out, None if self._take is None else self._take(plan.shape))
+        return None if plan is None else read_rows(plan, x, out, self._take(plan.shape))
 
 
 def grad_rows(a: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -450,7 +454,7 @@ def read_grad(plan: ctypes.Array[ctypes.c_int64], a: torch.Tensor, b: torch.Tens
     """``a``'s (and ``b``'s) rows as ``plan`` (theirs) says, into ``rows`` (float32, of
     the rows' count plus 2; ``None``: allocated): one call."""
     if rows is None:
-        rows = torch.empty(plan[1] + 2, dtype=torch.float32)
+        rows = allocated((plan[1] + 2,))
     library().normwatch_grad_rows_planned(  # type: ignore[union-attr]
         a.data_ptr(), None if b is None else b.data_ptr(), rows.data_ptr(), plan)
     return rows
@@ -461,12 +465,12 @@ class GradReader:
     weight's), mostly laid out alike from one step to the next: the plan of the last
     layout kept (the checks and argument conversions of a general call cost several
     times the call's own Python inside a backward), the rows put in a buffer of
-    ``take``'s (``None``: allocated)."""
+    ``take``'s (a lender's, or :func:`allocated`)."""
 
     __slots__ = ("_planned", "_take", "_whole")
 
     def __init__(self, whole: bool = False,
-                 take: Callable[[tuple[int, ...]], torch.Tensor] | None = None) -> None:
+                 take: Callable[[tuple[int, ...]], torch.Tensor] = allocated) -> None:
         self._whole = whole
         self._take = take
         self._planned: tuple[tuple[object, ...], ctypes.Array[ctypes.c_int64] | None] | None \
@@ -487,6 +491,4 @@ class GradReader:
         if planned is None or key != planned[0]:
             planned = self._planned = (key, grad_read_plan(a, b, self._whole))
         plan = planned[1]
-        if plan is None:
-            return None
-        return read_grad(plan, a, b, None if self._take is None else self._take((plan[1] + 2,)))
+        return None if plan is None else read_grad(plan, a, b, self._take((plan[1] + 2,)))
