@@ -9,9 +9,11 @@ hidden state's gradient where it reads it; and its weight's gradient.
 Hooks registered in the forward (on full-tier steps) fire in the backward with
 ``dL/dy`` (``grad_out``, a pre-hook on the node that made the output: what a tensor hook
 is, without its Python bookkeeping), ``dL/dx`` through the norm only (``grad_in``: hooks
-on the autograd nodes of the norm's own graph that feed ``x``, their parts summed;
-:func:`through_nodes`) and ``dL/dx`` in total (``grad_hidden``, a pre-hook on the node
-that made the input itself: the residual stream of a pre-norm block). None of them puts a
+on the autograd nodes of the norm's own graph that feed ``x``, their parts summed,
+:func:`through_nodes`; or, where autograd keeps ``x`` anyway, computed from ``dL/dy``,
+``x`` and the weight by the output's pre-hook, :meth:`GradHooks.computes`) and ``dL/dx``
+in total (``grad_hidden``, a pre-hook on the node that made the input itself: the
+residual stream of a pre-norm block). None of them puts a
 node into the model's graph, so the order in which autograd sums the hidden state's
 gradient, and every trained bit, stays as unwatched. Eager hooks reduce each to its
 tokens' L2 norms and its min and max (:func:`token_rows`: two reductions; on the CPU one
@@ -46,7 +48,7 @@ from torch.utils.hooks import RemovableHandle
 
 from normwatch.catalog import COLUMNS, GRAD_SITES, GRAD_SUMS
 from normwatch.guarded import guarded
-from normwatch.measure.native import GradReader, allocated, fold_grad_rows
+from normwatch.measure.native import GradReader, ThroughReader, allocated, fold_grad_rows
 from normwatch.measure.opaque import observe_grad
 from normwatch.measure.reductions import runs, summed_dtype
 from normwatch.measure.sharding import local
@@ -94,6 +96,10 @@ def token_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     lo, hi = torch.aminmax(t)
     return torch.linalg.vector_norm(t, dim=-1, dtype=summed_dtype(t.dtype)), lo, hi
 
+
+_saved_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+"""The innermost saved-tensor hooks in force (``None``: none; a checkpoint's drop what
+autograd saves)."""
 
 MAX_NODES = 64
 """How many autograd nodes :func:`through_nodes` walks before it gives up (a norm with
@@ -377,7 +383,8 @@ class GradHooks:
     def __init__(self, tokens: Tokens, target: Target, stage: Stage,
                  fail: Callable[[Exception], None], through: Through | None = None,
                  width: int | None = None, native: bool = True,
-                 take: Callable[[tuple[int, ...]], torch.Tensor] = allocated) -> None:
+                 take: Callable[[tuple[int, ...]], torch.Tensor] = allocated,
+                 formula: ThroughReader | None = None) -> None:
         self.tokens = tokens
         self.native = native
         """Whether CPU gradients are read by the C kernel where it covers them."""
@@ -399,20 +406,77 @@ class GradHooks:
         self._readers = tuple(GradReader(site == WEIGHT, take) for site in range(WEIGHT + 1))
         """Per site (:data:`SITES`, then :data:`WEIGHT`), the C reader of its gradients (into
         ``take``'s buffers, lent until the staged rows are folded)."""
+        self._computed = formula if native and through is not None and width is not None \
+            else None
+        """The C reader of the output's gradient and the gradient through the norm
+        (:meth:`computes`), or ``None``."""
 
-    def watch_call(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def watch_call(self, x: torch.Tensor, y: torch.Tensor, alone: bool = False,
+                   weight: object = None) -> None:
         """Eager: hook one call's gradients (input ``x``, output ``y``) without touching
         the model's graph: pre-hooks on the nodes that made ``y`` and ``x`` (what a tensor
         hook is, without its Python bookkeeping: ~4 µs warm each, several times that in a
-        training step), node hooks for the part through the norm."""
-        self._before(y, OUT)
+        training step), node hooks for the part through the norm; ``alone``: ``x`` was
+        the call's only tensor input (and ``weight`` the norm's weight): where it
+        :meth:`computes` the part through the norm, the output's hook computes it too."""
         if not x.requires_grad:
-            return
+            return self._before(y, OUT)
         if not isinstance(x, nn.Parameter):  # a leaf that lives on keeps its hooks
             self._before(x, HIDDEN)
+        if alone and self.computes(x, y, weight):
+            node, box = y.grad_fn, [x, weight, x._version]
+            if node is not None:  # (else a leaf: no graph through the norm)
+                node.register_prehook(partial(self._both, y.output_nr, box))
+            return
+        self._before(y, OUT)
         nodes = through_nodes(y, x)
         if nodes:
             _Through(nodes, self._in)
+
+    def computes(self, x: torch.Tensor, y: torch.Tensor, weight: object) -> bool:
+        """Whether the gradient through the norm is computed from its output's, its input
+        and ``weight`` (:func:`through_formula`, in C: one hook, no walk over the norm's
+        nodes), not read from its nodes: a layer or RMS norm of a plain float32 input and
+        output alike on the CPU, where autograd keeps ``x`` for the norm's backward anyway (no
+        checkpoint's saved-tensor hooks: they drop it), ``weight`` (or none) one per
+        element of a token."""
+        return self._computed is not None and type(x) is torch.Tensor \
+            and x.dtype == y.dtype == torch.float32 and x.is_cpu and y.shape == x.shape \
+            and x.shape[-1] == self.width and _saved_hooks(False) is None and (
+                weight is None or (isinstance(weight, torch.Tensor)
+                                   and weight.numel() == self.width))
+
+    def _both(self, k: int, box: list[Any], grads: Sequence[torch.Tensor | None]) -> None:
+        """The output's node's pre-hook: its gradient ``k`` and, from it and ``box``'s
+        input and weight (let go here), the gradient through the norm; not through it
+        where the input was written in place since the forward."""
+        g = grads[k]
+        if not box or g is None:
+            return
+        x, weight, version = box
+        box.clear()
+        try:  # (guarded in place, as _measure)
+            if not g.numel() or self._target() is None:
+                return
+            t = g.detach() if g.requires_grad else g
+            if x._version != version:
+                return self._measure(OUT, t)
+            self._out_through(t, x, weight)
+        except Exception as exc:  # never take the training run down
+            self._fail(exc)
+
+    def _out_through(self, g: torch.Tensor, x: torch.Tensor,
+                     weight: torch.Tensor | None) -> None:
+        """Stage the output's gradient ``g`` and the gradient through the norm computed
+        from it (:func:`through_formula`: in C where it reads them, else torch's ops)."""
+        rows = None if self._computed is None or x.shape[-1] != self.width else \
+            self._computed(g, x, weight)
+        if rows is None:
+            self._measure(OUT, g)
+            return self._through(self.through, g, x.detach(),  # type: ignore[arg-type]
+                                 None if weight is None else weight.detach())
+        self._stage(OUT, (rows[0], None, None), g.shape[-1])
+        self._stage(IN, (rows[1], None, None), g.shape[-1])
 
     def _before(self, t: torch.Tensor, site: int) -> None:
         """Measure ``t``'s gradient at ``site`` when the node that made ``t`` is about to
@@ -495,9 +559,10 @@ class GradHooks:
         when this backward is not measured."""
         if self._target() is None:
             return
-        self._measure(site, g)
-        if x is not None and self.through is not None:
-            self._through(self.through, g, x, weight)
+        if x is not None and self.through is not None and site == OUT:
+            self._out_through(g, x, weight)
+        else:
+            self._measure(site, g)
 
     @guarded
     def _through(self, through: Through, g: torch.Tensor, x: torch.Tensor,

@@ -33,7 +33,7 @@ from normwatch.measure.accumulator import Accumulator
 from normwatch.measure.autocasting import autocast_made, output_op
 from normwatch.measure.calls import dtype_name, dtypes, input_of, other_tensor, output_of
 from normwatch.measure.gradients import GradHooks, GradRows, through_formula
-from normwatch.measure.native import RowReader
+from normwatch.measure.native import RowReader, ThroughReader
 from normwatch.measure.opaque import disown, own
 from normwatch.measure.outputs import output_check
 from normwatch.measure.reductions import CallRows, fused_call, out_rows, reduce_call, token_view
@@ -159,10 +159,17 @@ class LayerHook:
         if runtime.gradients:
             through = None if layer.token_size is None else \
                 through_formula(layer.kind, self._eps, layer.weight_form == "1+w")
+            weight = getattr(module, "weight", None)
+            formula = None if through is None or not (
+                isinstance(weight, torch.Tensor) or next(module.parameters(), None) is None) \
+                else \
+                ThroughReader(self._centred, self._eps, layer.weight_form == "1+w",
+                              runtime.accumulator.grad_buffers.take)
             self.grads = GradHooks(self._tokens, self._grad_target, self._stage_grad,
                                    self._fail, through, layer.token_size,
                                    native=runtime.kernel == "auto",
-                                   take=runtime.accumulator.grad_buffers.take)
+                                   take=runtime.accumulator.grad_buffers.take,
+                                   formula=formula)
             self.grads.watch_weight(getattr(module, "weight", None))
             self._pre_handle = module.register_forward_pre_hook(self.compiled.pre,
                                                                 with_kwargs=True)
@@ -216,13 +223,14 @@ class LayerHook:
             rt = self.rt
             if rt.paused:
                 return None
-            if not self._lane(module, args, output, rt):
+            if not self._lane(module, args, kwargs, output, rt):
                 self._observe(module, args, kwargs, output)
         except Exception as exc:  # never take the training run down
             self._fail(exc)
         return None
 
-    def _lane(self, module: nn.Module, args: tuple[Any, ...], output: Any, rt: Runtime) -> bool:
+    def _lane(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+              output: Any, rt: Runtime) -> bool:
         """A training call in the CPU lane, measured in few lines (inside a training step
         every line costs several times what it costs warm): a plain input and output of
         one layout, a training call, not the interval's first (its dtypes are noted) nor
@@ -250,17 +258,21 @@ class LayerHook:
         c.tokens += call.n
         c.input_shape = x.shape
         if full:
-            self._watch_grads(module, x, output)
+            self._watch_grads(module, x, output, (len(args) == 1 and not kwargs)
+                              or not other_tensor(args, kwargs, x))
             self.record_dtypes(module, x, output)
         return True
 
-    def _watch_grads(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None) -> None:
-        """Hook a counted call's gradients, where this step's backward is measured."""
+    def _watch_grads(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None,
+                     alone: bool) -> None:
+        """Hook a counted call's gradients, where this step's backward is measured
+        (``alone``: ``x`` was the call's only tensor input, ``y`` its output)."""
         grads = self.grads
         if grads is not None and self.rt.grads_now:
+            weight = getattr(module, "weight", None)  # (FSDP2 swaps it)
             if y is not None and y.requires_grad:
-                grads.watch_call(x, y)
-            grads.watch_weight(getattr(module, "weight", None))  # FSDP2 swaps it
+                grads.watch_call(x, y, alone, weight)
+            grads.watch_weight(weight)
 
     def _fail(self, exc: Exception) -> None:
         """Disable this hook with one warning (while tracing: Dynamo breaks the graph
@@ -299,11 +311,10 @@ class LayerHook:
             return
         y = output_of(output)
         rt = self.rt
-        # only where this call may be the interval's output check (see measure)
-        alone = rt.check_outputs and not self.counts.output_checked and \
-            not other_tensor(args, kwargs, x)
-        self.measure(module, x, y, alone)
-        self._watch_grads(module, x, y)
+        alone = not other_tensor(args, kwargs, x)
+        # (alone: only where this call may be the interval's output check, see measure)
+        self.measure(module, x, y, alone and rt.check_outputs and not self.counts.output_checked)
+        self._watch_grads(module, x, y, alone and type(output) is torch.Tensor)
         if rt.full_stats or self.counts.calls == 1:  # each interval's first call, and
             self.record_dtypes(module, x, y)         # the full-tier steps' calls
 

@@ -86,6 +86,10 @@ def library() -> ctypes.CDLL | None:
     lines = lib.normwatch_accumulate  # accumulate
     lines.argtypes = [i64, ctypes.c_void_p, i64, ctypes.c_void_p, i64, i64, ctypes.c_void_p]
     lines.restype = ctypes.c_int
+    through = lib.normwatch_through  # ThroughReader
+    through.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_double]
+    through.restype = ctypes.c_int
     for planned in (lib.normwatch_rows_planned, lib.normwatch_grad_rows_planned):
         planned.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         planned.restype = ctypes.c_int  # read_rows, GradReader
@@ -492,3 +496,57 @@ class GradReader:
             planned = self._planned = (key, grad_read_plan(a, b, self._whole))
         plan = planned[1]
         return None if plan is None else read_grad(plan, a, b, self._take((plan[1] + 2,)))
+
+
+class ThroughReader:
+    """A norm's output gradient and the gradient through the norm, in one call of the
+    kernel (``normwatch_through``): ``g``'s rows as :func:`grad_rows` gives them, and
+    the rows of ``dL/dx`` through a layer or RMS norm, computed row by row from ``g``, the
+    norm's input and its weight (never stored), for float32 tensors laid out alike,
+    contiguous, on the CPU; the last layout's plan kept, the rows put in buffers of
+    ``take``'s (see :class:`GradReader`)."""
+
+    __slots__ = ("_centred", "_eps", "_planned", "_plus", "_take")
+
+    def __init__(self, centred: bool, eps: float, one_plus_w: bool,
+                 take: Callable[[tuple[int, ...]], torch.Tensor] = allocated) -> None:
+        self._centred, self._eps, self._plus = int(centred), eps, int(one_plus_w)
+        self._take = take
+        self._planned: tuple[tuple[object, ...], ctypes.Array[ctypes.c_int64] | None] | None \
+            = None
+
+    def __call__(self, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(g's rows, dL/dx's rows)``, or ``None``: left to torch."""
+        f32 = torch.float32
+        if type(g) is not torch.Tensor or g.dtype != f32 or not g.is_cpu \
+                or g.layout != torch.strided or not g.is_contiguous() or _wrapped(g) \
+                or g.shape != x.shape or type(x) is not torch.Tensor or x.dtype != f32 \
+                or not x.is_cpu or not x.is_contiguous() or _wrapped(x) or (
+                    weight is not None and (
+                    weight.dtype != f32 or not weight.is_cpu or not weight.is_contiguous()
+                    or weight.numel() != x.shape[-1] or _wrapped(weight)
+                    or weight.untyped_storage().nbytes() < 4 * weight.numel())):
+            return None
+        key = (g.shape, torch.get_num_threads())
+        planned = self._planned
+        if planned is None or key != planned[0]:
+            planned = self._planned = (key, self._plan(g))
+        plan = planned[1]
+        if plan is None:
+            return None
+        rows = plan[0] + 2
+        dg, din = self._take((rows,)), self._take((rows,))
+        library().normwatch_through(  # type: ignore[union-attr]
+            g.data_ptr(), x.data_ptr(), None if weight is None else weight.data_ptr(),
+            dg.data_ptr(), din.data_ptr(), plan, self._eps)
+        return dg, din
+
+    def _plan(self, g: torch.Tensor) -> ctypes.Array[ctypes.c_int64] | None:
+        lib = library()
+        threads = 0 if lib is None or not g.dim() else _threads(g, None)
+        if lib is None or not threads or not g.numel():
+            return None
+        width = g.shape[-1]
+        args = (g.numel() // width, width, self._centred, self._plus, threads)
+        return (ctypes.c_int64 * len(args))(*args)

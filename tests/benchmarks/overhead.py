@@ -198,7 +198,7 @@ ENTRY_POINTS = (
     ("normwatch.measure.hooks", "LayerHook", ("__call__",)),
     ("normwatch.measure.traced", "CompiledPath", ("pre",)),
     ("normwatch.measure.gradients", "GradHooks",
-     ("_out", "_in", "_hidden", "_node", "_weight_grad")),
+     ("_out", "_in", "_hidden", "_node", "_both", "_weight_grad")),
     ("normwatch.measure.gradients", "_Through", ("_part",)),
     ("normwatch.measure.measurement", "Measurement", ("_forward_begins", "_forward_ends")),
     ("normwatch.measure.updates", "UpdateMonitor", ("_pre", "_post")),

@@ -361,3 +361,179 @@ def test_a_measured_steps_gradients_are_folded_when_the_step_ends() -> None:
     block = acc.blocks[torch.device("cpu")]
     assert (block[:, SUM_AT["grad_out"]] == 15).all()  # 3 x 5 tokens per norm, one step
     w.close()
+
+
+def formula_used(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """What :meth:`GradHooks.computes` answers, call by call, from now on."""
+    real, answers = normwatch.measure.gradients.GradHooks.computes, []
+
+    def counting(self: Any, *args: Any) -> bool:
+        answers.append(real(self, *args))
+        return answers[-1]
+
+    monkeypatch.setattr(normwatch.measure.gradients.GradHooks, "computes", counting)
+    return answers
+
+
+def norm_classes() -> dict[str, Any]:
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    assert transformers is not None
+    return {"LayerNorm": nn.LayerNorm, "RMSNorm": nn.RMSNorm, "LlamaRMSNorm": LlamaRMSNorm,
+            "GemmaRMSNorm (1 + w)": GemmaRMSNorm,
+            "LayerNorm without weight": lambda d: nn.LayerNorm(d, elementwise_affine=False)}
+
+
+@pytest.mark.parametrize("name", ["LayerNorm", "RMSNorm", "LlamaRMSNorm", "GemmaRMSNorm (1 + w)",
+                                  "LayerNorm without weight"])
+def test_the_gradient_through_a_float32_cpu_norm_is_computed_as_its_nodes_give_it(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where autograd keeps the norm's input anyway (float32 on the CPU, no checkpoint),
+    the gradient through the norm is computed from the output's, the input and the weight
+    in one hook: every gradient statistic as the hooks on the norm's own nodes read it
+    (autograd's values), for torch's and Hugging Face's norms."""
+    make = norm_classes()[name]
+    torch.manual_seed(0)
+    blocks = [Block(16, pre, make) for pre in (True, False, True)]
+    for b in blocks:
+        if getattr(b.norm, "weight", None) is not None:
+            nn.init.uniform_(b.norm.weight, 0.5, 1.5)  # type: ignore[arg-type]
+    net = nn.Sequential(nn.Linear(16, 16), *blocks)
+    batches = [batch(seed) for seed in range(2)]
+    answers = formula_used(monkeypatch)
+    computed = train(copy.deepcopy(net), batches)
+    assert answers == [True] * 6  # 3 norms, 2 backwards
+    monkeypatch.setattr(normwatch.measure.gradients.GradHooks, "computes",
+                        lambda self, *args: False)
+    walked = train(copy.deepcopy(net), batches)
+    for layer, stats in walked.layers.items():
+        want, got = measured(stats), measured(computed.layers[layer])
+        for field, value in want.items():
+            if value is None:  # (a norm without weight)
+                assert field == "weight_grad_norm" and got[field] is None
+            else:
+                assert got[field] == pytest.approx(value, rel=1e-5), (layer, field)
+
+
+@pytest.mark.parametrize("case", ["bf16", "checkpoint", "second input"])
+def test_where_autograd_would_not_keep_the_input_the_norms_nodes_are_read(
+        case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 norm (an RMSNorm casting to float32 keeps the cast, not its input), a
+    checkpointed one (its saved tensors are dropped), a norm with a second tensor input
+    (the formula of x alone does not hold): the gradient through it is read from its own
+    nodes, and measured."""
+    class Gated(nn.Module):
+        def __init__(self, d: int) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(d)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return h + self.norm(h) * 2.0
+
+    class GatedNorm(nn.LayerNorm):
+        def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None  # type: ignore[override]
+                    ) -> torch.Tensor:
+            out = super().forward(x)
+            return out if gate is None else out * torch.sigmoid(gate)
+
+    class WithGate(nn.Module):
+        def __init__(self, d: int) -> None:
+            super().__init__()
+            self.norm = GatedNorm(d)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return h + self.norm(h, h * 0.5)
+
+    torch.manual_seed(0)
+    net: nn.Module = nn.Sequential(nn.Linear(16, 16), WithGate(16) if case == "second input"
+                                   else Gated(16))
+    run = None
+    batches = [batch(seed) for seed in range(2)]  # (the second call takes the lane)
+    if case == "bf16":
+        net, batches = net.bfloat16(), [(x.bfloat16(), t.bfloat16()) for x, t in batches]
+    elif case == "checkpoint":
+        def run(x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(net, x, use_reentrant=False)  # type: ignore[no-any-return]
+    answers = formula_used(monkeypatch)
+    snap = train(net, batches, run=run)
+    assert answers == [False] * 2 if case != "second input" else not answers
+    (stats,) = snap.layers.values()
+    assert stats.grad_in_rms is not None and stats.grad_in_rms > 0
+
+
+def test_the_computed_gradient_keeps_no_input_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hook that computes the gradient through a norm lets its input go once it ran:
+    a loop that keeps the loss (and so the graph's nodes) keeps no activation."""
+    seen: list[weakref.ref[torch.Tensor]] = []
+
+    class Watched(nn.LayerNorm):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            seen.append(weakref.ref(x))
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 16), Block(16, True, Watched), Block(16, False, Watched))
+    answers = formula_used(monkeypatch)
+    w = normwatch.watch(net, flush_every=1, stats_every=1, report_dir=None)
+    x, target = batch()
+    loss = (net(x) * target).sum()
+    loss.backward()
+    gc.collect()
+    assert answers == [True, True] and len(seen) == 2
+    assert [r() for r in seen] == [None, None]
+    assert loss.grad_fn is not None  # the graph's nodes are still there
+    w.step()
+    w.close()
+
+
+def test_an_input_written_in_place_since_is_not_read_for_the_gradient_through(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A norm whose backward keeps its output, not its input (as memory-saving fused norms
+    do), lets the model write the input in place afterwards: the gradient through the
+    norm is then not computed from the written values (the output's is measured)."""
+    class OutputSavingNorm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            xhat = (x - x.mean(-1, keepdim=True)) * torch.rsqrt(
+                x.var(-1, unbiased=False, keepdim=True) + 1e-5)
+            rstd = torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + 1e-5)
+            ctx.save_for_backward(xhat, rstd, weight)
+            return xhat * weight
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            xhat, rstd, weight = ctx.saved_tensors
+            wg = g * weight
+            dx = rstd * (wg - wg.mean(-1, keepdim=True)
+                         - xhat * (wg * xhat).mean(-1, keepdim=True))
+            return dx, (g * xhat).reshape(-1, xhat.shape[-1]).sum(0)
+
+    class SavingLayerNorm(nn.Module):
+        def __init__(self, d: int) -> None:
+            super().__init__()
+            self.weight, self.eps = nn.Parameter(torch.ones(d)), 1e-5
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return OutputSavingNorm.apply(x, self.weight)  # type: ignore[no-any-return]
+
+    class Overwrites(nn.Module):
+        def __init__(self, d: int) -> None:
+            super().__init__()
+            self.up, self.norm = nn.Linear(d, d), SavingLayerNorm(d)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            a = self.up(h)
+            y = self.norm(a)
+            a.mul_(3.0)  # allowed: nothing saved it
+            return y + a
+
+    torch.manual_seed(0)
+    net = Overwrites(16)
+    answers = formula_used(monkeypatch)
+    snap = train(net, [batch()])
+    assert answers == [True]
+    stats = snap.layers["norm"]
+    assert stats.grad_out_rms is not None and stats.grad_out_rms > 0
+    assert stats.grad_in_rms is None

@@ -627,3 +627,54 @@ def test_the_c_gradient_fold_gives_torchs_values_and_float64_sums() -> None:
             torch.testing.assert_close(got[:, j], reference, rtol=1e-12, atol=0)
             overflowed += int((want[:, j].isinf() & reference.isfinite()).sum())
     assert overflowed  # float32 sums overflowed where float64's did not
+
+
+@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
+@pytest.mark.parametrize("form", ["w", "1+w", None])
+def test_the_gradient_through_a_norm_is_computed_as_autograd_gives_it(
+        kind: str, form: str | None) -> None:
+    """:class:`~normwatch.measure.native.ThroughReader` against float64 autograd of torch's
+    own norm: each row's L2 norm of ``dL/dx`` through the norm (a large common mode
+    included), its min and max; the output's gradient read as :func:`grad_rows` reads it;
+    widths with a tail, one thread or several; NaN rows; what it leaves to torch."""
+    gen = torch.Generator().manual_seed(11)
+    eps = 1e-5
+    for shape in ((5, 7), (3, 4, 16), (64, 250), (2 * GRAIN // 256 + 3, 256), (2, 3)):
+        d = shape[-1]
+        x = torch.randn(shape, generator=gen) * 3 + (100.0 if kind == "layernorm" else 0.0)
+        g = torch.randn(shape, generator=gen)
+        w = None if form is None else torch.rand(d, generator=gen) + 0.5
+        x64 = x.double().requires_grad_()
+        scale = None if w is None else w.double() + (1.0 if form == "1+w" else 0.0)
+        y = (torch.nn.functional.layer_norm if kind == "layernorm" else
+             torch.nn.functional.rms_norm)(x64, (d,), scale, eps=eps)
+        (dx,) = torch.autograd.grad(y, x64, g.double())
+        reader = native.ThroughReader(kind == "layernorm", eps, form == "1+w")
+        for n_threads in (1, 2):
+            with threads(n_threads):
+                got = reader(g, x, w)
+            assert got is not None
+            rows_g, rows_x = got
+            want_g = grad_rows(g)
+            assert want_g is not None
+            torch.testing.assert_close(rows_g[:-2], want_g[:-2], rtol=1e-6, atol=0)
+            assert torch.equal(rows_g[-2:], want_g[-2:])
+            flat = dx.reshape(-1, d)
+            torch.testing.assert_close(rows_x[:-2].double(), flat.norm(dim=1), rtol=2e-4,
+                                       atol=1e-6 * float(flat.norm(dim=1).max()))
+            torch.testing.assert_close(rows_x[-2:].double(), torch.stack([dx.min(), dx.max()]),
+                                       rtol=2e-4, atol=1e-5 * float(dx.abs().max()))
+    x = torch.randn(6, 40, generator=gen)
+    g = torch.randn(6, 40, generator=gen)
+    x[2, 5] = math.nan
+    w = None if form is None else torch.ones(40)
+    got = native.ThroughReader(kind == "layernorm", eps, form == "1+w")(g, x, w)
+    assert got is not None
+    assert got[1][:-2].isnan().tolist() == [False, False, True, False, False, False]
+    assert got[1][-2:].isnan().all() and not got[0].isnan().any()
+    reader = native.ThroughReader(kind == "layernorm", eps, form == "1+w")
+    assert reader(g.bfloat16(), x, w) is None and reader(g, x.double(), w) is None
+    assert reader(g.t().contiguous().t(), x, w) is None and reader(g[:3], x, w) is None
+    assert reader(g, x, torch.ones(41)) is None and reader(g, x, torch.ones(40).double()) \
+        is None
+    assert reader(torch.zeros(0, 40), torch.zeros(0, 40), w) is None
