@@ -440,37 +440,40 @@ class GradHooks:
         output alike on the CPU, where autograd keeps ``x`` for the norm's backward anyway (no
         checkpoint's saved-tensor hooks: they drop it), ``weight`` (or none) one per
         element of a token."""
-        return self._computed is not None and type(x) is torch.Tensor \
-            and x.dtype == y.dtype == torch.float32 and x.is_cpu and y.shape == x.shape \
-            and x.shape[-1] == self.width and _saved_hooks(False) is None and (
-                weight is None or (isinstance(weight, torch.Tensor)
-                                   and weight.numel() == self.width))
+        return self._computed is not None and y.dtype == torch.float32 \
+            and y.shape == x.shape and x.shape[-1] == self.width \
+            and _saved_hooks(False) is None and self._computed.covers(x, weight)
 
     def _both(self, k: int, box: list[Any], grads: Sequence[torch.Tensor | None]) -> None:
         """The output's node's pre-hook: its gradient ``k`` and, from it and ``box``'s
-        input and weight (let go here), the gradient through the norm; not through it
-        where the input was written in place since the forward."""
+        input and weight (:meth:`computes` took them; let go here), the gradient through
+        the norm; not through it where the input was written in place since the forward."""
         g = grads[k]
         if not box or g is None:
             return
         x, weight, version = box
         box.clear()
-        try:  # (guarded in place, as _measure)
+        try:  # (guarded in place, as _measure; the common case in few frames)
             if not g.numel() or self._target() is None:
                 return
             t = g.detach() if g.requires_grad else g
             if x._version != version:
                 return self._measure(OUT, t)
-            self._out_through(t, x, weight)
+            rows = self._computed(t, x, weight)  # type: ignore[misc]
+            if rows is None:
+                return self._out_through(t, x, weight, False)
+            self._stage(OUT, (rows[0], None, None), self.width)  # type: ignore[arg-type]
+            self._stage(IN, (rows[1], None, None), self.width)  # type: ignore[arg-type]
         except Exception as exc:  # never take the training run down
             self._fail(exc)
 
-    def _out_through(self, g: torch.Tensor, x: torch.Tensor,
-                     weight: torch.Tensor | None) -> None:
+    def _out_through(self, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
+                     native: bool = True) -> None:
         """Stage the output's gradient ``g`` and the gradient through the norm computed
-        from it (:func:`through_formula`: in C where it reads them, else torch's ops)."""
-        rows = None if self._computed is None or x.shape[-1] != self.width else \
-            self._computed(g, x, weight)
+        from it (:func:`through_formula`: in C where it reads them and ``native``, else
+        torch's ops)."""
+        rows = self._computed(g, x, weight) if native and self._computed is not None \
+            and x.shape[-1] == self.width and self._computed.covers(x, weight) else None
         if rows is None:
             self._measure(OUT, g)
             return self._through(self.through, g, x.detach(),  # type: ignore[arg-type]

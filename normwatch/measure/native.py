@@ -503,8 +503,9 @@ class ThroughReader:
     kernel (``normwatch_through``): ``g``'s rows as :func:`grad_rows` gives them, and
     the rows of ``dL/dx`` through a layer or RMS norm, computed row by row from ``g``, the
     norm's input and its weight (never stored), for float32 tensors laid out alike,
-    contiguous, on the CPU; the last layout's plan kept, the rows put in buffers of
-    ``take``'s (see :class:`GradReader`)."""
+    contiguous, on the CPU (the input and weight checked in the forward,
+    :meth:`covers`; the gradient as it comes); the last layout's plan kept, the rows put
+    in buffers of ``take``'s (see :class:`GradReader`)."""
 
     __slots__ = ("_centred", "_eps", "_planned", "_plus", "_take")
 
@@ -515,19 +516,27 @@ class ThroughReader:
         self._planned: tuple[tuple[object, ...], ctypes.Array[ctypes.c_int64] | None] | None \
             = None
 
+    @staticmethod
+    def covers(x: torch.Tensor, weight: object) -> bool:
+        """Whether a norm's input ``x`` and ``weight`` (``None``: none) are read here: a
+        plain float32 tensor, contiguous, on the CPU; a weight the same, one per element
+        of ``x``'s last dim."""
+        f32 = torch.float32
+        return type(x) is torch.Tensor and x.dtype == f32 and x.is_cpu \
+            and x.layout == torch.strided and x.is_contiguous() and not _wrapped(x) and (
+                weight is None or (isinstance(weight, torch.Tensor) and weight.dtype == f32
+                and weight.is_cpu and weight.layout == torch.strided
+                and weight.is_contiguous() and weight.numel() == x.shape[-1]
+                and not _wrapped(weight)))
+
     def __call__(self, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(g's rows, dL/dx's rows)``, or ``None``: left to torch."""
-        f32 = torch.float32
-        if type(g) is not torch.Tensor or g.dtype != f32 or not g.is_cpu \
-                or g.layout != torch.strided or not g.is_contiguous() or _wrapped(g) \
-                or g.shape != x.shape or type(x) is not torch.Tensor or x.dtype != f32 \
-                or not x.is_cpu or not x.is_contiguous() or _wrapped(x) or (
-                    weight is not None and (
-                    weight.dtype != f32 or not weight.is_cpu or not weight.is_contiguous()
-                    or weight.numel() != x.shape[-1] or _wrapped(weight)
-                    or weight.untyped_storage().nbytes() < 4 * weight.numel())):
-            return None
+        """``(g's rows, dL/dx's rows)``, or ``None``: left to torch (``x`` and ``weight``
+        as :meth:`covers` takes them)."""
+        if type(g) is not torch.Tensor or g.dtype != torch.float32 or not g.is_cpu \
+                or g.layout != torch.strided or not g.is_contiguous() or g.shape != x.shape \
+                or (weight is not None and not weight.untyped_storage().nbytes()):
+            return None  # (a weight whose storage was let go: FSDP2's, resharded)
         key = (g.shape, torch.get_num_threads())
         planned = self._planned
         if planned is None or key != planned[0]:

@@ -673,8 +673,14 @@ def test_the_gradient_through_a_norm_is_computed_as_autograd_gives_it(
     assert got[1][:-2].isnan().tolist() == [False, False, True, False, False, False]
     assert got[1][-2:].isnan().all() and not got[0].isnan().any()
     reader = native.ThroughReader(kind == "layernorm", eps, form == "1+w")
-    assert reader(g.bfloat16(), x, w) is None and reader(g, x.double(), w) is None
+    assert reader.covers(x, w) and reader.covers(x, None)  # (the forward's check)
+    assert not reader.covers(x.double(), w) and not reader.covers(x.t(), None)
+    assert not reader.covers(x, torch.ones(41)) and not reader.covers(x, torch.ones(40).double())
+    assert not reader.covers(x.bfloat16(), None) and not reader.covers(x, torch.ones(80)[::2])
+    assert reader(g.bfloat16(), x, w) is None  # (the gradient's, in the backward)
     assert reader(g.t().contiguous().t(), x, w) is None and reader(g[:3], x, w) is None
-    assert reader(g, x, torch.ones(41)) is None and reader(g, x, torch.ones(40).double()) \
-        is None
     assert reader(torch.zeros(0, 40), torch.zeros(0, 40), w) is None
+    if w is not None:  # a weight let go since (FSDP2 frees the unsharded one's storage)
+        gone = w.clone()
+        gone.untyped_storage().resize_(0)
+        assert reader(g, x, gone) is None
