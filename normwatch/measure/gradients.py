@@ -37,6 +37,7 @@ backward's local gradient, before DDP reduces it.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -307,17 +308,22 @@ def _folded_natively(block: torch.Tensor, acts: Sequence[GradRows],
     if plan.table is None or plan.weights_at is None or block.dtype != torch.float64 \
             or not block.is_contiguous():
         return False
-    f32 = torch.float32
-    for s in acts:  # (activations' gradients: packed where lo is None)
-        if s.lo is not None or s.norms.dtype != f32 or not s.norms.is_contiguous() \
-                or s.norms.dim() != 1:
-            return False  # (the plan's token counts are the rows' sizes: its signature)
-    for w in weights:  # (the C fold reads each one's first value: its norm)
-        if w.dtype != f32 or w.numel() not in (1, 3) or w.device.type != "cpu" \
-                or not w.is_contiguous():
-            return False
-    return fold_grad_rows([s.norms for s in acts], plan.table, weights, plan.weights_at,
-                          block)
+    # (each check over every gradient at once, in C: a loop of Python costs more)
+    norms = list(map(_norms, acts))  # activations' gradients: packed where lo is None
+    if set(map(_lo, acts)) - _NONE or set(map(_dtype, norms)) - _FLOAT32 \
+            or not all(map(torch.Tensor.is_contiguous, norms)) \
+            or set(map(torch.Tensor.dim, norms)) - {1}:
+        return False  # (the plan's token counts are the rows' sizes: its signature)
+    if set(map(_dtype, weights)) - _FLOAT32 or set(map(torch.Tensor.numel, weights)) - {1, 3} \
+            or not all(map(_is_cpu, weights)) \
+            or not all(map(torch.Tensor.is_contiguous, weights)):
+        return False  # (the C fold reads each weight's first value: its norm)
+    return fold_grad_rows(norms, plan.table, weights, plan.weights_at, block)
+
+
+_norms, _lo, _dtype, _is_cpu = (operator.attrgetter(a) for a in ("norms", "lo", "dtype",
+                                                                    "is_cpu"))
+_FLOAT32, _NONE = {torch.float32}, {None}
 
 
 Through = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, cast
@@ -288,6 +289,9 @@ class FoldPlan:
     """CPU calls with float keys: the C fold's per-call constants, one line per call
     (float64: tokens, lined up, width, eps, 1/width, 1/sqrt(width), ``dominated_below``,
     key offset: ``P_...`` in the C source), else ``None``."""
+    sizes: list[int] | None = None
+    """With :attr:`table`: each call's row count in floats as the C fold reads it (its
+    rows, then its output's where they line up, then the moments, ``n_in`` each)."""
 
     def per_call(self, x: torch.Tensor, how: str, out: bool = False) -> torch.Tensor:
         """Reduce the ``(k, tokens)`` rows of ``x`` per call (``how``: sum, amax or amin):
@@ -348,6 +352,8 @@ def fold_plan(calls: Sequence[CallRows], limits: Limits) -> FoldPlan:
         .view(len(COLUMNS), len(calls)),
         limits=limits,
         table=_table(sig, below) if device.type == "cpu" else None,
+        sizes=[((5 if calls[0].full else 2) + 2 * s.lined_up) * s.n_in for s in sig]
+        if device.type == "cpu" else None,
     )
 
 
@@ -438,18 +444,22 @@ def _folded_natively(calls: Sequence[CallRows], plan: FoldPlan) -> torch.Tensor 
     same float32 arithmetic), but ``rms_sum``: summed in float64 there."""
     if plan.table is None or calls[0].fused:
         return None
-    base = 5 if calls[0].full else 2
-    for call in calls:
-        v = call.v
-        if v.dtype != torch.float32 or call.out is not None or not v.is_contiguous() or \
-                v.shape[0] != base + 2 * call.lined_up or v.numel() != v.shape[0] * call.n:
-            return None  # (the kernel reads rows of call.n floats)
+    rows = list(map(_rows, calls))  # (each check over every call at once, in C: a loop
+    # of Python over a few hundred calls costs more than the fold)
+    if set(map(_dtype, rows)) != _FLOAT32 or set(map(_out, calls)) != _NONE \
+            or not all(map(torch.Tensor.is_contiguous, rows)) \
+            or list(map(torch.Tensor.numel, rows)) != plan.sizes:
+        return None  # (the kernel reads each call's rows as plan.sizes says)
     out = plan.identity.t().contiguous()
     limits = plan.limits
-    done = fold_rows([call.v for call in calls], plan.table, calls[0].full,
+    done = fold_rows(rows, plan.table, calls[0].full,
                      limits.fp16_limit, limits.common_mode_tol,
                      SCORE_BASE - cast(float, calls[0].key), _FOLDED_AT, out)
     return out if done else None
+
+
+_rows, _dtype, _out = (operator.attrgetter(a) for a in ("v", "dtype", "out"))
+_FLOAT32, _NONE = {torch.float32}, {None}
 
 
 def gathered(calls: Sequence[CallRows], plan: FoldPlan) -> torch.Tensor:
