@@ -520,14 +520,14 @@ class ThroughReader:
     def covers(x: torch.Tensor, weight: object) -> bool:
         """Whether a norm's input ``x`` and ``weight`` (``None``: none) are read here: a
         plain float32 tensor, contiguous, on the CPU; a weight the same, one per element
-        of ``x``'s last dim."""
+        of ``x``'s last dim; and the library is built."""
         f32 = torch.float32
         return type(x) is torch.Tensor and x.dtype == f32 and x.is_cpu \
             and x.layout == torch.strided and x.is_contiguous() and not _wrapped(x) and (
                 weight is None or (isinstance(weight, torch.Tensor) and weight.dtype == f32
                 and weight.is_cpu and weight.layout == torch.strided
                 and weight.is_contiguous() and weight.numel() == x.shape[-1]
-                and not _wrapped(weight)))
+                and not _wrapped(weight))) and library() is not None
 
     def __call__(self, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -104,16 +104,26 @@ def _one_launch() -> Iterator[None]:
             mode.kernels[NATIVE] += 1
         return rows
 
+    def native_through(self: native.ThroughReader, *args: Any) -> Any:
+        rows = real_through(self, *args)
+        mode = torch.utils._python_dispatch._get_current_dispatch_mode()
+        if isinstance(mode, OpCounter) and rows is not None:
+            mode.kernels[NATIVE] += 1
+        return rows
+
     real_native, real_grad = native.read_rows, native.read_grad
+    real_through = native.ThroughReader.__call__
     hooks.row_stats_triton = counted  # type: ignore[assignment]
     native.read_rows = native_call
     native.read_grad = native_grad
+    native.ThroughReader.__call__ = native_through  # type: ignore[method-assign]
     try:
         yield
     finally:
         hooks.row_stats_triton = real  # type: ignore[assignment]
         native.read_rows = real_native
         native.read_grad = real_grad
+        native.ThroughReader.__call__ = real_through  # type: ignore[method-assign]
 
 
 def count(fn: Callable[[], object]) -> Count:
@@ -166,6 +176,20 @@ def gradient(site: str, kind: str = "rmsnorm", dtype: torch.dtype = torch.float3
         return count(lambda: grads._measure(index, *g))
 
 
+def computed(kind: str = "rmsnorm", d: int = 256, tokens: int = 512) -> Count:
+    """The ops of the output gradient's hook that also computes the gradient through the
+    norm (an eager float32 CPU call, :meth:`~normwatch.measure.gradients.GradHooks.
+    computes`), on one gradient."""
+    norm = _norm(kind, d)
+    x = torch.randn(tokens // 8, 8, d)
+    g = torch.randn_like(x)
+    with watched(norm) as hook:
+        hook.rt.update(full_stats=True)
+        grads = hook.grads
+        weight = norm.weight.detach()
+        return count(lambda: grads._both(0, [x, weight, x._version], (g,)))
+
+
 _OPERATOR = Count(Counter({"operator": 1}), Counter())
 
 
@@ -216,6 +240,7 @@ def rows() -> list[tuple[str, Count]]:
         ("gradient grad_in (fp32)", gradient("grad_in")),
         ("gradient grad_hidden (bf16)", gradient("grad_hidden", dtype=torch.bfloat16)),
         ("gradient weight (fp32)", gradient("weight")),
+        ("gradient grad_out + grad_in computed (fp32)", computed()),
         ("compiled call, sentinel", compiled_call()),
         ("compiled call, full", compiled_call(full=True)),
         ("compiled gradient (grad_out)", compiled_grad(False)),
