@@ -429,10 +429,9 @@ class GradHooks:
             return self._before(y, OUT)
         if not isinstance(x, nn.Parameter):  # a leaf that lives on keeps its hooks
             self._before(x, HIDDEN)
-        if alone and self.computes(x, y, weight):
-            node, box = y.grad_fn, [x, weight, x._version]
-            if node is not None:  # (else a leaf: no graph through the norm)
-                node.register_prehook(partial(self._both, y.output_nr, box))
+        node = y.grad_fn
+        if alone and node is not None and self.computes(x, y, weight):
+            node.register_prehook(partial(self._both, y.output_nr, [x, weight, x._version]))
             return
         self._before(y, OUT)
         nodes = through_nodes(y, x)
