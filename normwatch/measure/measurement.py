@@ -13,6 +13,7 @@ combined before :meth:`snapshot` derives the user-facing statistics.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -62,6 +63,8 @@ class Measurement:
         fallback = None if root is None else module_device(root)
         self._hooks = [LayerHook(layer, module, i, self._rt, module_device(module) or fallback)
                        for i, (layer, module) in enumerate(pairs)]
+        self._counts = [hook.counts for hook in self._hooks]
+        """Each hook's host counts (kept by the hook for good: reset in place)."""
         self._probes = ProbeCache(self.paused)
         self._measured: bool | None = None
         """Whether the weights' hooks are armed for a measured backward (``None``: not yet
@@ -147,7 +150,7 @@ class Measurement:
             if module.training:  # a training step's: what replays it
                 self.replay.forward(args, kwargs)
             self._open = _OpenForward(self._rt.accumulator.mark(), self._rt.calls_this_step,
-                                      [(h.counts.calls, h.counts.tokens) for h in self._hooks])
+                                      list(map(_calls_tokens, self._counts)))
 
     @eager_frame
     def _forward_ends(self, module: nn.Module, args: object, output: object) -> None:
@@ -279,6 +282,9 @@ class Measurement:
             hook.remove()
         for handle in self._root_handles:
             handle.remove()
+
+
+_calls_tokens = operator.attrgetter("calls", "tokens")
 
 
 @dataclass(frozen=True)
