@@ -1,6 +1,8 @@
 """Native CPU kernels: a norm call in one call (each token's max and min of its input
-and output, and on full-tier steps the input's moments, here), and the update monitor's
-sample (:mod:`~normwatch.measure.native_updates`), from one C library built at first use.
+and output, and on full-tier steps the input's moments, here), a gradient in one pass
+(:class:`GradReader`) and the gradient through a norm computed with its output's
+(:class:`ThroughReader`), the folds, and the update monitor's sample
+(:mod:`~normwatch.measure.native_updates`), from one C library built at first use.
 
     >>> rows = row_stats(tokens, out)   # (4, tokens) float32, or None: use torch's
     >>> rows = row_stats(tokens, out, "centred")   # (7, tokens): then sum, L2, spread
