@@ -412,10 +412,9 @@ class GradHooks:
         self._readers = tuple(GradReader(site == WEIGHT, take) for site in range(WEIGHT + 1))
         """Per site (:data:`SITES`, then :data:`WEIGHT`), the C reader of its gradients (into
         ``take``'s buffers, lent until the staged rows are folded)."""
-        self._computed = formula if native and through is not None and width is not None \
-            else None
+        self._computed = formula
         """The C reader of the output's gradient and the gradient through the norm
-        (:meth:`computes`), or ``None``."""
+        (:meth:`computes`; given with ``through`` and ``width``), or ``None``."""
 
     def watch_call(self, x: torch.Tensor, y: torch.Tensor, alone: bool = False,
                    weight: object = None) -> None:
@@ -464,21 +463,15 @@ class GradHooks:
             t = g.detach() if g.requires_grad else g
             if x._version != version:
                 return self._measure(OUT, t)
-            rows = self._computed(t, x, weight)  # type: ignore[misc]
-            if rows is None:
-                return self._out_through(t, x, weight, False)
-            self._stage(OUT, (rows[0], None, None), self.width)  # type: ignore[arg-type]
-            self._stage(IN, (rows[1], None, None), self.width)  # type: ignore[arg-type]
+            self._out_through(t, x, weight, self._computed(t, x, weight))  # type: ignore[misc]
         except Exception as exc:  # never take the training run down
             self._fail(exc)
 
     def _out_through(self, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
-                     native: bool = True) -> None:
+                     rows: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Stage the output's gradient ``g`` and the gradient through the norm computed
-        from it (:func:`through_formula`: in C where it reads them and ``native``, else
-        torch's ops)."""
-        rows = self._computed(g, x, weight) if native and self._computed is not None \
-            and x.shape[-1] == self.width and self._computed.covers(x, weight) else None
+        from it (:func:`through_formula`): ``rows``, the C kernel's, or (``None``) by
+        torch's ops."""
         if rows is None:
             self._measure(OUT, g)
             return self._through(self.through, g, x.detach(),  # type: ignore[arg-type]
@@ -568,7 +561,10 @@ class GradHooks:
         if self._target() is None:
             return
         if x is not None and self.through is not None and site == OUT:
-            self._out_through(g, x, weight)
+            computed = self._computed
+            self._out_through(g, x, weight, computed(g, x, weight) if computed is not None
+                              and x.shape[-1] == self.width and computed.covers(x, weight)
+                              else None)
         else:
             self._measure(site, g)
 

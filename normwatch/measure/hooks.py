@@ -160,13 +160,14 @@ class LayerHook:
             through = None if layer.token_size is None else \
                 through_formula(layer.kind, self._eps, layer.weight_form == "1+w")
             weight = getattr(module, "weight", None)
+            native = runtime.kernel == "auto"
             # the formula is the module's where its weight is `weight`, or it has none
-            computable = through is not None and (isinstance(weight, torch.Tensor) or
-                                                  next(module.parameters(), None) is None)
+            computable = native and through is not None and (
+                isinstance(weight, torch.Tensor) or next(module.parameters(), None) is None)
             take = runtime.accumulator.grad_buffers.take
             self.grads = GradHooks(self._tokens, self._grad_target, self._stage_grad,
                                    self._fail, through, layer.token_size,
-                                   native=runtime.kernel == "auto", take=take,
+                                   native=native, take=take,
                                    formula=ThroughReader(self._centred, self._eps,
                                                          layer.weight_form == "1+w", take)
                                    if computable else None)

@@ -502,7 +502,8 @@ class GradReader:
 
 class ThroughReader:
     """A norm's output gradient and the gradient through the norm, in one call of the
-    kernel (``normwatch_through``): ``g``'s rows as :func:`grad_rows` gives them, and
+    kernel (``normwatch_through``): ``g``'s rows as :func:`grad_rows` gives them (the
+    same min and max, each norm to float32 rounding: summed in another order), and
     the rows of ``dL/dx`` through a layer or RMS norm, computed row by row from ``g``, the
     norm's input and its weight (never stored), for float32 tensors laid out alike,
     contiguous, on the CPU (the input and weight checked in the forward,
