@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
+import pytest
+
 from tests.benchmarks import overhead
 
 
@@ -42,3 +47,21 @@ def test_comparison_with_a_commit_runs() -> None:
     text = compare.main(["HEAD", "--hidden", "32", "--layers", "1", "--batch", "2", "--seq",
                          "8", "--steps", "10", "--optimizer"])
     assert "| HEAD |" in text and "| this tree |" in text and "optimizer watched" in text
+
+
+def test_the_floor_benchmark_builds_compiles_and_runs(tmp_path: Path) -> None:
+    # its C++ hooks against torch's headers (~20 s to build): skipped without a compiler
+    from normwatch.measure import native
+    from tests.benchmarks import floor
+
+    if shutil.which("c++") is None or native.library() is None:
+        pytest.skip("no C++ compiler, or normwatch's C kernels not built")
+    module = floor.build(tmp_path)
+    ring = floor.setup(module)
+    assert floor.compiles(module).startswith(
+        "compiled whole: the Python hook ran while tracing [True], the C++ hook in eager 1 ")
+    row = floor.run(module, "1", 32, 1, 2, 8, steps=10, warmup=0)
+    assert row.startswith("| d=32, 1 layers, 2x8 | 1 | 3 |") and row.count("x |") == 2
+    reads, grads = module.counts()
+    assert reads >= 30 and grads >= 60  # 3 norms, 10 steps; two gradients a call
+    del ring
