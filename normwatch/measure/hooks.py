@@ -29,6 +29,7 @@ from torch.utils.hooks import RemovableHandle
 
 from normwatch.catalog import KEY_STRIDE
 from normwatch.guarded import Part
+from normwatch.measure import fastlane
 from normwatch.measure.accumulator import Accumulator
 from normwatch.measure.autocasting import autocast_made, output_op
 from normwatch.measure.calls import dtype_name, dtypes, input_of, other_tensor, output_of
@@ -153,14 +154,21 @@ class LayerHook:
         home = home or module_device(module)
         if home is not None and home.type != "meta":  # meta: placed at its first real call
             self.home(home)
-        self.handle: RemovableHandle | None = module.register_forward_hook(self, with_kwargs=True)
+        native = runtime.kernel == "auto"
+        self._lane_state = fastlane.state(
+            runtime, self.counts, runtime.accumulator.buffers.take, row,
+            layer.token_size, self._eps, self._centred) if native else None
+        """The C++ lane's state (``None``: every call is this object's): see
+        :mod:`~normwatch.measure.fastlane`."""
+        self.handle: RemovableHandle | None = module.register_forward_hook(
+            fastlane.hook_for(self) if self._lane_state is not None else self,
+            with_kwargs=True)
         self.grads: GradHooks | None = None
         self._pre_handle: RemovableHandle | None = None
         if runtime.gradients:
             through = None if layer.token_size is None else \
                 through_formula(layer.kind, self._eps, layer.weight_form == "1+w")
             weight = getattr(module, "weight", None)
-            native = runtime.kernel == "auto"
             # the formula is the module's where its weight is `weight`, or it has none
             computable = native and through is not None and (
                 isinstance(weight, torch.Tensor) or next(module.parameters(), None) is None)

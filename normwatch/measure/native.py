@@ -150,12 +150,18 @@ def torchs_libgomp(maps: str, package: Path) -> str | None:
     return next((p for p in found if p.startswith(homes)), found[0] if found else None)
 
 
+def compiler(variable: str, names: tuple[str, ...], language: str) -> tuple[str, str]:
+    """The compiler ``$variable`` names, else the first of ``names`` on PATH, and what its
+    ``--version`` says (``RuntimeError``: none)."""
+    found = os.environ.get(variable) or next(filter(None, map(shutil.which, names)), None)
+    if found is None:
+        raise RuntimeError(f"no {language} compiler ({', '.join(names)}) on PATH")
+    return found, subprocess.run([found, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+
+
 def _built() -> Path:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc, gcc) on PATH")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                             timeout=30).stdout
+    cc, version = compiler("CC", ("cc", "gcc"), "C")
     runtime = openmp_runtime()
     # (sqrt as one instruction; no fused multiply-add: the fold repeats torch's float32 ops)
     flags = ["-O3", "-fPIC", "-fno-math-errno", "-ffp-contract=off"]
@@ -168,8 +174,8 @@ def _built() -> Path:
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:  # then one atomic rename
         built = Path(tmp) / target.name
-        if runtime is None or not _built_threaded_into(built, compiler, flags, runtime):
-            _compile([compiler, *flags, "-shared", "-o", str(built), str(SOURCE)])
+        if runtime is None or not _built_threaded_into(built, cc, flags, runtime):
+            _compile([cc, *flags, "-shared", "-o", str(built), str(SOURCE)])
         os.replace(built, target)
     return target
 

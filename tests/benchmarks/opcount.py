@@ -26,7 +26,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import normwatch
+from normwatch.measure.accumulator import Accumulator
 from normwatch.measure.gradients import HIDDEN, IN, OUT
+from normwatch.measure.reductions import CallRows
 
 LAUNCH = "triton launch"
 NATIVE = "native call"
@@ -88,13 +90,25 @@ def _one_launch() -> Iterator[None]:
             mode.kernels["empty"] += 1  # its output
         return rows
 
+    read: set[int] = set()  # the rows the Python lane read (by id, while counted)
+
     def native_call(plan: native.RowPlan, x: torch.Tensor, out: torch.Tensor | None,
                     rows: torch.Tensor | None = None) -> torch.Tensor:
         rows = real_native(plan, x, out, rows)  # (its output's allocation: counted as it is)
         mode = torch.utils._python_dispatch._get_current_dispatch_mode()
         if isinstance(mode, OpCounter):
             mode.kernels[NATIVE] += 1
+            read.add(id(rows))
         return rows
+
+    def staged(self: Accumulator, call: CallRows) -> None:
+        """A call the C++ lane read (into a lent buffer the Python lane did not read
+        into): one C call."""
+        mode = torch.utils._python_dispatch._get_current_dispatch_mode()
+        if isinstance(mode, OpCounter) and id(call.v) not in read and \
+                any(rows is call.v for rows in self.buffers._lent):
+            mode.kernels[NATIVE] += 1
+        return real_stage(self, call)
 
     def native_grad(plan: Any, a: torch.Tensor, b: torch.Tensor | None,
                     rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -113,8 +127,10 @@ def _one_launch() -> Iterator[None]:
 
     real_native, real_grad = native.read_rows, native.read_grad
     real_through = native.ThroughReader.__call__
+    real_stage = Accumulator.stage
     hooks.row_stats_triton = counted  # type: ignore[assignment]
     native.read_rows = native_call
+    Accumulator.stage = staged  # type: ignore[method-assign]
     native.read_grad = native_grad
     native.ThroughReader.__call__ = native_through  # type: ignore[method-assign]
     try:
@@ -122,6 +138,7 @@ def _one_launch() -> Iterator[None]:
     finally:
         hooks.row_stats_triton = real  # type: ignore[assignment]
         native.read_rows = real_native
+        Accumulator.stage = real_stage  # type: ignore[method-assign]
         native.read_grad = real_grad
         native.ThroughReader.__call__ = real_through  # type: ignore[method-assign]
 

@@ -14,6 +14,7 @@ import normwatch
 import normwatch.measure.native
 from normwatch.catalog import COLUMNS
 from normwatch.demos.toymodel import TinyLM, synthetic_batch
+from normwatch.measure import fastlane
 from normwatch.measure.accumulator import Accumulator
 from normwatch.measure.discovery import describe
 from normwatch.measure.hooks import LayerHook, Runtime
@@ -196,14 +197,17 @@ FLUSHED = (5, 8, 15)
 (``stats_every=4``), run under autocast."""
 
 
-def _lane_run(lane: bool, monkeypatch: pytest.MonkeyPatch
+def _lane_run(lane: bool, monkeypatch: pytest.MonkeyPatch, cpp: bool = False
               ) -> tuple[list[object], tuple[int, int]]:
     """Each interval's raw rows, host counts and snapshot of one loop (token counts that
     change from step to step, eval and no-grad forwards between steps, two backward
     passes in one step, a NaN in one step, autocast over one interval and from a full-tier
-    step inside another), and how many calls of each tier the lane measured."""
+    step inside another), and how many calls of each tier the Python lane measured
+    (``cpp``: the C++ lane takes the sentinel's first)."""
     taken = [0, 0]  # sentinel-tier calls, full-tier calls
     real = LayerHook._lane
+    state = fastlane.state
+    monkeypatch.setattr(fastlane, "state", lambda *a: state(*a) if cpp else None)
 
     def taking(self: LayerHook, *args: object) -> bool:
         done = real(self, *args) if lane else False  # type: ignore[arg-type]
@@ -263,6 +267,15 @@ def test_the_lane_measures_as_the_general_path(monkeypatch: pytest.MonkeyPatch) 
     lane, taken = _lane_run(True, monkeypatch)
     general, none = _lane_run(False, monkeypatch)
     assert taken[0] > 20 and taken[1] > 5 and none == (0, 0)
+    _same_intervals(lane, general)
+    if fastlane.module() is not None:  # the C++ lane: every sentinel call the lane takes
+        cpp, left = _lane_run(True, monkeypatch, cpp=True)
+        assert left == (0, taken[1])
+        _same_intervals(cpp, general)
+
+
+def _same_intervals(lane: list[object], general: list[object]) -> None:
+    """Two :func:`_lane_run` runs' intervals alike (raw columns, host counts, snapshots)."""
     assert len(lane) == len(general) == 3 * len(FLUSHED)
     for got, want in zip(lane, general, strict=True):
         if not isinstance(got, list) or not isinstance(got[0], dict):

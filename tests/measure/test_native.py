@@ -486,14 +486,14 @@ def test_a_watchs_intervals_read_into_the_last_ones_buffers(
     interval's went into, none made again (a flush folds twice: its second give-back,
     with none lent, once let them all go)."""
     seen: list[list[torch.Tensor]] = []
-    read = native.read_rows
+    take = native.RowBuffers.take
 
-    def kept(plan: native.RowPlan, x: torch.Tensor, out: torch.Tensor | None,
-             rows: torch.Tensor | None = None) -> torch.Tensor:
-        seen[-1].append(rows)  # type: ignore[arg-type]  # (held: ids stay unique)
-        return read(plan, x, out, rows)
+    def kept(self: native.RowBuffers, shape: tuple[int, ...]) -> torch.Tensor:
+        rows = take(self, shape)
+        seen[-1].append(rows)  # (held: ids stay unique)
+        return rows
 
-    monkeypatch.setattr(native, "read_rows", kept)
+    monkeypatch.setattr(native.RowBuffers, "take", kept)  # (the Python lane's and C++'s)
     model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 1))
     watch = normwatch.watch(model, flush_every=2, stats_every=1000, gradients=False,
                             report_dir=None)

@@ -1,0 +1,134 @@
+"""The sentinel lane in C++ (normwatch.measure.fastlane): registered where it is built,
+the Python hook where it is not; a failure in it disables its hook as the Python hook's
+would; copies of a watched model keep working. That it measures as the Python lane and
+the general path do: tests/measure/test_hooks.py::test_the_lane_measures_as_the_general_path;
+that compiled models trace the Python hook in its place: tests/measure/test_compile.py."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import normwatch
+from normwatch.measure import fastlane
+from normwatch.measure.hooks import LayerHook
+from tests.benchmarks.overhead import tiny_llama, train_step
+
+
+@pytest.fixture
+def built() -> object:
+    module = fastlane.module()
+    if module is None:
+        pytest.skip("no C++ lane here (no C++ compiler, torch headers or C library)")
+    return module
+
+
+@pytest.fixture
+def rebuilt() -> Iterator[None]:
+    """``fastlane.module`` asked again in the test, and again after it (first among a
+    test's fixtures: after its monkeypatch is undone)."""
+    fastlane.module.cache_clear()
+    yield
+    fastlane.module.cache_clear()
+
+
+def _registered(model: torch.nn.Module) -> list[object]:
+    return [h for m in model.modules() for h in m._forward_hooks.values()
+            if isinstance(h, LayerHook) or (isinstance(h, functools.partial)
+                                            and isinstance(h.args[0], LayerHook))]
+
+
+def test_the_lane_is_registered_where_it_is_built_and_the_python_hook_elsewhere(
+        rebuilt: None, built: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_llama(32, 1)
+    w = normwatch.watch(model, report_dir=None)
+    hooks = _registered(model)
+    assert len(hooks) == 3 and all(isinstance(h, functools.partial) and h.func is built.hook  # type: ignore[attr-defined]
+                                   for h in hooks)
+    w.close()
+    assert not _registered(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w = normwatch.watch(model, report_dir=None, kernel="torch")  # (no C reader)
+    assert [type(h) for h in _registered(model)] == [LayerHook] * 3
+    w.close()
+    monkeypatch.setenv("NORMWATCH_LANE", "0")
+    fastlane.module.cache_clear()
+    assert fastlane.module() is None
+    w = normwatch.watch(model, report_dir=None)
+    assert [type(h) for h in _registered(model)] == [LayerHook] * 3
+    w.close()
+
+
+def test_without_a_cpp_compiler_there_is_no_lane(
+        rebuilt: None, monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    monkeypatch.setenv("NORMWATCH_CACHE", str(tmp_path))  # (nothing built there)
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    monkeypatch.setattr(fastlane.native, "library", lambda: object())  # (the C one is)
+    assert fastlane.module() is None
+
+
+def test_a_failure_in_the_lane_disables_its_hook_with_one_warning(
+        built: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call the C++ lane takes fails (a host count it cannot add to): that layer's hook
+    is removed with one warning, the other layers are measured on, and the losses are an
+    unwatched run's."""
+    torch.manual_seed(0)
+    base = tiny_llama(32, 1)
+    plain, model = base, copy.deepcopy(base)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, model)]
+    tokens = torch.randint(0, 1024, (2, 8), generator=torch.Generator().manual_seed(0))
+    w = normwatch.watch(model, report_dir=None, stats_every=1 << 20, gradients=False,
+                        flush_every=100)
+    python_lane: list[str] = []
+    real = LayerHook._lane
+
+    def spy(self: LayerHook, *args: object) -> bool:
+        python_lane.append(self.layer.name)
+        return real(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LayerHook, "_lane", spy)
+    losses: list[list[float]] = [[], []]
+    caught = []
+    for step in range(6):
+        if step == 2:  # each layer has counted calls: the lane takes the next
+            target = w._measure._hooks[0]
+            target.counts.tokens = None  # type: ignore[assignment]
+            python_lane.clear()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for i, (m, o) in enumerate(zip((plain, model), opts, strict=True)):
+                losses[i].append(train_step(m, o, tokens, w if i else None).item())
+        caught += [str(x.message) for x in seen if "normwatch" in str(x.message)]
+    assert losses[0] == losses[1]
+    assert len(caught) == 1 and repr(target.layer.name) in caught[0] and "TypeError" in caught[0]
+    assert target.disabled_reason is not None and "TypeError" in target.disabled_reason
+    assert target.layer.name not in python_lane  # it failed in C++, not in Python's lane
+    layers = w.flush().layers
+    others = [h.layer.name for h in w._measure._hooks[1:]]
+    assert all(layers[name].calls == 6 for name in others)
+    w.close()
+
+
+def test_a_copy_of_a_watched_model_runs_on_the_python_hook(built: object) -> None:
+    """``copy.deepcopy`` of a watched model (an EMA copy) copies its hooks, each without
+    the lane's state: its calls go to the copied Python hook, as before the lane."""
+    model = tiny_llama(32, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = normwatch.watch(model, opt, report_dir=None)
+    tokens = torch.randint(0, 1024, (2, 8))
+    train_step(model, opt, tokens, w)
+    ema = copy.deepcopy(model)
+    hooks = _registered(ema)
+    assert hooks and all(h.args[0]._lane_state is None for h in hooks)  # type: ignore[attr-defined]
+    with torch.no_grad():
+        ema(tokens)
+    train_step(model, opt, tokens, w)
+    assert all(h.disabled_reason is None for h in w._measure._hooks)
+    w.close()
