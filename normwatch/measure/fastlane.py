@@ -143,8 +143,10 @@ def _built() -> Path:
     log.info("normwatch: building its C++ lane (once per machine and torch, ~20 s)")
     with tempfile.TemporaryDirectory(dir=folder) as tmp:  # then one atomic rename
         built = Path(tmp) / target.name
-        subprocess.run([*command, "-o", str(built)], check=True, capture_output=True,
-                       timeout=600)
+        done = subprocess.run([*command, "-o", str(built)], capture_output=True, text=True,
+                              timeout=600)
+        if done.returncode:
+            raise RuntimeError(f"{SOURCE.name} did not build: {done.stderr[-2000:]}")
         os.replace(built, target)
     return target
 

@@ -16,6 +16,7 @@
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -93,14 +94,21 @@ bool readable(const at::Tensor &t) {  // what the C reader takes (native._rowwis
            !t.key_set().has_any(WRAPPERS);
 }
 
-// The plan for x and y's layout (asked of the planner on a new one): 1 planned, 0 not
-// covered, -1 an error
-int planned(Lane *lane, PyObject *xo, PyObject *yo, const at::Tensor &x, const at::Tensor &y) {
+// The plan for x and y's layout (asked of the planner on a new one), copied into `plan`
+// and `shape` (a new reference) where planned: 1 planned, 0 not covered, -1 an error.
+// (Copied while the GIL is held throughout: the lender's Python after it may let another
+// thread in, whose call of this layer may plan another layout.)
+int planned(Lane *lane, PyObject *xo, PyObject *yo, const at::Tensor &x, const at::Tensor &y,
+            int64_t *plan, PyObject **shape) {
     int threads = at::get_num_threads();
     auto sizes = x.sizes();
     if (lane->threads == threads && lane->dx == x.scalar_type() && lane->dy == y.scalar_type() &&
-        sizes.equals(lane->sizes))
-        return lane->planned;
+        sizes.equals(lane->sizes)) {
+        if (!lane->planned) return 0;
+        std::copy(lane->plan, lane->plan + PLAN_SIZE, plan);
+        Py_INCREF(*shape = lane->shape);
+        return 1;
+    }
     lane->threads = -1;  // (until the new plan is read whole)
     PyObject *got = PyObject_CallFunctionObjArgs(lane->planner, xo, yo, nullptr);
     if (got == nullptr) return -1;
@@ -129,7 +137,10 @@ int planned(Lane *lane, PyObject *xo, PyObject *yo, const at::Tensor &x, const a
     lane->dy = y.scalar_type();
     lane->planned = covered;
     lane->threads = threads;
-    return covered;
+    if (!covered) return 0;
+    std::copy(lane->plan, lane->plan + PLAN_SIZE, plan);
+    Py_INCREF(*shape = lane->shape);
+    return 1;
 }
 
 // The lane: 1 measured, 0 not taken (the Python hook measures it), -1 an error
@@ -160,8 +171,11 @@ int measured(Lane *lane, PyObject *module, PyObject *args, PyObject *output) {
     if (x.dim() == 0 || x.size(-1) != lane->width || y.numel() == 0 || !readable(x) ||
         !readable(y) || !x.sizes().equals(y.sizes()))
         return 0;
-    if ((t = planned(lane, xo, output, x, y)) != 1) return t;
-    PyObject *buffer = PyObject_CallOneArg(lane->take, lane->shape);
+    int64_t plan[PLAN_SIZE];
+    PyObject *shape;
+    if ((t = planned(lane, xo, output, x, y, plan, &shape)) != 1) return t;
+    PyObject *buffer = PyObject_CallOneArg(lane->take, shape);
+    Py_DECREF(shape);
     if (buffer == nullptr) return -1;
     if (!THPVariable_Check(buffer)) {
         Py_DECREF(buffer);
@@ -169,7 +183,7 @@ int measured(Lane *lane, PyObject *module, PyObject *args, PyObject *output) {
         return -1;
     }
     if (rows_planned(x.const_data_ptr(), y.const_data_ptr(),
-                     THPVariable_Unpack(buffer).mutable_data_ptr<float>(), lane->plan) != 0) {
+                     THPVariable_Unpack(buffer).mutable_data_ptr<float>(), plan) != 0) {
         Py_DECREF(buffer);
         PyErr_SetString(PyExc_RuntimeError, "lane: the C reader refused the call");
         return -1;
@@ -205,13 +219,13 @@ int measured(Lane *lane, PyObject *module, PyObject *args, PyObject *output) {
     Py_DECREF(call);
     if (staged == nullptr) return -1;
     Py_DECREF(staged);
-    PyObject *shape = PyObject_GetAttr(xo, s_shape);
-    if (shape == nullptr || add(rt, s_calls_this_step, 1) < 0 || add(c, s_calls, 1) < 0 ||
-        add(c, s_tokens, tokens) < 0 || PyObject_SetAttr(c, s_input_shape, shape) < 0) {
-        Py_XDECREF(shape);
+    PyObject *size = PyObject_GetAttr(xo, s_shape);
+    if (size == nullptr || add(rt, s_calls_this_step, 1) < 0 || add(c, s_calls, 1) < 0 ||
+        add(c, s_tokens, tokens) < 0 || PyObject_SetAttr(c, s_input_shape, size) < 0) {
+        Py_XDECREF(size);
         return -1;
     }
-    Py_DECREF(shape);
+    Py_DECREF(size);
     return 1;
 }
 

@@ -65,3 +65,14 @@ def test_the_floor_benchmark_builds_compiles_and_runs(tmp_path: Path) -> None:
     reads, grads = module.counts()
     assert reads >= 30 and grads >= 60  # 3 norms, 10 steps; two gradients a call
     del ring
+
+
+def test_the_lane_benchmark_runs() -> None:
+    from normwatch.measure import fastlane
+    from tests.benchmarks import lane
+
+    if fastlane.module() is None:
+        pytest.skip("no C++ lane here")
+    text = lane.run(32, 1, 2, 8, steps=10, stats_every=2, optimizer=True, warmup=0)
+    for row in ("| C++ lane |", "| Python hook |", "| C++ lane / Python hook |"):
+        assert row in text

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import shutil
 import warnings
 from collections.abc import Iterator
 
@@ -35,6 +36,17 @@ def rebuilt() -> Iterator[None]:
     fastlane.module.cache_clear()
     yield
     fastlane.module.cache_clear()
+
+
+def test_the_lane_builds_where_there_is_a_cpp_compiler() -> None:
+    """Where the C library builds and a C++ compiler is on PATH, the lane builds (its
+    compiler's errors shown): a lane that stopped compiling is no silent skip."""
+    from normwatch.measure import native
+
+    if native.library() is None or shutil.which("c++") is None:
+        pytest.skip("no C library or no C++ compiler")
+    path = fastlane._built()  # (raises with the compiler's output where it fails)
+    assert path.exists() and fastlane.module() is not None
 
 
 def _registered(model: torch.nn.Module) -> list[object]:
