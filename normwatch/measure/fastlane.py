@@ -20,6 +20,7 @@ itself.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import importlib.machinery
@@ -55,8 +56,6 @@ def module() -> ModuleType | None:
         return None
     try:
         built = _load(_built())
-        import ctypes
-
         built.setup(ctypes.cast(lib.normwatch_rows_planned, ctypes.c_void_p).value)
         _stand_in(built.hook)
     except Exception as exc:  # no C++ compiler, no headers, a failed build: Python's lane

@@ -157,9 +157,10 @@ class LayerHook:
         native = runtime.kernel == "auto"
         self._lane_state = fastlane.state(
             runtime, self.counts, runtime.accumulator.buffers.take, row,
-            layer.token_size, self._eps, self._centred) if native else None
-        """The C++ lane's state (``None``: every call is this object's): see
-        :mod:`~normwatch.measure.fastlane`."""
+            layer.token_size, self._eps, self._centred) \
+            if native and home is not None and home.type == "cpu" else None
+        """The C++ lane's state (``None``: every call is this object's; a layer not on the
+        CPU builds nothing): see :mod:`~normwatch.measure.fastlane`."""
         self.handle: RemovableHandle | None = module.register_forward_hook(
             fastlane.hook_for(self) if self._lane_state is not None else self,
             with_kwargs=True)

@@ -144,3 +144,18 @@ def test_a_copy_of_a_watched_model_runs_on_the_python_hook(built: object) -> Non
     train_step(model, opt, tokens, w)
     assert all(h.disabled_reason is None for h in w._measure._hooks)
     w.close()
+
+
+def test_a_model_not_on_the_cpu_builds_no_lane(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lane reads CPU tensors only: a model elsewhere (here on the meta device, placed
+    at its first call) asks for no build, and its hooks are the Python ones."""
+
+    def refused() -> None:
+        raise AssertionError("a lane was asked for")
+
+    monkeypatch.setattr(fastlane, "module", refused)
+    with torch.device("meta"):
+        model = tiny_llama(32, 1)
+    w = normwatch.watch(model, report_dir=None)
+    assert [type(h) for h in _registered(model)] == [LayerHook] * 3
+    w.close()
