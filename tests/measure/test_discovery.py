@@ -207,8 +207,9 @@ def test_mamba2_gated_norm_is_discovered_with_group_tokens() -> None:
         n_groups=2, state_size=8, expand=2, initializer_range=0.1))
     layers = {layer.name: layer for layer in normwatch.find_norm_layers(model)}
     gated = layers["backbone.layers.0.mixer.norm"]  # 64 channels in 2 groups of 32
-    assert (gated.kind, gated.class_name, gated.token_size) == ("rmsnorm", "MambaRMSNormGated",
-                                                                32)
+    name = type(model.backbone.layers[0].mixer.norm).__name__  # (renamed in transformers 5.25)
+    assert name.endswith("RMSNormGated")
+    assert (gated.kind, gated.class_name, gated.token_size) == ("rmsnorm", name, 32)
     w = healthy_step(model)
     snap = w.last_snapshot
     assert snap is not None
