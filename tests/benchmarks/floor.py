@@ -20,7 +20,6 @@ its gradients: ``stats_every=N``).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import ctypes
 import functools
@@ -155,12 +154,7 @@ def setup(floor: ModuleType) -> torch.Tensor:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=300)
+    parser = overhead.side_by_side_arguments(__doc__.splitlines()[0])
     parser.add_argument("--modes", default="sentinel,4,1")
     args = parser.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))

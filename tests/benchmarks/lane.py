@@ -12,7 +12,6 @@ and the lane's over the Python hook's; medians over blocks.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import time
@@ -71,12 +70,7 @@ def run(hidden: int, layers: int, batch: int, seq: int, steps: int, stats_every:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=300)
+    parser = overhead.side_by_side_arguments(__doc__.splitlines()[0])
     parser.add_argument("--stats-every", type=int, default=4)
     parser.add_argument("--optimizer", action="store_true")
     args = parser.parse_args()

@@ -358,6 +358,18 @@ def turns(hidden: int, layers: int, batch: int, seq: int, steps: int,
     return "\n".join(lines)
 
 
+def side_by_side_arguments(description: str) -> argparse.ArgumentParser:
+    """The arguments of a benchmark running copies of the tiny Llama side by side in one
+    process: the model's size and the steps (``floor.py``, ``lane.py``)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=300)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
