@@ -38,7 +38,9 @@ from typing import Any
 
 import torch
 
+from normwatch.catalog import KEY_STRIDE
 from normwatch.measure import native
+from normwatch.measure.reductions import CallRows
 
 SOURCE = Path(__file__).with_name("lane.cpp")
 NAME = "normwatch_lane"
@@ -64,10 +66,10 @@ def module() -> ModuleType | None:
     return built
 
 
-def hook_for(layer: Any) -> Callable[..., Any]:
-    """What torch is to call as ``layer``'s forward hook: the lane bound to it, or
-    ``layer`` itself."""
-    built = module()
+def hook_for(layer: Any, lane: State | None) -> Callable[..., Any]:
+    """What torch is to call as ``layer``'s forward hook: the lane bound to it where it
+    has a lane state (:func:`state`), else ``layer`` itself."""
+    built = None if lane is None else module()  # (a state means it is built)
     return layer if built is None else functools.partial(built.hook, layer)
 
 
@@ -92,23 +94,13 @@ def _none() -> None:
 def state(runtime: Any, counts: Any, take: Callable[..., Any], row: int, width: int | None,
           eps: float, centred: bool) -> State | None:
     """A layer's lane state, or ``None``: no lane for it (tokens that are not its last
-    dim, or no lane built)."""
-    from normwatch.catalog import KEY_STRIDE
-    from normwatch.measure.reductions import CallRows
-
+    dim, or no lane built). The lane plans a new layout (of an input and output alike)
+    with :func:`~normwatch.measure.native.row_plan`, as the Python lane does."""
     built = module()
     if built is None or width is None:
         return None
-    return State(built.lane(runtime, counts, take, _plan, CallRows, row, width, eps,
-                            centred, KEY_STRIDE))
-
-
-def _plan(x: torch.Tensor, out: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """The sentinel's plan of reading ``x`` and ``out`` (``(rows' shape, the kernel's
-    plan)``), or ``None``: not the C reader's (as :class:`~normwatch.measure.native.RowReader`
-    plans it)."""
-    plan = native.row_plan(x, out) if out.shape == x.shape else None
-    return None if plan is None else (plan.shape, tuple(plan.args))
+    return State(built.lane(runtime, counts, take, native.row_plan, CallRows, row, width,
+                            eps, centred, KEY_STRIDE))
 
 
 @functools.cache

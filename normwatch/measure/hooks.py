@@ -162,8 +162,7 @@ class LayerHook:
         """The C++ lane's state (``None``: every call is this object's; a layer not on the
         CPU builds nothing): see :mod:`~normwatch.measure.fastlane`."""
         self.handle: RemovableHandle | None = module.register_forward_hook(
-            fastlane.hook_for(self) if self._lane_state is not None else self,
-            with_kwargs=True)
+            fastlane.hook_for(self, self._lane_state), with_kwargs=True)
         self.grads: GradHooks | None = None
         self._pre_handle: RemovableHandle | None = None
         if runtime.gradients:

@@ -113,15 +113,17 @@ int planned(Lane *lane, PyObject *xo, PyObject *yo, const at::Tensor &x, const a
     PyObject *got = PyObject_CallFunctionObjArgs(lane->planner, xo, yo, nullptr);
     if (got == nullptr) return -1;
     bool covered = got != Py_None;
-    if (covered) {  // (shape, args)
-        PyObject *args = PyTuple_GetItem(got, 1);
-        if (args == nullptr || PyTuple_Size(args) != PLAN_SIZE) {
+    if (covered) {  // a native.RowPlan: (shape, args: a ctypes array of int64)
+        PyObject *args = PyTuple_Check(got) ? PyTuple_GetItem(got, 1) : nullptr;
+        if (args == nullptr || PySequence_Size(args) != PLAN_SIZE) {
             Py_DECREF(got);
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "lane: a plan of 9");
             return -1;
         }
         for (int i = 0; i < PLAN_SIZE; i++) {
-            lane->plan[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(args, i));
+            PyObject *v = PySequence_GetItem(args, i);
+            lane->plan[i] = v == nullptr ? -1 : PyLong_AsLongLong(v);
+            Py_XDECREF(v);
             if (lane->plan[i] == -1 && PyErr_Occurred()) {
                 Py_DECREF(got);
                 return -1;
@@ -278,7 +280,8 @@ PyObject *hook(PyObject *, PyObject *const *a, Py_ssize_t n) {
     return PyObject_Vectorcall(layer, a + 1, 4, nullptr);  // the Python hook
 }
 
-// lane(runtime, counts, take, planner, CallRows, row, width, eps, centred, key_stride):
+// lane(runtime, counts, take, planner (native.row_plan), CallRows, row, width, eps, centred,
+// key_stride):
 // one layer's lane, as a capsule for LayerHook's `_lane_state`
 PyObject *lane(PyObject *, PyObject *args) {
     PyObject *rt, *counts, *take, *planner, *call_type, *row, *eps, *centred;
