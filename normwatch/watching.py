@@ -35,7 +35,7 @@ from normwatch.judge.depth import DepthProfile, depth_profile
 from normwatch.judge.guarding import guard_alarms
 from normwatch.judge.history import Trends
 from normwatch.measure import clipping
-from normwatch.measure.compiling import compiled_code, guard_hooks
+from normwatch.measure.compiling import compiled_code, guard_hooks, keep_traced_writes
 from normwatch.measure.discovery import iter_norm_modules
 from normwatch.measure.gradients import unscale
 from normwatch.measure.guard import StepGuard
@@ -97,6 +97,7 @@ class Watch:
                               "twice)")
         if pairs:
             guard_hooks()
+            keep_traced_writes()
         stale = compiled_code(model) if pairs and drop_compiled else []
         if stale:
             warnings.warn(

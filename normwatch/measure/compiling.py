@@ -12,7 +12,7 @@ entries on the forward of a module class in the model), which the watch then dro
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from torch import nn
 
@@ -42,6 +42,35 @@ def guard_hooks() -> None:
     import torch._dynamo.config
 
     torch._dynamo.config.skip_nnmodule_hook_guards = False
+
+
+def keep_traced_writes() -> None:
+    """Mend torch's Dynamo (2.13) so that a traced hook on an intermediate tensor loses
+    none of the program's attribute writes (process-wide; once).
+
+    Dynamo traces such a hook (normwatch's on the hidden state) in a speculation that
+    ends by replacing the trace's side-effect table with a copy; the tracker of an
+    object's ``__dict__`` made before keeps writing to the table it was made with. A write
+    to that object after the hook is then lost: the compiled program reads the old value
+    and leaves it on the object (eager reads the new one). Found through ``transformers``
+    5.25, whose attention sets a flag before and reads it after (a graph break there; a
+    silently different result elsewhere). The tracker now reads the table current."""
+    try:
+        from torch._dynamo.variables.dicts import SideEffectsProxyDict
+    except ImportError:  # another torch: as it was
+        return
+    if "side_effects" in vars(SideEffectsProxyDict):  # mended, or torch keeps it current
+        return
+
+    def current(self: Any) -> Any:
+        table = vars(self)["_table"]
+        graph = getattr(table, "output_graph_weakref", lambda: None)()
+        return table if graph is None else graph.side_effects
+
+    def made_with(self: Any, table: Any) -> None:
+        vars(self)["_table"] = table
+
+    setattr(SideEffectsProxyDict, "side_effects", property(current, made_with))  # noqa: B010
 
 
 def compiled_code(model: nn.Module) -> list[str]:

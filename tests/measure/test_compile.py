@@ -3,6 +3,7 @@ the statistics of eager mode and of an independent float64 reference."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -357,3 +358,61 @@ def test_the_norms_output_may_be_modified_in_place_when_compiled() -> None:
         w.close()
     assert_same_stats([got[False]], [got[True]])
     assert got[True].layers["norm"].grad_out_rms is not None
+
+
+class _Flags:
+    """Python state a model sets and reads while it runs (a context flag, a counter)."""
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+
+
+class _FlaggedBlock(nn.Module):
+    """Reads and writes ``flags`` on both sides of its norm (the hook on its input,
+    an intermediate tensor, is traced between), as a kernel registry's context does."""
+
+    def __init__(self, flags: _Flags) -> None:
+        super().__init__()
+        self.flags = flags
+        self.norm = nn.LayerNorm(16)
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.flags.scale = self.flags.scale + 1.0
+        h = self.norm(x)
+        self.flags.scale = self.flags.scale * 2.0  # a write after the traced hook, read back
+        return x + self.lin(h) * self.flags.scale
+
+
+def test_the_programs_own_writes_survive_the_traced_hooks() -> None:
+    """Watching changes nothing the compiled program computes: Dynamo (torch 2.13) traces
+    the hidden state's hook in a speculation that swaps its side-effect table, which lost
+    the model's attribute writes after the hook (output and state differed)."""
+    flags = _Flags()
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 16), _FlaggedBlock(flags), _FlaggedBlock(flags))
+    watched = copy.deepcopy(plain)
+    for block in (watched[1], watched[2]):
+        block.flags = flags
+    x = torch.randn(4, 16)
+
+    def run(model: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]
+            ) -> tuple[torch.Tensor, float, list[torch.Tensor]]:
+        flags.scale = 1.0
+        out = fn(x)
+        scale = flags.scale
+        out.square().sum().backward()
+        return out.detach(), scale, [p.grad for p in model.parameters() if p.grad is not None]
+
+    assert run(plain, plain)[1] == 10.0  # ((1 + 1)·2 + 1)·2, eager
+    plain.zero_grad()
+    watch = normwatch.watch(watched, stats_every=1, report_dir=None, report_console=False)
+    want = run(plain, torch.compile(plain, fullgraph=True))
+    got = run(watched, torch.compile(watched, fullgraph=True))
+    watch.step()
+    assert got[1] == want[1] == 10.0
+    assert torch.equal(got[0], want[0])
+    assert len(got[2]) == len(want[2]) == 10
+    assert all(torch.equal(a, b) for a, b in zip(got[2], want[2], strict=True))
+    assert (watch.flush().layers["2.norm"].grad_hidden_rms or 0) > 0  # the hook ran
+    watch.close()
