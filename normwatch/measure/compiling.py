@@ -1,4 +1,5 @@
-"""Was a model compiled before normwatch attached?
+"""normwatch and ``torch.compile``: code compiled before the watch, and a Dynamo bug its
+hooks would trip (:func:`keep_traced_writes`).
 
 By default ``torch.compile`` does not guard on forward hooks
 (``skip_nnmodule_hook_guards``): code compiled without hooks keeps running once they are
