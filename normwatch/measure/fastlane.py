@@ -1,5 +1,5 @@
-"""The forward hook's sentinel lane in C++: a sentinel-tier call of the common CPU case
-measured with no Python frame around it.
+"""The hooks' lanes in C++: a sentinel-tier call of the common CPU case measured with no
+Python frame around it, and the full tier's gradient hooks (:class:`GradLane`) the same.
 
 Inside a training step each line of a hook's Python costs several times what it costs
 warm (the model's work leaves the interpreter's code and objects out of the caches): a
@@ -11,7 +11,15 @@ Python hook. It is compiled at first use against torch's headers (~20 s, once pe
 machine and torch: into :func:`~normwatch.measure.native.cache_dir`, named by a hash of
 the source, the compiler, Python and torch).
 
-Torch calls it as ``functools.partial(hook, layer)``; while Dynamo traces, a Python
+The gradients' hooks (a node's pre-hook per site, the output node's that also computes
+the gradient through the norm, the weight's tensor hook) are C++ objects torch calls
+with no Python frame and no ``RemovableHandle``: inside a backward a Python hook that
+only returns costs ~40 µs, and the full tier's four a norm took several times their C
+reads. They read, plan, borrow buffers and stage rows as
+:class:`~normwatch.measure.gradients.GradHooks`' hooks do, and call its methods for
+every other case.
+
+Torch calls the forward hook as ``functools.partial(hook, layer)``; while Dynamo traces, a Python
 stand-in (:func:`torch._dynamo.substitute_in_graph`) calls ``layer`` instead, so compiled
 graphs are traced as before. Without a C++ compiler, torch's headers or the C library,
 or with ``NORMWATCH_NATIVE=0`` or ``NORMWATCH_LANE=0``, the Python hook is registered
@@ -31,6 +39,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -58,7 +67,8 @@ def module() -> ModuleType | None:
         return None
     try:
         built = _load(_built())
-        built.setup(ctypes.cast(lib.normwatch_rows_planned, ctypes.c_void_p).value)
+        built.setup(*(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in (
+            "normwatch_rows_planned", "normwatch_grad_rows_planned", "normwatch_through")))
         _stand_in(built.hook)
     except Exception as exc:  # no C++ compiler, no headers, a failed build: Python's lane
         log.debug("normwatch: the C++ lane is not built (%s)", exc)
@@ -101,6 +111,67 @@ def state(runtime: Any, counts: Any, take: Callable[..., Any], row: int, width: 
         return None
     return State(built.lane(runtime, counts, take, native.row_plan, CallRows, row, width,
                             eps, centred, KEY_STRIDE))
+
+
+class GradLane:
+    """A layer's gradient hooks in C++ (:class:`~normwatch.measure.gradients.GradHooks`'
+    ``_lane``): ``site(t, site)`` pre-hooks the node that made ``t`` (its gradient read
+    at ``site``), ``out(y, x, weight)`` the node that made the norm's output ``y`` (its
+    gradient and the one through the norm), ``weight(w)`` hooks the weight (a handle with
+    ``remove()``). Each reads as GradHooks' own hook and calls its method where that is
+    not the plain case. A copy (an EMA ``deepcopy``) gets ``None``: Python's hooks."""
+
+    __slots__ = ("_capsule", "_hook_weight", "_unhook", "close", "out", "site")
+
+    def __init__(self, built: ModuleType, capsule: object) -> None:
+        self._capsule = capsule
+        self.site = functools.partial(built.hook_site, capsule)
+        self.out = functools.partial(built.hook_out, capsule)
+        self._hook_weight = functools.partial(built.hook_weight, capsule)
+        self._unhook = built.unhook
+        self.close = functools.partial(built.close, capsule)
+        """From now on its hooks do nothing (the watch closed)."""
+
+    def weight(self, w: torch.Tensor) -> WeightHandle:
+        return WeightHandle(w, self._hook_weight(w), self._unhook)
+
+    def __reduce__(self) -> tuple[Callable[[], None], tuple[()]]:
+        return _none, ()
+
+
+class WeightHandle:
+    """Removes a weight's C++ hook (as a ``RemovableHandle`` does a Python one's)."""
+
+    __slots__ = ("_handle", "_unhook", "_weight")
+
+    def __init__(self, weight: torch.Tensor, handle: int,
+                 unhook: Callable[[torch.Tensor, int], None]) -> None:
+        self._weight: torch.Tensor | None = weight
+        self._handle, self._unhook = handle, unhook
+
+    def remove(self) -> None:
+        if self._weight is not None:
+            self._unhook(self._weight, self._handle)
+            self._weight = None
+
+
+def grad_lane(owner: object, runtime: Any, take: Callable[..., Any], rows_type: type,
+              row: int, width: int, eps: float,
+              through_plan: Callable[[torch.Tensor], object] | None) -> GradLane | None:
+    """``owner``'s (a GradHooks') gradient hooks in C++, or ``None``: no lane built. Its
+    sites' plans come from :func:`~normwatch.measure.native.grad_read_plan`, the gradient
+    through the norm's from ``through_plan`` (its ThroughReader's; ``None``: never
+    computed here)."""
+    built = module()
+    if built is None:
+        return None
+    return GradLane(built, built.grads(weakref.ref(owner), runtime, take, rows_type, row,
+                                       width, eps, native.grad_read_plan,
+                                       through_plan or _no_plan))
+
+
+def _no_plan(g: torch.Tensor) -> None:
+    return None
 
 
 @functools.cache

@@ -49,6 +49,7 @@ from torch.utils.hooks import RemovableHandle
 
 from normwatch.catalog import COLUMNS, GRAD_SITES, GRAD_SUMS
 from normwatch.guarded import guarded
+from normwatch.measure.fastlane import GradLane, WeightHandle
 from normwatch.measure.native import GradReader, ThroughReader, allocated, fold_grad_rows
 from normwatch.measure.opaque import observe_grad
 from normwatch.measure.reductions import runs, summed_dtype
@@ -66,6 +67,7 @@ assert all(SUM_AT[s] == SUM_AT[SITES[0]] + i * len(GRAD_SUMS) and
            PEAK_AT[s] == PEAK_AT[SITES[0]] + i for i, s in enumerate(SITES))  # one slice each
 OUT, IN, HIDDEN = (SITES.index(s) for s in ("grad_out", "grad_in", "grad_hidden"))
 WEIGHT = len(SITES)
+assert (OUT, IN, WEIGHT) == (0, 1, 3)  # (as lane.cpp's gradient hooks name them)
 """The weight gradient's site index in :class:`GradRows` (after :data:`SITES`)."""
 
 Tokens = Callable[[torch.Tensor], torch.Tensor]
@@ -390,7 +392,8 @@ class GradHooks:
                  fail: Callable[[Exception], None], through: Through | None = None,
                  width: int | None = None, native: bool = True,
                  take: Callable[[tuple[int, ...]], torch.Tensor] = allocated,
-                 formula: ThroughReader | None = None) -> None:
+                 formula: ThroughReader | None = None,
+                 lane: Callable[[GradHooks], GradLane | None] | None = None) -> None:
         self.tokens = tokens
         self.native = native
         """Whether CPU gradients are read by the C kernel where it covers them."""
@@ -403,7 +406,7 @@ class GradHooks:
         self._stage = stage
         self._fail = fail
         self._weight: torch.Tensor | None = None
-        self._weight_handle: RemovableHandle | None = None
+        self._weight_handle: RemovableHandle | WeightHandle | None = None
         self._armed = True
         """Whether the weight's hook is registered (on steps whose backward is measured:
         a hook that fires only to return costs ~40 µs inside a backward, :meth:`arm`)."""
@@ -415,6 +418,10 @@ class GradHooks:
         self._computed = formula
         """The C reader of the output's gradient and the gradient through the norm
         (:meth:`computes`; given with ``through`` and ``width``), or ``None``."""
+        self._lane = None if lane is None else lane(self)
+        """These hooks in C++ (:class:`~normwatch.measure.fastlane.GradLane`: the same
+        reads with no Python frame, this object's methods for the other cases), or
+        ``None``: the Python hooks."""
 
     def watch_call(self, x: torch.Tensor, y: torch.Tensor, alone: bool = False,
                    weight: object = None) -> None:
@@ -430,7 +437,11 @@ class GradHooks:
             self._before(x, HIDDEN)
         node = y.grad_fn
         if alone and node is not None and self.computes(x, y, weight):
-            node.register_prehook(partial(self._both, y.output_nr, [x, weight, x._version]))
+            if self._lane is not None:
+                self._lane.out(y, x, weight)
+            else:
+                node.register_prehook(partial(self._both, y.output_nr,
+                                              [x, weight, x._version]))
             return
         self._before(y, OUT)
         nodes = through_nodes(y, x)
@@ -485,6 +496,8 @@ class GradHooks:
         node = t.grad_fn
         if node is None:
             t.register_hook(self._out if site == OUT else self._hidden)  # type: ignore[no-untyped-call]
+        elif self._lane is not None:
+            self._lane.site(t, site)
         else:
             node.register_prehook(self._first[site] if t.output_nr == 0 else
                                   partial(self._node, site, t.output_nr))
@@ -529,9 +542,11 @@ class GradHooks:
         off until the next measured step (between steps: no recompile, the hooks of a
         leaf are run outside compiled graphs)."""
         self._armed = on
-        if on and self._weight_handle is None and self._weight is not None:
-            self._weight_handle = self._weight.register_hook(  # type: ignore[no-untyped-call]
-                self._weight_grad)
+        weight = self._weight
+        if on and self._weight_handle is None and weight is not None:
+            self._weight_handle = self._lane.weight(weight) if self._lane is not None and \
+                type(weight) in (nn.Parameter, torch.Tensor) else \
+                weight.register_hook(self._weight_grad)  # type: ignore[no-untyped-call]
         elif not on and self._weight_handle is not None:
             self._weight_handle.remove()
             self._weight_handle = None
@@ -542,6 +557,12 @@ class GradHooks:
             self._weight_handle.remove()
             self._weight_handle = None
         self._weight = None
+
+    def close(self) -> None:
+        """Remove the weight's hook; hooks still on live graphs measure nothing more."""
+        self.remove()
+        if self._lane is not None:
+            self._lane.close()
 
     def _out(self, g: torch.Tensor) -> None:
         self._measure(OUT, g)

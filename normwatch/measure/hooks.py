@@ -173,12 +173,16 @@ class LayerHook:
             computable = native and through is not None and (
                 isinstance(weight, torch.Tensor) or next(module.parameters(), None) is None)
             take = runtime.accumulator.grad_buffers.take
+            formula = ThroughReader(self._centred, self._eps, layer.weight_form == "1+w",
+                                    take) if computable else None
+            # in C++ where the forward's lane is (the layer on the CPU, tokens its last dim)
+            lane = None if self._lane_state is None or layer.token_size is None else partial(
+                fastlane.grad_lane, runtime=runtime, take=take, rows_type=GradRows, row=row,
+                width=layer.token_size, eps=self._eps,
+                through_plan=None if formula is None else formula._plan)
             self.grads = GradHooks(self._tokens, self._grad_target, self._stage_grad,
                                    self._fail, through, layer.token_size,
-                                   native=native, take=take,
-                                   formula=ThroughReader(self._centred, self._eps,
-                                                         layer.weight_form == "1+w", take)
-                                   if computable else None)
+                                   native=native, take=take, formula=formula, lane=lane)
             self.grads.watch_weight(weight)
             self._pre_handle = module.register_forward_pre_hook(self.compiled.pre,
                                                                 with_kwargs=True)
@@ -200,7 +204,7 @@ class LayerHook:
             self._pre_handle.remove()
             self._pre_handle = None
         if self.grads is not None:
-            self.grads.remove()
+            self.grads.close()
         if self.state is not None:
             disown(self.state, self.compiled)
 

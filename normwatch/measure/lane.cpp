@@ -1,5 +1,6 @@
-// The forward hook's sentinel lane in C++ (normwatch.measure.fastlane builds and loads
-// it; compiled against torch's headers).
+// The hooks' lanes in C++ (normwatch.measure.fastlane builds and loads them; compiled
+// against torch's headers): the forward hook's sentinel lane, then the gradients' hooks
+// (below).
 //
 // hook(layer, module, args, kwargs, output) is registered with torch as
 // functools.partial(hook, layer): torch's hook loop calls it with no Python frame. A
@@ -12,18 +13,24 @@
 #include <Python.h>
 
 #include <ATen/Parallel.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace {
 
 using RowsFn = int (*)(const void *, const void *, float *, const int64_t *);
-RowsFn rows_planned = nullptr;
+using ThroughFn = int (*)(const float *, const float *, const float *, float *, float *,
+                          const int64_t *, double);
+RowsFn rows_planned = nullptr, grad_rows_planned = nullptr;
+ThroughFn through = nullptr;
 
 constexpr int PLAN_SIZE = 9;   // normwatch_rows_planned's plan (native.row_plan's args)
 
@@ -40,7 +47,7 @@ struct Lane {
     int64_t plan[PLAN_SIZE] = {0};
 };
 
-PyObject *s_paused, *s_full_stats, *s_kernel, *s_check_outputs, *s_output_checked, *s_calls,
+PyObject *s_gradients, *s_stage_grad, *s_both, *s_node, *s_weight_grad, *s_paused, *s_full_stats, *s_kernel, *s_check_outputs, *s_output_checked, *s_calls,
     *s_training, *s_step, *s_calls_this_step, *s_tokens, *s_input_shape, *s_auto, *s_lane,
     *s_fail, *s_accumulator, *s_stage, *s_shape, *s_capsule;
 
@@ -92,6 +99,11 @@ const c10::DispatchKeySet WRAPPERS({c10::DispatchKey::FuncTorchGradWrapper,
 bool readable(const at::Tensor &t) {  // what the C reader takes (native._rowwise, RowReader)
     return t.is_cpu() && t.layout() == at::kStrided && t.is_contiguous() &&
            !t.key_set().has_any(WRAPPERS);
+}
+
+// A plain tensor the C readers take (no tensor subclass: a DTensor's gradient is Python's)
+bool plain(const at::Tensor &t) {
+    return t.defined() && readable(t) && !t.key_set().has(c10::DispatchKey::Python);
 }
 
 // The plan for x and y's layout (asked of the planner on a new one), copied into `plan`
@@ -305,12 +317,491 @@ PyObject *lane(PyObject *, PyObject *args) {
     return capsule;
 }
 
-// setup(address of normwatch_rows_planned)
-PyObject *setup(PyObject *, PyObject *address) {
-    void *p = PyLong_AsVoidPtr(address);
-    if (p == nullptr) return PyErr_Occurred() ? nullptr
-                                              : PyErr_Format(PyExc_ValueError, "setup: null");
-    rows_planned = reinterpret_cast<RowsFn>(p);
+// setup(addresses of normwatch_rows_planned, normwatch_grad_rows_planned, normwatch_through)
+PyObject *setup(PyObject *, PyObject *args) {
+    PyObject *a, *b, *c;
+    if (!PyArg_ParseTuple(args, "OOO", &a, &b, &c)) return nullptr;
+    void *p[3] = {PyLong_AsVoidPtr(a), PyLong_AsVoidPtr(b), PyLong_AsVoidPtr(c)};
+    for (void *q : p)
+        if (q == nullptr) return PyErr_Occurred() ? nullptr
+                                                  : PyErr_Format(PyExc_ValueError, "setup: null");
+    rows_planned = reinterpret_cast<RowsFn>(p[0]);
+    grad_rows_planned = reinterpret_cast<RowsFn>(p[1]);
+    through = reinterpret_cast<ThroughFn>(p[2]);
+    Py_RETURN_NONE;
+}
+
+// ---- The gradients' hooks in C++ ----------------------------------------------------
+//
+// On a full-tier step the CPU hooks of GradHooks (normwatch.measure.gradients): a node's
+// pre-hook per site (hook_site, the hidden state's or the output's gradient), the output
+// node's pre-hook that also computes the gradient through the norm (hook_out), the
+// weight's tensor hook (hook_weight). Each reads as the Python hook does (the same C
+// readers, plans, lender and GradRows staged) with no Python frame of its own; any case
+// that is not the plain one calls the Python hook's method (GradHooks._node, ._both,
+// ._weight_grad), which measures it as before. An error disables the layer through
+// GradHooks._fail. Registered with no RemovableHandle (a node's hooks go with its graph).
+
+constexpr int SITE_OUT = 0, SITE_IN = 1, SITE_WEIGHT = 3;  // gradients.SITES order, WEIGHT
+
+// A layout's plan (asked of a Python planner on a new layout)
+struct GradPlan {
+    std::vector<int64_t> sizes;
+    at::ScalarType dtype = at::ScalarType::Undefined;
+    int threads = -1;
+    bool planned = false;
+    std::vector<int64_t> args;
+};
+
+// One layer's gradient side. Its Python references are the capsule's (dropped, under the
+// GIL, when it goes or closes); the hooks share the rest and check `open` under the GIL.
+struct Grads {
+    PyObject *owner = nullptr;  // a weakref to the GradHooks (its fallbacks, _fail)
+    PyObject *runtime = nullptr, *take = nullptr, *rows_type = nullptr, *row = nullptr,
+             *site_planner = nullptr, *through_planner = nullptr;
+    int64_t width = 0;
+    double eps = 0;
+    bool open = true;
+    GradPlan plans[4];  // per site: OUT, IN (unused), HIDDEN, WEIGHT
+    GradPlan through_plan;  // the output's gradient with the gradient through the norm
+
+    void close() {
+        open = false;
+        for (PyObject **o : {&owner, &runtime, &take, &rows_type, &row, &site_planner,
+                             &through_planner})
+            Py_CLEAR(*o);
+    }
+};
+
+using Shared = std::shared_ptr<Grads>;
+
+void drop_grads(PyObject *capsule) {
+    auto *held = static_cast<Shared *>(PyCapsule_GetPointer(capsule, "normwatch.grads"));
+    if (held == nullptr) return;
+    (*held)->close();
+    delete held;
+}
+
+Shared *held_grads(PyObject *capsule) {
+    return static_cast<Shared *>(PyCapsule_GetPointer(capsule, "normwatch.grads"));
+}
+
+// Whether this step's backward is measured: Runtime.grads_now, read as its parts (its
+// property's frame costs more inside a backward); -1 an error
+int grads_now(PyObject *rt) {
+    int t;
+    if ((t = truth(rt, s_gradients)) != 1 || (t = truth(rt, s_full_stats)) != 1) return t;
+    t = truth(rt, s_paused);
+    return t < 0 ? -1 : !t;
+}
+
+// `g`'s plan for `site` (planner(g) on a new layout; `whole`: its whole-tensor flag, the
+// weight's): 1 planned into `args`, 0 not covered, -1 an error
+int grad_plan(GradPlan &plan, PyObject *planner, const at::Tensor &g, int whole,
+              std::vector<int64_t> &args) {
+    int threads = at::get_num_threads();
+    if (plan.threads == threads && plan.dtype == g.scalar_type() &&
+        g.sizes().equals(plan.sizes)) {
+        if (plan.planned) args = plan.args;
+        return plan.planned;
+    }
+    plan.threads = -1;
+    PyObject *go = THPVariable_Wrap(g);
+    if (go == nullptr) return -1;
+    PyObject *got = whole < 0 ? PyObject_CallOneArg(planner, go)
+                              : PyObject_CallFunctionObjArgs(planner, go, Py_None,
+                                                             whole ? Py_True : Py_False,
+                                                             nullptr);
+    Py_DECREF(go);
+    if (got == nullptr) return -1;
+    plan.args.clear();
+    if (got != Py_None) {  // a ctypes array of int64
+        Py_ssize_t n = PySequence_Size(got);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *v = PySequence_GetItem(got, i);
+            int64_t a = v == nullptr ? -1 : PyLong_AsLongLong(v);
+            Py_XDECREF(v);
+            if (a == -1 && PyErr_Occurred()) {
+                Py_DECREF(got);
+                return -1;
+            }
+            plan.args.push_back(a);
+        }
+        if (n < 0) {
+            Py_DECREF(got);
+            return -1;
+        }
+    }
+    plan.planned = got != Py_None;
+    Py_DECREF(got);
+    plan.sizes.assign(g.sizes().begin(), g.sizes().end());
+    plan.dtype = g.scalar_type();
+    plan.threads = threads;
+    if (plan.planned) args = plan.args;
+    return plan.planned;
+}
+
+// A buffer of `count` float32 from the lender (a new reference), or nullptr
+PyObject *lent(Grads &gr, int64_t count) {
+    PyObject *shape = Py_BuildValue("(L)", (long long)count);
+    if (shape == nullptr) return nullptr;
+    PyObject *buffer = PyObject_CallOneArg(gr.take, shape);
+    Py_DECREF(shape);
+    if (buffer != nullptr && !THPVariable_Check(buffer)) {
+        Py_DECREF(buffer);
+        PyErr_SetString(PyExc_TypeError, "grads: the lender gave no tensor");
+        return nullptr;
+    }
+    return buffer;
+}
+
+// Stage GradRows(buffer, None, None, row, site, width); takes `buffer`'s reference: 0 or -1
+int stage(Grads &gr, PyObject *buffer, int site, int64_t width) {
+    auto *type = reinterpret_cast<PyTypeObject *>(gr.rows_type);
+    PyObject *s = PyLong_FromLong(site), *w = PyLong_FromLongLong(width);
+    PyObject *rows = s && w ? type->tp_alloc(type, 6) : nullptr;
+    if (rows == nullptr) {
+        for (PyObject *o : {s, w, buffer}) Py_XDECREF(o);
+        return -1;
+    }
+    PyObject *items[6] = {buffer, Py_None, Py_None, gr.row, s, w};
+    for (int i = 0; i < 6; i++) {
+        if (i == 1 || i == 2 || i == 3) Py_INCREF(items[i]);
+        PyTuple_SET_ITEM(rows, i, items[i]);
+    }
+    PyObject *accumulator = PyObject_GetAttr(gr.runtime, s_accumulator);
+    PyObject *r = accumulator ? PyObject_CallMethodOneArg(accumulator, s_stage_grad, rows)
+                              : nullptr;
+    Py_XDECREF(accumulator);
+    Py_DECREF(rows);
+    if (r == nullptr) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+// The GradHooks (a new reference; nullptr: gone, no error)
+PyObject *owner(Grads &gr) {
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *o = nullptr;
+    if (PyWeakref_GetRef(gr.owner, &o) < 0) PyErr_Clear();
+    return o;
+#else
+    PyObject *o = PyWeakref_GetObject(gr.owner);  // (borrowed)
+    if (o == nullptr || o == Py_None) return nullptr;
+    Py_INCREF(o);
+    return o;
+#endif
+}
+
+// Disable the layer as its Python hook would (GradHooks._fail), the error cleared
+void grad_failed(Grads &gr) {
+    if (!PyErr_Occurred()) return;
+    PyObject *type, *value, *trace;
+    PyErr_Fetch(&type, &value, &trace);
+    PyErr_NormalizeException(&type, &value, &trace);
+    if (trace != nullptr && value != nullptr) PyException_SetTraceback(value, trace);
+    PyObject *hooks = owner(gr);
+    if (hooks != nullptr && value != nullptr &&
+        PyObject_IsInstance(value, PyExc_Exception) == 1) {
+        PyObject *r = PyObject_CallMethodOneArg(hooks, s_fail, value);
+        Py_XDECREF(r);
+    }
+    Py_XDECREF(hooks);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(trace);
+    PyErr_Clear();  // (never into the autograd engine)
+}
+
+// Call GradHooks.<name>(*args) (a fallback: the Python hook's own method): 0 or -1
+int fallback(Grads &gr, PyObject *name, PyObject *args) {
+    PyObject *hooks = owner(gr);
+    if (hooks == nullptr) return 0;
+    PyObject *method = PyObject_GetAttr(hooks, name);
+    Py_DECREF(hooks);
+    PyObject *r = method ? PyObject_CallObject(method, args) : nullptr;
+    Py_XDECREF(method);
+    if (r == nullptr) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+PyObject *wrapped(const at::Tensor &t) {  // (None for an undefined tensor)
+    if (!t.defined()) Py_RETURN_NONE;
+    return THPVariable_Wrap(t);
+}
+
+// A gradient `g` at `site` (not the weight): 1 read here, 0 not the plain case, -1 an error
+int read_site(Grads &gr, int site, const at::Tensor &g) {
+    if (!plain(g) || g.dim() == 0 || g.size(-1) != gr.width) return 0;
+    std::vector<int64_t> args;
+    int t = grad_plan(gr.plans[site], gr.site_planner, g, 0, args);
+    if (t != 1) return t;
+    PyObject *buffer = lent(gr, args[1] + 2);
+    if (buffer == nullptr) return -1;
+    if (grad_rows_planned(g.const_data_ptr(), nullptr,
+                          THPVariable_Unpack(buffer).mutable_data_ptr<float>(), args.data())) {
+        Py_DECREF(buffer);
+        PyErr_SetString(PyExc_RuntimeError, "grads: the C reader refused the gradient");
+        return -1;
+    }
+    return stage(gr, buffer, site, g.size(-1)) < 0 ? -1 : 1;
+}
+
+// The GIL held for a hook's body, the layer's gradients measured this step
+struct Firing {
+    PyGILState_STATE gil;
+    Shared gr;
+    int now = 0;  // 1: measured, 0: nothing to do, -1: an error (handled)
+    explicit Firing(Shared g) : gil(PyGILState_Ensure()), gr(std::move(g)) {
+        if (!gr->open) return;
+        now = grads_now(gr->runtime);
+        if (now < 0) grad_failed(*gr);
+    }
+    ~Firing() { PyGILState_Release(gil); }
+};
+
+// Run a hook's body (1 done, -1 an error): an error, a C++ exception too, disables the
+// layer (nothing reaches the autograd engine)
+template <class Body>
+void guarded(Grads &gr, Body body) {
+    int t;
+    try {
+        t = body();
+    } catch (const std::exception &e) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, e.what());
+        t = -1;
+    }
+    if (t < 0) grad_failed(gr);
+}
+
+// A node's pre-hook: its output k's gradient at `site` (GradHooks._node's C++ twin)
+struct SiteHook : torch::autograd::FunctionPreHook {
+    Shared gr;
+    int site;
+    size_t k;
+    SiteHook(Shared g, int s, size_t i) : gr(std::move(g)), site(s), k(i) {}
+    torch::autograd::variable_list operator()(
+        const torch::autograd::variable_list &grads) override {
+        if (k >= grads.size() || !grads[k].defined()) return grads;
+        Firing f(gr);
+        if (f.now != 1) return grads;
+        guarded(*gr, [&] {
+            const at::Tensor &g = grads[k];
+            int t = g.numel() ? read_site(*gr, site, g) : 1;
+            if (t != 0) return t;
+            PyObject *go = wrapped(g);  // the Python hook's way
+            PyObject *args = go ? Py_BuildValue("(iiN)", site, 0, Py_BuildValue("(N)", go))
+                                : nullptr;
+            t = args && fallback(*gr, s_node, args) == 0 ? 1 : -1;
+            Py_XDECREF(args);
+            return t;
+        });
+        return grads;
+    }
+};
+
+// The output node's pre-hook: its output k's gradient and, from it, the norm's input x
+// and weight w, the gradient through the norm (GradHooks._both's C++ twin)
+struct OutHook : torch::autograd::FunctionPreHook {
+    Shared gr;
+    size_t k;
+    at::Tensor x, w;
+    uint32_t version;
+    OutHook(Shared g, size_t i, at::Tensor x_, at::Tensor w_)
+        : gr(std::move(g)), k(i), x(std::move(x_)), w(std::move(w_)), version(x._version()) {}
+    torch::autograd::variable_list operator()(
+        const torch::autograd::variable_list &grads) override {
+        if (k >= grads.size() || !grads[k].defined() || !x.defined()) return grads;
+        at::Tensor xs = std::move(x), ws = std::move(w);  // (let go here, as _both does)
+        x.reset();
+        w.reset();
+        Firing f(gr);
+        if (f.now != 1) return grads;
+        guarded(*gr, [&] {
+            const at::Tensor &g = grads[k];
+            int t = g.numel() ? read(g, xs, ws) : 1;
+            if (t != 0) return t;
+            // the Python hook's way (its version check, torch's ops)
+            PyObject *xo = wrapped(xs), *wo = wrapped(ws), *go = wrapped(g);
+            PyObject *args = xo && wo && go
+                ? Py_BuildValue("(iNN)", 0, Py_BuildValue("[OOI]", xo, wo, version),
+                                Py_BuildValue("(O)", go))
+                : nullptr;
+            for (PyObject *o : {xo, wo, go}) Py_XDECREF(o);
+            t = args && fallback(*gr, s_both, args) == 0 ? 1 : -1;
+            Py_XDECREF(args);
+            return t;
+        });
+        return grads;
+    }
+    // 1 read here, 0 not the plain case, -1 an error
+    int read(const at::Tensor &g, const at::Tensor &xs, const at::Tensor &ws) {
+        Grads &r = *gr;
+        if (xs._version() != version || !plain(g) || g.scalar_type() != at::kFloat ||
+            !g.sizes().equals(xs.sizes()) ||
+            (ws.defined() && ws.storage().nbytes() == 0))  // (FSDP2's, resharded)
+            return 0;
+        std::vector<int64_t> args;
+        int t = grad_plan(r.through_plan, r.through_planner, g, -1, args);
+        if (t != 1) return t;
+        PyObject *dg = lent(r, args[0] + 2);
+        PyObject *din = dg ? lent(r, args[0] + 2) : nullptr;
+        if (din == nullptr) {
+            Py_XDECREF(dg);
+            return -1;
+        }
+        if (through(g.const_data_ptr<float>(), xs.const_data_ptr<float>(),
+                    ws.defined() ? ws.const_data_ptr<float>() : nullptr,
+                    THPVariable_Unpack(dg).mutable_data_ptr<float>(),
+                    THPVariable_Unpack(din).mutable_data_ptr<float>(), args.data(), r.eps)) {
+            Py_DECREF(dg);
+            Py_DECREF(din);
+            PyErr_SetString(PyExc_RuntimeError, "grads: the C kernel refused the gradient");
+            return -1;
+        }
+        int64_t width = g.size(-1);
+        if (stage(r, dg, SITE_OUT, width) < 0) {
+            Py_DECREF(din);
+            return -1;
+        }
+        return stage(r, din, SITE_IN, width) < 0 ? -1 : 1;
+    }
+};
+
+int weight_read(Grads &r, const at::Tensor &g);
+
+// The weight's gradient (GradHooks._weight_grad's C++ twin); the hook torch keeps
+void weight_grad(const Shared &gr, const at::TensorBase &grad) {
+    if (!grad.defined()) return;
+    Firing f(gr);
+    if (f.now != 1) return;
+    guarded(*gr, [&] { return weight_read(*gr, at::Tensor(grad)); });
+}
+
+// The weight's gradient read: 1 (here or by the Python hook's method) or -1 an error
+int weight_read(Grads &r, const at::Tensor &g) {
+    int t = 0;
+    if (plain(g) && g.numel()) {
+        std::vector<int64_t> args;
+        t = grad_plan(r.plans[SITE_WEIGHT], r.site_planner, g, 1, args);
+        if (t == 1) {
+            PyObject *buffer = lent(r, args[1] + 2);
+            if (buffer == nullptr) {
+                t = -1;
+            } else if (grad_rows_planned(g.const_data_ptr(), nullptr,
+                                         THPVariable_Unpack(buffer).mutable_data_ptr<float>(),
+                                         args.data())) {
+                Py_DECREF(buffer);
+                PyErr_SetString(PyExc_RuntimeError, "grads: the C reader refused the weight");
+                t = -1;
+            } else {
+                t = stage(r, buffer, SITE_WEIGHT, 1) < 0 ? -1 : 1;
+            }
+        }
+    }
+    if (t == 0) {
+        PyObject *go = wrapped(g);
+        PyObject *args = go ? Py_BuildValue("(N)", go) : nullptr;
+        t = args && fallback(r, s_weight_grad, args) == 0 ? 1 : -1;
+        Py_XDECREF(args);
+    }
+    return t;
+}
+
+// grads(owner weakref, runtime, take, GradRows, row, width, eps, site planner (native.
+// grad_read_plan), through planner (ThroughReader._plan)): a layer's capsule
+PyObject *grads(PyObject *, PyObject *args) {
+    PyObject *o[7];
+    long long width;
+    double eps;
+    if (!PyArg_ParseTuple(args, "OOOOOLdOO", &o[0], &o[1], &o[2], &o[3], &o[4], &width, &eps,
+                          &o[5], &o[6]))
+        return nullptr;
+    if (!PyWeakref_CheckRef(o[0])) return PyErr_Format(PyExc_TypeError, "grads: a weakref");
+    if (!PyType_Check(o[3]) ||
+        !PyType_IsSubtype(reinterpret_cast<PyTypeObject *>(o[3]), &PyTuple_Type))
+        return PyErr_Format(PyExc_TypeError, "grads: rows type: a tuple's subclass");
+    auto shared = std::make_shared<Grads>();
+    PyObject **slots[7] = {&shared->owner, &shared->runtime, &shared->take, &shared->rows_type,
+                           &shared->row, &shared->site_planner, &shared->through_planner};
+    for (int i = 0; i < 7; i++) {
+        Py_INCREF(o[i]);
+        *slots[i] = o[i];
+    }
+    shared->width = width;
+    shared->eps = eps;
+    auto *held = new Shared(std::move(shared));
+    PyObject *capsule = PyCapsule_New(held, "normwatch.grads", drop_grads);
+    if (capsule == nullptr) {
+        (*held)->close();
+        delete held;
+    }
+    return capsule;
+}
+
+PyObject *close(PyObject *, PyObject *capsule) {
+    Shared *held = held_grads(capsule);
+    if (held == nullptr) return nullptr;
+    (*held)->close();
+    Py_RETURN_NONE;
+}
+
+// The capsule's gradients and a tensor argument's node (or nullptr with an error set)
+Shared *unpack(PyObject *capsule, PyObject *t, at::Tensor &out) {
+    Shared *held = held_grads(capsule);
+    if (held == nullptr) return nullptr;
+    if (!THPVariable_Check(t)) {
+        PyErr_SetString(PyExc_TypeError, "grads: a tensor");
+        return nullptr;
+    }
+    out = THPVariable_Unpack(t);
+    return held;
+}
+
+PyObject *hook_site(PyObject *, PyObject *args) {
+    PyObject *capsule, *to;
+    int site;
+    if (!PyArg_ParseTuple(args, "OOi", &capsule, &to, &site)) return nullptr;
+    at::Tensor t;
+    Shared *held = unpack(capsule, to, t);
+    if (held == nullptr) return nullptr;
+    const auto &node = t.grad_fn();
+    if (!node) return PyErr_Format(PyExc_ValueError, "hook_site: a tensor with a node");
+    node->add_pre_hook(std::make_unique<SiteHook>(*held, site, t.output_nr()));
+    Py_RETURN_NONE;
+}
+
+PyObject *hook_out(PyObject *, PyObject *args) {
+    PyObject *capsule, *yo, *xo, *wo;
+    if (!PyArg_ParseTuple(args, "OOOO", &capsule, &yo, &xo, &wo)) return nullptr;
+    at::Tensor y, x, w;
+    Shared *held = unpack(capsule, yo, y);
+    if (held == nullptr || unpack(capsule, xo, x) == nullptr) return nullptr;
+    if (wo != Py_None && unpack(capsule, wo, w) == nullptr) return nullptr;
+    const auto &node = y.grad_fn();
+    if (!node) return PyErr_Format(PyExc_ValueError, "hook_out: a tensor with a node");
+    node->add_pre_hook(std::make_unique<OutHook>(*held, y.output_nr(), x, w));
+    Py_RETURN_NONE;
+}
+
+PyObject *hook_weight(PyObject *, PyObject *args) {
+    PyObject *capsule, *wo;
+    if (!PyArg_ParseTuple(args, "OO", &capsule, &wo)) return nullptr;
+    at::Tensor w;
+    Shared *held = unpack(capsule, wo, w);
+    if (held == nullptr) return nullptr;
+    Shared gr = *held;
+    unsigned handle = w.register_hook([gr](const at::TensorBase &g) { weight_grad(gr, g); });
+    return PyLong_FromUnsignedLong(handle);
+}
+
+PyObject *unhook(PyObject *, PyObject *args) {
+    PyObject *wo;
+    unsigned long handle;
+    if (!PyArg_ParseTuple(args, "Ok", &wo, &handle)) return nullptr;
+    if (!THPVariable_Check(wo)) return PyErr_Format(PyExc_TypeError, "unhook: a tensor");
+    THPVariable_Unpack(wo).remove_hook(static_cast<unsigned>(handle));
     Py_RETURN_NONE;
 }
 
@@ -318,7 +809,14 @@ PyMethodDef methods[] = {
     {"hook", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(hook)),
      METH_FASTCALL, "hook(layer, module, args, kwargs, output): the forward hook"},
     {"lane", lane, METH_VARARGS, "one layer's lane (a capsule)"},
-    {"setup", setup, METH_O, "setup(address of normwatch_rows_planned)"},
+    {"grads", grads, METH_VARARGS, "one layer's gradient hooks (a capsule)"},
+    {"close", close, METH_O, "close(capsule): its hooks do nothing from now on"},
+    {"hook_site", hook_site, METH_VARARGS, "hook_site(capsule, t, site): t's node's pre-hook"},
+    {"hook_out", hook_out, METH_VARARGS,
+     "hook_out(capsule, y, x, weight): y's node's pre-hook, with the gradient through"},
+    {"hook_weight", hook_weight, METH_VARARGS, "hook_weight(capsule, w): w's hook's handle"},
+    {"unhook", unhook, METH_VARARGS, "unhook(w, handle)"},
+    {"setup", setup, METH_VARARGS, "setup(addresses of the C readers)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef definition = {PyModuleDef_HEAD_INIT, "normwatch_lane", nullptr, -1, methods};
@@ -336,7 +834,9 @@ PyMODINIT_FUNC PyInit_normwatch_lane() {
                  {&s_input_shape, "input_shape"}, {&s_auto, "auto"},
                  {&s_lane, "_lane_state"}, {&s_fail, "_fail"},
                  {&s_accumulator, "accumulator"}, {&s_stage, "stage"}, {&s_shape, "shape"},
-                 {&s_capsule, "capsule"}};
+                 {&s_capsule, "capsule"}, {&s_gradients, "gradients"},
+                 {&s_stage_grad, "stage_grad"}, {&s_both, "_both"}, {&s_node, "_node"},
+                 {&s_weight_grad, "_weight_grad"}};
     for (auto &n : names)
         if ((*n.slot = PyUnicode_InternFromString(n.name)) == nullptr) return nullptr;
     return PyModule_Create(&definition);

@@ -1,6 +1,7 @@
 """The sentinel lane in C++ (normwatch.measure.fastlane): registered where it is built,
 the Python hook where it is not; a failure in it disables its hook as the Python hook's
-would; copies of a watched model keep working. That it measures as the Python lane and
+would; copies of a watched model keep working. The gradients' hooks in C++ read what the
+Python hooks read, with none of their Python. That it measures as the Python lane and
 the general path do: tests/measure/test_hooks.py::test_the_lane_measures_as_the_general_path;
 that compiled models trace the Python hook in its place: tests/measure/test_compile.py."""
 
@@ -139,6 +140,7 @@ def test_a_copy_of_a_watched_model_runs_on_the_python_hook(built: object) -> Non
     ema = copy.deepcopy(model)
     hooks = _registered(ema)
     assert hooks and all(h.args[0]._lane_state is None for h in hooks)  # type: ignore[attr-defined]
+    assert all(h.args[0].grads._lane is None for h in hooks)  # type: ignore[attr-defined]
     with torch.no_grad():
         ema(tokens)
     train_step(model, opt, tokens, w)
@@ -159,3 +161,51 @@ def test_a_model_not_on_the_cpu_builds_no_lane(monkeypatch: pytest.MonkeyPatch) 
     w = normwatch.watch(model, report_dir=None)
     assert [type(h) for h in _registered(model)] == [LayerHook] * 3
     w.close()
+
+
+def test_the_gradients_are_read_in_cpp_as_the_python_hooks_read_them(
+        built: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two copies of one model, one watched with the gradients' C++ hooks, one with the
+    Python hooks: every gradient statistic of every flush is the same (the same C
+    readers, plans and staging order), the losses too, and the C++ hooks never called the
+    Python hooks' methods (the plain case throughout: hidden state, output and through
+    the norm, weight)."""
+    from normwatch.measure.gradients import GradHooks
+
+    torch.manual_seed(0)
+    base = tiny_llama(32, 2)
+    models = [copy.deepcopy(base), copy.deepcopy(base)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    watches = [normwatch.watch(models[0], opts[0], report_dir=None, stats_every=1,
+                               flush_every=100)]
+    monkeypatch.setattr(fastlane, "grad_lane", lambda *a, **k: None)
+    watches.append(normwatch.watch(models[1], opts[1], report_dir=None, stats_every=1,
+                                   flush_every=100))
+    monkeypatch.undo()
+    lanes = [[h.grads._lane for h in w._measure._hooks] for w in watches]  # type: ignore[union-attr]
+    assert all(lane is not None for lane in lanes[0]) and not any(lanes[1])
+    python = {id(h.grads): i for i, w in enumerate(watches) for h in w._measure._hooks}
+    calls = [0, 0]
+    for name in ("_node", "_both", "_weight_grad", "_hidden", "_out"):
+        def spy(self: GradHooks, *args: object, _real: object = getattr(GradHooks, name)
+                ) -> object:
+            calls[python[id(self)]] += 1
+            return _real(self, *args)  # type: ignore[operator]
+        monkeypatch.setattr(GradHooks, name, spy)
+    tokens = torch.randint(0, 1024, (2, 8), generator=torch.Generator().manual_seed(0))
+    losses: list[list[float]] = [[], []]
+    for _ in range(3):
+        for i in (0, 1):
+            losses[i].append(train_step(models[i], opts[i], tokens, watches[i]).item())
+    assert losses[0] == losses[1]
+    assert calls[0] == 0 and calls[1] > 0
+    snaps = [w.flush() for w in watches]
+    fields = ("grad_out_rms", "grad_out_absmax", "grad_in_rms", "grad_hidden_rms",
+              "grad_hidden_absmax", "grad_gain", "weight_grad_norm")
+    for name, want in snaps[1].layers.items():
+        got = snaps[0].layers[name]
+        assert want.grad_out_rms and want.weight_grad_norm  # measured
+        for field in fields:
+            assert getattr(got, field) == getattr(want, field), (name, field)
+    for w in watches:
+        w.close()
