@@ -119,7 +119,9 @@ class GradLane:
     at ``site``), ``out(y, x, weight)`` the node that made the norm's output ``y`` (its
     gradient and the one through the norm), ``weight(w)`` hooks the weight (a handle with
     ``remove()``). Each reads as GradHooks' own hook and calls its method where that is
-    not the plain case. A copy (an EMA ``deepcopy``) gets ``None``: Python's hooks."""
+    not the plain case. Compiled autograd, which runs no C++ hook, gets from each the
+    Python hook it stands for. A copy (an EMA ``deepcopy``) gets ``None``: Python's
+    hooks."""
 
     __slots__ = ("_capsule", "_hook_weight", "_unhook", "close", "out", "site")
 

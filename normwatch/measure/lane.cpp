@@ -13,11 +13,14 @@
 #include <Python.h>
 
 #include <ATen/Parallel.h>
+#include <torch/csrc/PyInterpreter.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/dynamo/compiled_autograd.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -157,6 +160,16 @@ int planned(Lane *lane, PyObject *xo, PyObject *yo, const at::Tensor &x, const a
     return 1;
 }
 
+// runtime.accumulator.<method>(rows): 0, or -1 an error
+int staged(PyObject *runtime, PyObject *method, PyObject *rows) {
+    PyObject *accumulator = PyObject_GetAttr(runtime, s_accumulator);
+    PyObject *r = accumulator ? PyObject_CallMethodOneArg(accumulator, method, rows) : nullptr;
+    Py_XDECREF(accumulator);
+    if (r == nullptr) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
 // The lane: 1 measured, 0 not taken (the Python hook measures it), -1 an error
 int measured(Lane *lane, PyObject *module, PyObject *args, PyObject *output) {
     if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) < 1) return 0;
@@ -226,13 +239,9 @@ int measured(Lane *lane, PyObject *module, PyObject *args, PyObject *output) {
         if (!owned[i]) Py_INCREF(v);
         PyTuple_SET_ITEM(call, i, v);
     }
-    PyObject *accumulator = PyObject_GetAttr(rt, s_accumulator);
-    PyObject *staged = accumulator ? PyObject_CallMethodOneArg(accumulator, s_stage, call)
-                                   : nullptr;
-    Py_XDECREF(accumulator);
+    int r = staged(rt, s_stage, call);
     Py_DECREF(call);
-    if (staged == nullptr) return -1;
-    Py_DECREF(staged);
+    if (r < 0) return -1;
     PyObject *size = PyObject_GetAttr(xo, s_shape);
     if (size == nullptr || add(rt, s_calls_this_step, 1) < 0 || add(c, s_calls, 1) < 0 ||
         add(c, s_tokens, tokens) < 0 || PyObject_SetAttr(c, s_input_shape, size) < 0) {
@@ -469,14 +478,9 @@ int stage(Grads &gr, PyObject *buffer, int site, int64_t width) {
         if (i == 1 || i == 2 || i == 3) Py_INCREF(items[i]);
         PyTuple_SET_ITEM(rows, i, items[i]);
     }
-    PyObject *accumulator = PyObject_GetAttr(gr.runtime, s_accumulator);
-    PyObject *r = accumulator ? PyObject_CallMethodOneArg(accumulator, s_stage_grad, rows)
-                              : nullptr;
-    Py_XDECREF(accumulator);
+    int r = staged(gr.runtime, s_stage_grad, rows);
     Py_DECREF(rows);
-    if (r == nullptr) return -1;
-    Py_DECREF(r);
-    return 0;
+    return r;
 }
 
 // The GradHooks (a new reference; nullptr: gone, no error)
@@ -575,12 +579,44 @@ void guarded(Grads &gr, Body body) {
     if (t < 0) grad_failed(gr);
 }
 
+// Compiled autograd traces a node's hooks as Python: hand it the Python hook this one
+// stands for, GradHooks.<name>(*args, grads) (nothing where the layer is gone)
+void python_twin(const Shared &gr, PyObject *name, PyObject *args,
+                 torch::dynamo::autograd::CompiledNodeArgs &compiled) {
+    PyGILState_STATE gil = PyGILState_Ensure();
+    PyObject *hooks = gr->open ? owner(*gr) : nullptr;
+    PyObject *method = hooks ? PyObject_GetAttr(hooks, name) : nullptr;
+    PyObject *partial = nullptr;
+    if (method != nullptr && args != nullptr) {
+        PyObject *functools = PyImport_ImportModule("functools");
+        PyObject *make = functools ? PyObject_GetAttrString(functools, "partial") : nullptr;
+        PyObject *first = make ? PyTuple_Pack(1, method) : nullptr;
+        PyObject *all = first ? PySequence_Concat(first, args) : nullptr;
+        partial = all ? PyObject_CallObject(make, all) : nullptr;
+        for (PyObject *o : {functools, make, first, all}) Py_XDECREF(o);
+    }
+    for (PyObject *o : {hooks, method, args}) Py_XDECREF(o);
+    if (partial == nullptr) {
+        PyErr_Clear();
+        PyGILState_Release(gil);
+        return;
+    }
+    compiled.add_pre_hook(c10::SafePyObject(partial, getPyInterpreter()));
+    PyGILState_Release(gil);
+}
+
 // A node's pre-hook: its output k's gradient at `site` (GradHooks._node's C++ twin)
 struct SiteHook : torch::autograd::FunctionPreHook {
     Shared gr;
     int site;
     size_t k;
     SiteHook(Shared g, int s, size_t i) : gr(std::move(g)), site(s), k(i) {}
+    void compiled_args(torch::dynamo::autograd::CompiledNodeArgs &args) const override {
+        PyGILState_STATE gil = PyGILState_Ensure();
+        PyObject *bound = Py_BuildValue("(in)", site, (Py_ssize_t)k);
+        PyGILState_Release(gil);
+        python_twin(gr, s_node, bound, args);
+    }
     torch::autograd::variable_list operator()(
         const torch::autograd::variable_list &grads) override {
         if (k >= grads.size() || !grads[k].defined()) return grads;
@@ -610,6 +646,17 @@ struct OutHook : torch::autograd::FunctionPreHook {
     uint32_t version;
     OutHook(Shared g, size_t i, at::Tensor x_, at::Tensor w_)
         : gr(std::move(g)), k(i), x(std::move(x_)), w(std::move(w_)), version(x._version()) {}
+    void compiled_args(torch::dynamo::autograd::CompiledNodeArgs &args) const override {
+        PyGILState_STATE gil = PyGILState_Ensure();
+        PyObject *xo = wrapped(x), *wo = wrapped(w);
+        PyObject *bound = xo && wo ? Py_BuildValue("(n[OOI])", (Py_ssize_t)k, xo, wo, version)
+                                   : nullptr;
+        Py_XDECREF(xo);
+        Py_XDECREF(wo);
+        PyErr_Clear();
+        PyGILState_Release(gil);
+        python_twin(gr, s_both, bound, args);
+    }
     torch::autograd::variable_list operator()(
         const torch::autograd::variable_list &grads) override {
         if (k >= grads.size() || !grads[k].defined() || !x.defined()) return grads;
@@ -671,13 +718,29 @@ struct OutHook : torch::autograd::FunctionPreHook {
 
 int weight_read(Grads &r, const at::Tensor &g);
 
-// The weight's gradient (GradHooks._weight_grad's C++ twin); the hook torch keeps
-void weight_grad(const Shared &gr, const at::TensorBase &grad) {
-    if (!grad.defined()) return;
-    Firing f(gr);
-    if (f.now != 1) return;
-    guarded(*gr, [&] { return weight_read(*gr, at::Tensor(grad)); });
-}
+// The weight's tensor pre-hook: its gradient (GradHooks._weight_grad's C++ twin)
+struct WeightHook : torch::autograd::FunctionPreHook {
+    Shared gr;
+    explicit WeightHook(Shared g) : gr(std::move(g)) {}
+    torch::autograd::variable_list operator()(
+        const torch::autograd::variable_list &grads) override {
+        if (grads.empty() || !grads[0].defined()) return grads;
+        Firing f(gr);
+        if (f.now == 1) guarded(*gr, [&] { return weight_read(*gr, grads[0]); });
+        return grads;
+    }
+    // compiled autograd: GradHooks._weight_grad, as a tensor hook (called with the grad)
+    void compiled_args(torch::dynamo::autograd::CompiledNodeArgs &args) const override {
+        PyGILState_STATE gil = PyGILState_Ensure();
+        PyObject *hooks = gr->open ? owner(*gr) : nullptr;
+        PyObject *method = hooks ? PyObject_GetAttr(hooks, s_weight_grad) : nullptr;
+        Py_XDECREF(hooks);
+        PyErr_Clear();
+        if (method != nullptr) args.add_tensor_pre_hook(c10::SafePyObject(method,
+                                                                          getPyInterpreter()), 0);
+        PyGILState_Release(gil);
+    }
+};
 
 // The weight's gradient read: 1 (here or by the Python hook's method) or -1 an error
 int weight_read(Grads &r, const at::Tensor &g) {
@@ -791,17 +854,24 @@ PyObject *hook_weight(PyObject *, PyObject *args) {
     at::Tensor w;
     Shared *held = unpack(capsule, wo, w);
     if (held == nullptr) return nullptr;
-    Shared gr = *held;
-    unsigned handle = w.register_hook([gr](const at::TensorBase &g) { weight_grad(gr, g); });
-    return PyLong_FromUnsignedLong(handle);
+    if (!w.requires_grad()) return PyErr_Format(PyExc_ValueError, "hook_weight: no grad");
+    auto hook = std::make_unique<WeightHook>(*held);
+    void *handle = hook.get();
+    torch::autograd::impl::add_hook(w, std::move(hook));
+    return PyLong_FromVoidPtr(handle);
 }
 
+// Remove w's hook `handle` (hook_weight's; harmless where it is gone)
 PyObject *unhook(PyObject *, PyObject *args) {
-    PyObject *wo;
-    unsigned long handle;
-    if (!PyArg_ParseTuple(args, "Ok", &wo, &handle)) return nullptr;
+    PyObject *wo, *handle;
+    if (!PyArg_ParseTuple(args, "OO", &wo, &handle)) return nullptr;
     if (!THPVariable_Check(wo)) return PyErr_Format(PyExc_TypeError, "unhook: a tensor");
-    THPVariable_Unpack(wo).remove_hook(static_cast<unsigned>(handle));
+    void *p = PyLong_AsVoidPtr(handle);
+    if (p == nullptr && PyErr_Occurred()) return nullptr;
+    auto &hooks = torch::autograd::impl::hooks(THPVariable_Unpack(wo));
+    hooks.erase(std::remove_if(hooks.begin(), hooks.end(),
+                               [p](const auto &h) { return h.get() == p; }),
+                hooks.end());
     Py_RETURN_NONE;
 }
 

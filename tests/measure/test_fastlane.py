@@ -209,3 +209,48 @@ def test_the_gradients_are_read_in_cpp_as_the_python_hooks_read_them(
             assert getattr(got, field) == getattr(want, field), (name, field)
     for w in watches:
         w.close()
+
+
+def test_compiled_autograd_traces_the_python_hooks_in_their_place(built: object) -> None:
+    """Compiled autograd (the backward traced by Dynamo) runs no C++ hook: each hands it the
+    Python hook it stands for. The backward compiles and runs, the losses are an unwatched
+    run's, and the gradients' statistics an eager backward's."""
+    from torch._dynamo import compiled_autograd
+
+    torch.manual_seed(0)
+    base = tiny_llama(32, 1)
+    models = [copy.deepcopy(base) for _ in range(3)]  # unwatched, eager, compiled autograd
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    watches = [None, *(normwatch.watch(m, report_dir=None, stats_every=1, flush_every=100)
+                       for m in models[1:])]
+    assert all(h.grads._lane is not None for h in watches[2]._measure._hooks)  # type: ignore[union-attr]
+    tokens = torch.randint(0, 1024, (2, 8), generator=torch.Generator().manual_seed(0))
+    losses: list[list[float]] = [[], [], []]
+    torch.compiler.reset()
+    try:
+        for _ in range(3):
+            for i, (m, o, w) in enumerate(zip(models, opts, watches, strict=True)):
+                loss = m(input_ids=tokens, labels=tokens).loss
+                losses[i].append(loss.item())
+                if i == 2:
+                    with compiled_autograd._enable(torch.compile(backend="eager")):
+                        loss.backward()
+                else:
+                    loss.backward()
+                o.step()
+                o.zero_grad()
+                if w is not None:
+                    w.step()
+    finally:
+        torch.compiler.reset()
+    assert losses[0] == losses[1] == losses[2]
+    eager, compiled = (w.flush() for w in watches[1:])  # type: ignore[union-attr]
+    assert not watches[2].disabled  # type: ignore[union-attr]
+    for name, want in eager.layers.items():
+        got = compiled.layers[name]
+        assert want.grad_out_rms and want.grad_hidden_rms and want.weight_grad_norm
+        for field in ("grad_out_rms", "grad_in_rms", "grad_hidden_rms", "weight_grad_norm"):
+            assert getattr(got, field) == pytest.approx(getattr(want, field), rel=1e-5), \
+                (name, field)
+    for w in watches[1:]:
+        w.close()  # type: ignore[union-attr]
