@@ -179,7 +179,7 @@ class LayerHook:
             lane = None if self._lane_state is None or layer.token_size is None else partial(
                 fastlane.grad_lane, runtime=runtime, take=take, rows_type=GradRows, row=row,
                 width=layer.token_size, eps=self._eps,
-                through_plan=None if formula is None else formula._plan)
+                through_plan=None if formula is None else formula.plan)
             self.grads = GradHooks(self._tokens, self._grad_target, self._stage_grad,
                                    self._fail, through, layer.token_size,
                                    native=native, take=take, formula=formula, lane=lane)

@@ -773,7 +773,7 @@ int weight_read(Grads &r, const at::Tensor &g) {
 }
 
 // grads(owner weakref, runtime, take, GradRows, row, width, eps, site planner (native.
-// grad_read_plan), through planner (ThroughReader._plan)): a layer's capsule
+// grad_read_plan), through planner (ThroughReader.plan)): a layer's capsule
 PyObject *grads(PyObject *, PyObject *args) {
     PyObject *o[7];
     long long width;

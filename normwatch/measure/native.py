@@ -549,7 +549,7 @@ class ThroughReader:
         key = (g.shape, torch.get_num_threads())
         planned = self._planned
         if planned is None or key != planned[0]:
-            planned = self._planned = (key, self._plan(g))
+            planned = self._planned = (key, self.plan(g))
         plan = planned[1]
         if plan is None:
             return None
@@ -560,7 +560,9 @@ class ThroughReader:
             dg.data_ptr(), din.data_ptr(), plan, self._eps)
         return dg, din
 
-    def _plan(self, g: torch.Tensor) -> ctypes.Array[ctypes.c_int64] | None:
+    def plan(self, g: torch.Tensor) -> ctypes.Array[ctypes.c_int64] | None:
+        """``normwatch_through``'s plan for gradients laid out as ``g`` (``None``: left
+        to torch)."""
         lib = library()
         threads = 0 if lib is None or not g.dim() else _threads(g, None)
         if lib is None or not threads or not g.numel():
