@@ -19,9 +19,9 @@ reads. They read, plan, borrow buffers and stage rows as
 :class:`~normwatch.measure.gradients.GradHooks`' hooks do, and call its methods for
 every other case.
 
-Torch calls the forward hook as ``functools.partial(hook, layer)``; while Dynamo traces, a Python
-stand-in (:func:`torch._dynamo.substitute_in_graph`) calls ``layer`` instead, so compiled
-graphs are traced as before. Without a C++ compiler, torch's headers or the C library,
+Torch calls the forward hook as ``functools.partial(hook, layer)``; while Dynamo traces,
+a Python stand-in (:func:`torch._dynamo.substitute_in_graph`) calls ``layer`` instead, so
+compiled graphs are traced as before. Without a C++ compiler, torch's headers or the C library,
 or with ``NORMWATCH_NATIVE=0`` or ``NORMWATCH_LANE=0``, the Python hook is registered
 itself.
 """
@@ -123,10 +123,9 @@ class GradLane:
     Python hook it stands for. A copy (an EMA ``deepcopy``) gets ``None``: Python's
     hooks."""
 
-    __slots__ = ("_capsule", "_hook_weight", "_unhook", "close", "out", "site")
+    __slots__ = ("_hook_weight", "_unhook", "close", "out", "site")
 
     def __init__(self, built: ModuleType, capsule: object) -> None:
-        self._capsule = capsule
         self.site = functools.partial(built.hook_site, capsule)
         self.out = functools.partial(built.hook_out, capsule)
         self._hook_weight = functools.partial(built.hook_weight, capsule)

@@ -50,9 +50,10 @@ struct Lane {
     int64_t plan[PLAN_SIZE] = {0};
 };
 
-PyObject *s_gradients, *s_stage_grad, *s_both, *s_node, *s_weight_grad, *s_paused, *s_full_stats, *s_kernel, *s_check_outputs, *s_output_checked, *s_calls,
+PyObject *s_paused, *s_full_stats, *s_kernel, *s_check_outputs, *s_output_checked, *s_calls,
     *s_training, *s_step, *s_calls_this_step, *s_tokens, *s_input_shape, *s_auto, *s_lane,
-    *s_fail, *s_accumulator, *s_stage, *s_shape, *s_capsule;
+    *s_fail, *s_accumulator, *s_stage, *s_shape, *s_capsule, *s_gradients, *s_stage_grad,
+    *s_both, *s_node, *s_weight_grad;
 
 void drop(PyObject *capsule) {
     auto *lane = static_cast<Lane *>(PyCapsule_GetPointer(capsule, "normwatch.lane"));
@@ -252,19 +253,27 @@ int measured(Lane *lane, PyObject *module, PyObject *args, PyObject *output) {
     return 1;
 }
 
-// Disable `layer` as its own hook does (an Exception; anything else goes on up)
-PyObject *failed(PyObject *layer) {
-    if (!PyErr_ExceptionMatches(PyExc_Exception)) return nullptr;
+// Hand the pending error, an Exception, to owner._fail (the error taken; `owner` null:
+// dropped): 0, or -1 with _fail's own error set
+int hand_to_fail(PyObject *owner) {
     PyObject *type, *value, *trace;
     PyErr_Fetch(&type, &value, &trace);
     PyErr_NormalizeException(&type, &value, &trace);
-    if (trace != nullptr) PyException_SetTraceback(value, trace);
-    PyObject *r = PyObject_CallMethodOneArg(layer, s_fail, value);
+    if (trace != nullptr && value != nullptr) PyException_SetTraceback(value, trace);
+    PyObject *r = owner != nullptr && value != nullptr
+                      ? PyObject_CallMethodOneArg(owner, s_fail, value) : Py_NewRef(Py_None);
     Py_XDECREF(type);
     Py_XDECREF(value);
     Py_XDECREF(trace);
-    if (r == nullptr) return nullptr;
+    if (r == nullptr) return -1;
     Py_DECREF(r);
+    return 0;
+}
+
+// Disable `layer` as its own hook does (an Exception; anything else goes on up)
+PyObject *failed(PyObject *layer) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) return nullptr;
+    if (hand_to_fail(layer) < 0) return nullptr;
     Py_RETURN_NONE;
 }
 
@@ -404,16 +413,13 @@ int grads_now(PyObject *rt) {
     return t < 0 ? -1 : !t;
 }
 
-// `g`'s plan for `site` (planner(g) on a new layout; `whole`: its whole-tensor flag, the
-// weight's): 1 planned into `args`, 0 not covered, -1 an error
-int grad_plan(GradPlan &plan, PyObject *planner, const at::Tensor &g, int whole,
-              std::vector<int64_t> &args) {
+// `g`'s plan (planner(g) on a new layout; `whole`: the planner's whole-tensor flag, -1:
+// none to pass): 1 planned (plan.args), 0 not covered, -1 an error
+int grad_plan(GradPlan &plan, PyObject *planner, const at::Tensor &g, int whole) {
     int threads = at::get_num_threads();
     if (plan.threads == threads && plan.dtype == g.scalar_type() &&
-        g.sizes().equals(plan.sizes)) {
-        if (plan.planned) args = plan.args;
+        g.sizes().equals(plan.sizes))
         return plan.planned;
-    }
     plan.threads = -1;
     PyObject *go = THPVariable_Wrap(g);
     if (go == nullptr) return -1;
@@ -446,7 +452,6 @@ int grad_plan(GradPlan &plan, PyObject *planner, const at::Tensor &g, int whole,
     plan.sizes.assign(g.sizes().begin(), g.sizes().end());
     plan.dtype = g.scalar_type();
     plan.threads = threads;
-    if (plan.planned) args = plan.args;
     return plan.planned;
 }
 
@@ -500,31 +505,26 @@ PyObject *owner(Grads &gr) {
 // Disable the layer as its Python hook would (GradHooks._fail), the error cleared
 void grad_failed(Grads &gr) {
     if (!PyErr_Occurred()) return;
-    PyObject *type, *value, *trace;
-    PyErr_Fetch(&type, &value, &trace);
-    PyErr_NormalizeException(&type, &value, &trace);
-    if (trace != nullptr && value != nullptr) PyException_SetTraceback(value, trace);
-    PyObject *hooks = owner(gr);
-    if (hooks != nullptr && value != nullptr &&
-        PyObject_IsInstance(value, PyExc_Exception) == 1) {
-        PyObject *r = PyObject_CallMethodOneArg(hooks, s_fail, value);
-        Py_XDECREF(r);
-    }
+    PyObject *hooks = PyErr_ExceptionMatches(PyExc_Exception) && gr.open ? owner(gr) : nullptr;
+    hand_to_fail(hooks);
     Py_XDECREF(hooks);
-    Py_XDECREF(type);
-    Py_XDECREF(value);
-    Py_XDECREF(trace);
     PyErr_Clear();  // (never into the autograd engine)
+}
+
+// GradHooks.<name> (a new reference; nullptr: the layer is gone or closed, no error)
+PyObject *method_of(Grads &gr, PyObject *name) {
+    PyObject *hooks = gr.open ? owner(gr) : nullptr;
+    PyObject *method = hooks ? PyObject_GetAttr(hooks, name) : nullptr;
+    Py_XDECREF(hooks);
+    return method;
 }
 
 // Call GradHooks.<name>(*args) (a fallback: the Python hook's own method): 0 or -1
 int fallback(Grads &gr, PyObject *name, PyObject *args) {
-    PyObject *hooks = owner(gr);
-    if (hooks == nullptr) return 0;
-    PyObject *method = PyObject_GetAttr(hooks, name);
-    Py_DECREF(hooks);
-    PyObject *r = method ? PyObject_CallObject(method, args) : nullptr;
-    Py_XDECREF(method);
+    PyObject *method = method_of(gr, name);
+    if (method == nullptr) return PyErr_Occurred() ? -1 : 0;
+    PyObject *r = PyObject_CallObject(method, args);
+    Py_DECREF(method);
     if (r == nullptr) return -1;
     Py_DECREF(r);
     return 0;
@@ -535,21 +535,28 @@ PyObject *wrapped(const at::Tensor &t) {  // (None for an undefined tensor)
     return THPVariable_Wrap(t);
 }
 
-// A gradient `g` at `site` (not the weight): 1 read here, 0 not the plain case, -1 an error
-int read_site(Grads &gr, int site, const at::Tensor &g) {
-    if (!plain(g) || g.dim() == 0 || g.size(-1) != gr.width) return 0;
-    std::vector<int64_t> args;
-    int t = grad_plan(gr.plans[site], gr.site_planner, g, 0, args);
+// `g`'s rows (GradReader's read: `whole`, one row) staged at `site` with `width`: 1 read
+// here, 0 not planned, -1 an error
+int read_rows(Grads &gr, int site, const at::Tensor &g, int whole, int64_t width) {
+    GradPlan &plan = gr.plans[site];
+    int t = grad_plan(plan, gr.site_planner, g, whole);
     if (t != 1) return t;
-    PyObject *buffer = lent(gr, args[1] + 2);
+    PyObject *buffer = lent(gr, plan.args[1] + 2);
     if (buffer == nullptr) return -1;
     if (grad_rows_planned(g.const_data_ptr(), nullptr,
-                          THPVariable_Unpack(buffer).mutable_data_ptr<float>(), args.data())) {
+                          THPVariable_Unpack(buffer).mutable_data_ptr<float>(),
+                          plan.args.data())) {
         Py_DECREF(buffer);
         PyErr_SetString(PyExc_RuntimeError, "grads: the C reader refused the gradient");
         return -1;
     }
-    return stage(gr, buffer, site, g.size(-1)) < 0 ? -1 : 1;
+    return stage(gr, buffer, site, width) < 0 ? -1 : 1;
+}
+
+// A gradient `g` at `site` (not the weight): 1 read here, 0 not the plain case, -1 an error
+int read_site(Grads &gr, int site, const at::Tensor &g) {
+    if (!plain(g) || g.dim() == 0 || g.size(-1) != gr.width) return 0;
+    return read_rows(gr, site, g, 0, g.size(-1));
 }
 
 // The GIL held for a hook's body, the layer's gradients measured this step
@@ -580,12 +587,13 @@ void guarded(Grads &gr, Body body) {
 }
 
 // Compiled autograd traces a node's hooks as Python: hand it the Python hook this one
-// stands for, GradHooks.<name>(*args, grads) (nothing where the layer is gone)
-void python_twin(const Shared &gr, PyObject *name, PyObject *args,
+// stands for, GradHooks.<name>(*bound(), grads) (nothing where the layer is gone)
+template <class Bound>
+void python_twin(const Shared &gr, PyObject *name, Bound bound,
                  torch::dynamo::autograd::CompiledNodeArgs &compiled) {
     PyGILState_STATE gil = PyGILState_Ensure();
-    PyObject *hooks = gr->open ? owner(*gr) : nullptr;
-    PyObject *method = hooks ? PyObject_GetAttr(hooks, name) : nullptr;
+    PyObject *method = method_of(*gr, name);
+    PyObject *args = method ? bound() : nullptr;
     PyObject *partial = nullptr;
     if (method != nullptr && args != nullptr) {
         PyObject *functools = PyImport_ImportModule("functools");
@@ -595,7 +603,7 @@ void python_twin(const Shared &gr, PyObject *name, PyObject *args,
         partial = all ? PyObject_CallObject(make, all) : nullptr;
         for (PyObject *o : {functools, make, first, all}) Py_XDECREF(o);
     }
-    for (PyObject *o : {hooks, method, args}) Py_XDECREF(o);
+    for (PyObject *o : {method, args}) Py_XDECREF(o);
     if (partial == nullptr) {
         PyErr_Clear();
         PyGILState_Release(gil);
@@ -612,10 +620,8 @@ struct SiteHook : torch::autograd::FunctionPreHook {
     size_t k;
     SiteHook(Shared g, int s, size_t i) : gr(std::move(g)), site(s), k(i) {}
     void compiled_args(torch::dynamo::autograd::CompiledNodeArgs &args) const override {
-        PyGILState_STATE gil = PyGILState_Ensure();
-        PyObject *bound = Py_BuildValue("(in)", site, (Py_ssize_t)k);
-        PyGILState_Release(gil);
-        python_twin(gr, s_node, bound, args);
+        python_twin(gr, s_node, [&] { return Py_BuildValue("(in)", site, (Py_ssize_t)k); },
+                    args);
     }
     torch::autograd::variable_list operator()(
         const torch::autograd::variable_list &grads) override {
@@ -647,15 +653,14 @@ struct OutHook : torch::autograd::FunctionPreHook {
     OutHook(Shared g, size_t i, at::Tensor x_, at::Tensor w_)
         : gr(std::move(g)), k(i), x(std::move(x_)), w(std::move(w_)), version(x._version()) {}
     void compiled_args(torch::dynamo::autograd::CompiledNodeArgs &args) const override {
-        PyGILState_STATE gil = PyGILState_Ensure();
-        PyObject *xo = wrapped(x), *wo = wrapped(w);
-        PyObject *bound = xo && wo ? Py_BuildValue("(n[OOI])", (Py_ssize_t)k, xo, wo, version)
-                                   : nullptr;
-        Py_XDECREF(xo);
-        Py_XDECREF(wo);
-        PyErr_Clear();
-        PyGILState_Release(gil);
-        python_twin(gr, s_both, bound, args);
+        python_twin(gr, s_both, [&] {
+            PyObject *xo = wrapped(x), *wo = wrapped(w);
+            PyObject *bound = xo && wo
+                ? Py_BuildValue("(n[OOI])", (Py_ssize_t)k, xo, wo, version) : nullptr;
+            Py_XDECREF(xo);
+            Py_XDECREF(wo);
+            return bound;
+        }, args);
     }
     torch::autograd::variable_list operator()(
         const torch::autograd::variable_list &grads) override {
@@ -689,9 +694,9 @@ struct OutHook : torch::autograd::FunctionPreHook {
             !g.sizes().equals(xs.sizes()) ||
             (ws.defined() && ws.storage().nbytes() == 0))  // (FSDP2's, resharded)
             return 0;
-        std::vector<int64_t> args;
-        int t = grad_plan(r.through_plan, r.through_planner, g, -1, args);
+        int t = grad_plan(r.through_plan, r.through_planner, g, -1);
         if (t != 1) return t;
+        const int64_t *args = r.through_plan.args.data();
         PyObject *dg = lent(r, args[0] + 2);
         PyObject *din = dg ? lent(r, args[0] + 2) : nullptr;
         if (din == nullptr) {
@@ -701,7 +706,7 @@ struct OutHook : torch::autograd::FunctionPreHook {
         if (through(g.const_data_ptr<float>(), xs.const_data_ptr<float>(),
                     ws.defined() ? ws.const_data_ptr<float>() : nullptr,
                     THPVariable_Unpack(dg).mutable_data_ptr<float>(),
-                    THPVariable_Unpack(din).mutable_data_ptr<float>(), args.data(), r.eps)) {
+                    THPVariable_Unpack(din).mutable_data_ptr<float>(), args, r.eps)) {
             Py_DECREF(dg);
             Py_DECREF(din);
             PyErr_SetString(PyExc_RuntimeError, "grads: the C kernel refused the gradient");
@@ -732,37 +737,17 @@ struct WeightHook : torch::autograd::FunctionPreHook {
     // compiled autograd: GradHooks._weight_grad, as a tensor hook (called with the grad)
     void compiled_args(torch::dynamo::autograd::CompiledNodeArgs &args) const override {
         PyGILState_STATE gil = PyGILState_Ensure();
-        PyObject *hooks = gr->open ? owner(*gr) : nullptr;
-        PyObject *method = hooks ? PyObject_GetAttr(hooks, s_weight_grad) : nullptr;
-        Py_XDECREF(hooks);
+        PyObject *method = method_of(*gr, s_weight_grad);
         PyErr_Clear();
-        if (method != nullptr) args.add_tensor_pre_hook(c10::SafePyObject(method,
-                                                                          getPyInterpreter()), 0);
+        if (method != nullptr)
+            args.add_tensor_pre_hook(c10::SafePyObject(method, getPyInterpreter()), 0);
         PyGILState_Release(gil);
     }
 };
 
 // The weight's gradient read: 1 (here or by the Python hook's method) or -1 an error
 int weight_read(Grads &r, const at::Tensor &g) {
-    int t = 0;
-    if (plain(g) && g.numel()) {
-        std::vector<int64_t> args;
-        t = grad_plan(r.plans[SITE_WEIGHT], r.site_planner, g, 1, args);
-        if (t == 1) {
-            PyObject *buffer = lent(r, args[1] + 2);
-            if (buffer == nullptr) {
-                t = -1;
-            } else if (grad_rows_planned(g.const_data_ptr(), nullptr,
-                                         THPVariable_Unpack(buffer).mutable_data_ptr<float>(),
-                                         args.data())) {
-                Py_DECREF(buffer);
-                PyErr_SetString(PyExc_RuntimeError, "grads: the C reader refused the weight");
-                t = -1;
-            } else {
-                t = stage(r, buffer, SITE_WEIGHT, 1) < 0 ? -1 : 1;
-            }
-        }
-    }
+    int t = plain(g) && g.numel() ? read_rows(r, SITE_WEIGHT, g, 1, 1) : 0;
     if (t == 0) {
         PyObject *go = wrapped(g);
         PyObject *args = go ? Py_BuildValue("(N)", go) : nullptr;
