@@ -51,7 +51,8 @@ from normwatch.catalog import KEY_STRIDE
 from normwatch.measure import native
 from normwatch.measure.reductions import CallRows
 
-SOURCE = Path(__file__).with_name("lane.cpp")
+SOURCES = (Path(__file__).with_name("lane.cpp"), Path(__file__).with_name("sampler.cpp"))
+"""The module's sources: the hooks' lanes, the update monitor's step hooks."""
 NAME = "normwatch_lane"
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,9 @@ def module() -> ModuleType | None:
     try:
         built = _load(_built())
         built.setup(*(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in (
-            "normwatch_rows_planned", "normwatch_grad_rows_planned", "normwatch_through")))
+            "normwatch_rows_planned", "normwatch_grad_rows_planned", "normwatch_through")),
+            torch._C._dynamo.eval_frame.get_eval_frame_callback)
+        built.setup_sampler(ctypes.cast(lib.normwatch_sample, ctypes.c_void_p).value)
         _stand_in(built.hook)
     except Exception as exc:  # no C++ compiler, no headers, a failed build: Python's lane
         log.debug("normwatch: the C++ lane is not built (%s)", exc)
@@ -94,23 +97,25 @@ class State:
         self.capsule = capsule
 
     def __reduce__(self) -> tuple[Callable[[], None], tuple[()]]:
-        return _none, ()
+        return nothing, ()
 
 
-def _none() -> None:
+def nothing() -> None:
+    """What a copy of a C++ state is (:meth:`State.__reduce__`): none."""
     return None
 
 
 def state(runtime: Any, counts: Any, take: Callable[..., Any], row: int, width: int | None,
-          eps: float, centred: bool) -> State | None:
+          eps: float, centred: bool, moments: str) -> State | None:
     """A layer's lane state, or ``None``: no lane for it (tokens that are not its last
     dim, or no lane built). The lane plans a new layout (of an input and output alike)
-    with :func:`~normwatch.measure.native.row_plan`, as the Python lane does."""
+    with :func:`~normwatch.measure.native.row_plan`, as the Python lane does: in the full
+    tier with ``moments``."""
     built = module()
     if built is None or width is None:
         return None
     return State(built.lane(runtime, counts, take, native.row_plan, CallRows, row, width,
-                            eps, centred, KEY_STRIDE))
+                            eps, centred, KEY_STRIDE, moments))
 
 
 class GradLane:
@@ -137,7 +142,7 @@ class GradLane:
         return WeightHandle(w, self._hook_weight(w), self._unhook)
 
     def __reduce__(self) -> tuple[Callable[[], None], tuple[()]]:
-        return _none, ()
+        return nothing, ()
 
 
 class WeightHandle:
@@ -192,12 +197,12 @@ def _built() -> Path:
     compiler, version = native.compiler("CXX", ("c++", "g++"), "C++")
     includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
     lib = Path(torch.__file__).parent / "lib"
-    command = [compiler, "-O2", "-fPIC", "-shared", "-std=c++20", "-w",
-               *(f"-I{p}" for p in includes), str(SOURCE), f"-L{lib}", "-ltorch_python",
-               "-ltorch", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}"]
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + sys.version.encode()
-                         + torch.__version__.encode() + " ".join(command).encode()
-                         ).hexdigest()[:16]
+    compile_ = [compiler, "-O2", "-fPIC", "-std=c++20", "-w", *(f"-I{p}" for p in includes)]
+    link = [compiler, "-shared", f"-L{lib}", "-ltorch_python", "-ltorch", "-ltorch_cpu",
+            "-lc10", f"-Wl,-rpath,{lib}"]
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + version.encode()
+                         + sys.version.encode() + torch.__version__.encode()
+                         + " ".join(compile_ + link).encode()).hexdigest()[:16]
     folder = native.cache_dir()
     target = folder / f"lane-{key}{sysconfig.get_config_var('EXT_SUFFIX')}"
     if target.exists():
@@ -205,13 +210,28 @@ def _built() -> Path:
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     log.info("normwatch: building its C++ lane (once per machine and torch, ~20 s)")
     with tempfile.TemporaryDirectory(dir=folder) as tmp:  # then one atomic rename
+        objects = [Path(tmp) / f"{s.stem}.o" for s in SOURCES]
+        _run([[*compile_, "-c", str(s), "-o", str(o)] for s, o in zip(SOURCES, objects,
+                                                                       strict=True)])
         built = Path(tmp) / target.name
-        done = subprocess.run([*command, "-o", str(built)], capture_output=True, text=True,
-                              timeout=600)
-        if done.returncode:
-            raise RuntimeError(f"{SOURCE.name} did not build: {done.stderr[-2000:]}")
+        _run([[link[0], *map(str, objects), *link[1:], "-o", str(built)]])
         os.replace(built, target)
     return target
+
+
+def _run(commands: list[list[str]]) -> None:
+    """Run ``commands`` side by side (each source compiles on a core of its own); a
+    failure raises with the compiler's words."""
+    running = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True) for c in commands]
+    for command, process in zip(commands, running, strict=True):
+        try:
+            _, err = process.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+        if process.returncode:
+            raise RuntimeError(f"{' '.join(command[-3:])} did not build: {err[-2000:]}")
 
 
 def _load(path: Path) -> ModuleType:

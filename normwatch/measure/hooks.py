@@ -140,6 +140,8 @@ class LayerHook:
         self._eps = 0.0 if math.isnan(layer.eps) else layer.eps
         self._centred = layer.kind != "rmsnorm"
         """Whether the norm subtracts the mean (the full tier's moments then centre)."""
+        self._moments = "centred" if self._centred else "rms"
+        """The full tier's moments (:data:`~normwatch.measure.native.MOMENTS`)."""
         self._width = layer.token_size
         self._signature: tuple[Any, ...] = ()
         self._rows = RowReader(runtime.accumulator.buffers.take)
@@ -157,7 +159,7 @@ class LayerHook:
         native = runtime.kernel == "auto"
         self._lane_state = fastlane.state(
             runtime, self.counts, runtime.accumulator.buffers.take, row,
-            layer.token_size, self._eps, self._centred) \
+            layer.token_size, self._eps, self._centred, self._moments) \
             if native and home is not None and home.type == "cpu" else None
         """The C++ lane's state (``None``: every call is this object's; a layer not on the
         CPU builds nothing): see :mod:`~normwatch.measure.fastlane`."""
@@ -246,13 +248,12 @@ class LayerHook:
               output: Any, rt: Runtime) -> bool:
         """A training call in the CPU lane, measured in few lines (inside a training step
         every line costs several times what it costs warm): a plain input and output of
-        one layout, a training call, not the interval's first (its dtypes are noted) nor
-        its output check. On full-tier steps its moments too, its gradients hooked and its
-        dtypes noted, as :meth:`_observe` does. ``False``: nothing done, :meth:`_observe`
-        measures it."""
+        one layout, a training call, not the interval's output check. On full-tier steps
+        its moments too and its gradients hooked; on those and the interval's first call
+        its dtypes noted, as :meth:`_observe` does. ``False``: nothing done,
+        :meth:`_observe` measures it."""
         c = self.counts
-        if not args or not c.calls or (rt.check_outputs and not c.output_checked) or \
-                rt.kernel != "auto":
+        if not args or (rt.check_outputs and not c.output_checked) or rt.kernel != "auto":
             return False
         x = args[0]
         if type(x) is not torch.Tensor or type(output) is not torch.Tensor or \
@@ -271,10 +272,21 @@ class LayerHook:
         c.tokens += call.n
         c.input_shape = x.shape
         if full:
-            self._watch_grads(module, x, output, (len(args) == 1 and not kwargs)
-                              or not other_tensor(args, kwargs, x))
+            self._tail(module, args, kwargs, output)
+        elif c.calls == 1:
             self.record_dtypes(module, x, output)
+        if c.calls == 1:
+            rt.forward_order.setdefault(self.layer.name, len(rt.forward_order))
         return True
+
+    def _tail(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+              output: torch.Tensor) -> None:
+        """The rest of a full-tier call the lane measured (this object's or the C++
+        one's): its gradients hooked, its dtypes noted."""
+        x = args[0]
+        self._watch_grads(module, x, output, (len(args) == 1 and not kwargs)
+                          or not other_tensor(args, kwargs, x))
+        self.record_dtypes(module, x, output)
 
     def _watch_grads(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None,
                      alone: bool) -> None:
@@ -394,7 +406,7 @@ class LayerHook:
               full: bool) -> CallRows | None:
         """The call's rows by the C reader (the layer's last dim one token, ``x`` and
         ``out`` alike: its rows line up), or ``None``: left to the general path."""
-        v = self._rows(x, out, ("centred" if self._centred else "rms") if full else None)
+        v = self._rows(x, out, self._moments if full else None)
         if v is None:
             return None
         width = x.shape[-1]

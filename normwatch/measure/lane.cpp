@@ -1,14 +1,15 @@
 // The hooks' lanes in C++ (normwatch.measure.fastlane builds and loads them; compiled
 // against torch's headers): the forward hook's sentinel lane, then the gradients' hooks
-// (below).
+// (below). The module also holds sampler.cpp's functions (the update monitor's).
 //
 // hook(layer, module, args, kwargs, output) is registered with torch as
 // functools.partial(hook, layer): torch's hook loop calls it with no Python frame. A
-// sentinel-tier training call of the common CPU case (what LayerHook._lane takes, in the
-// sentinel tier) is measured here as _lane measures it: the same C kernel
+// training call of the common CPU case (what LayerHook._lane takes, past the interval's
+// first) is measured here as _lane measures it: the same C kernel
 // (normwatch_rows_planned), the same buffer lender, the same CallRows staged, the same
-// counts. Any other call, and every call while Dynamo traces (a Python stand-in), goes
-// to the Python LayerHook. An error here disables the hook as the Python hook's would
+// counts; in the full tier, with the layer's moments, then LayerHook._tail (its
+// gradients hooked, its dtypes noted). Any other call, and every call while Dynamo
+// traces (a Python stand-in), goes to the Python LayerHook. An error here disables the hook as the Python hook's would
 // (LayerHook._fail): training goes on.
 #include <Python.h>
 
@@ -34,14 +35,12 @@ using ThroughFn = int (*)(const float *, const float *, const float *, float *, 
                           const int64_t *, double);
 RowsFn rows_planned = nullptr, grad_rows_planned = nullptr;
 ThroughFn through = nullptr;
+PyObject *dynamo_callback = nullptr;  // torch._C._dynamo.eval_frame.get_eval_frame_callback
 
 constexpr int PLAN_SIZE = 9;   // normwatch_rows_planned's plan (native.row_plan's args)
 
-// One layer's lane: what LayerHook hands over once (owned references), and the plan of
-// the last layout met
-struct Lane {
-    PyObject *runtime, *counts, *take, *planner, *call_type, *row, *eps, *centred;
-    int64_t width, key_stride;
+// A tier's plan of the last layout met
+struct Planned {
     std::vector<int64_t> sizes;  // the last layout: x's sizes, dtypes, torch's threads
     at::ScalarType dx = at::ScalarType::Undefined, dy = at::ScalarType::Undefined;
     int threads = -1;
@@ -50,7 +49,15 @@ struct Lane {
     int64_t plan[PLAN_SIZE] = {0};
 };
 
-PyObject *s_paused, *s_full_stats, *s_kernel, *s_check_outputs, *s_output_checked, *s_calls,
+// One layer's lane: what LayerHook hands over once (owned references), and per tier
+// (sentinel, full) its plan
+struct Lane {
+    PyObject *runtime, *counts, *take, *planner, *call_type, *row, *eps, *centred, *moments;
+    int64_t width, key_stride;
+    Planned tiers[2];
+};
+
+PyObject *s_paused, *s_full_stats, *s_tail, *s_kernel, *s_check_outputs, *s_output_checked, *s_calls,
     *s_training, *s_step, *s_calls_this_step, *s_tokens, *s_input_shape, *s_auto, *s_lane,
     *s_fail, *s_accumulator, *s_stage, *s_shape, *s_capsule, *s_gradients, *s_stage_grad,
     *s_both, *s_node, *s_weight_grad;
@@ -59,7 +66,8 @@ void drop(PyObject *capsule) {
     auto *lane = static_cast<Lane *>(PyCapsule_GetPointer(capsule, "normwatch.lane"));
     if (lane == nullptr) return;
     for (PyObject *o : {lane->runtime, lane->counts, lane->take, lane->planner,
-                        lane->call_type, lane->row, lane->eps, lane->centred, lane->shape})
+                        lane->call_type, lane->row, lane->eps, lane->centred, lane->moments,
+                        lane->tiers[0].shape, lane->tiers[1].shape})
         Py_XDECREF(o);
     delete lane;
 }
@@ -110,23 +118,26 @@ bool plain(const at::Tensor &t) {
     return t.defined() && readable(t) && !t.key_set().has(c10::DispatchKey::Python);
 }
 
-// The plan for x and y's layout (asked of the planner on a new one), copied into `plan`
+// The tier's plan for x and y's layout (asked of the planner on a new one, with the
+// layer's moments in the full tier), copied into `plan`
 // and `shape` (a new reference) where planned: 1 planned, 0 not covered, -1 an error.
 // (Copied while the GIL is held throughout: the lender's Python after it may let another
 // thread in, whose call of this layer may plan another layout.)
-int planned(Lane *lane, PyObject *xo, PyObject *yo, const at::Tensor &x, const at::Tensor &y,
-            int64_t *plan, PyObject **shape) {
+int planned(Lane *lane, bool full, PyObject *xo, PyObject *yo, const at::Tensor &x,
+            const at::Tensor &y, int64_t *plan, PyObject **shape) {
+    Planned *tier = &lane->tiers[full];
     int threads = at::get_num_threads();
     auto sizes = x.sizes();
-    if (lane->threads == threads && lane->dx == x.scalar_type() && lane->dy == y.scalar_type() &&
-        sizes.equals(lane->sizes)) {
-        if (!lane->planned) return 0;
-        std::copy(lane->plan, lane->plan + PLAN_SIZE, plan);
-        Py_INCREF(*shape = lane->shape);
+    if (tier->threads == threads && tier->dx == x.scalar_type() && tier->dy == y.scalar_type() &&
+        sizes.equals(tier->sizes)) {
+        if (!tier->planned) return 0;
+        std::copy(tier->plan, tier->plan + PLAN_SIZE, plan);
+        Py_INCREF(*shape = tier->shape);
         return 1;
     }
-    lane->threads = -1;  // (until the new plan is read whole)
-    PyObject *got = PyObject_CallFunctionObjArgs(lane->planner, xo, yo, nullptr);
+    tier->threads = -1;  // (until the new plan is read whole)
+    PyObject *got = PyObject_CallFunctionObjArgs(lane->planner, xo, yo,
+                                                 full ? lane->moments : Py_None, nullptr);
     if (got == nullptr) return -1;
     bool covered = got != Py_None;
     if (covered) {  // a native.RowPlan: (shape, args: a ctypes array of int64)
@@ -138,26 +149,26 @@ int planned(Lane *lane, PyObject *xo, PyObject *yo, const at::Tensor &x, const a
         }
         for (int i = 0; i < PLAN_SIZE; i++) {
             PyObject *v = PySequence_GetItem(args, i);
-            lane->plan[i] = v == nullptr ? -1 : PyLong_AsLongLong(v);
+            tier->plan[i] = v == nullptr ? -1 : PyLong_AsLongLong(v);
             Py_XDECREF(v);
-            if (lane->plan[i] == -1 && PyErr_Occurred()) {
+            if (tier->plan[i] == -1 && PyErr_Occurred()) {
                 Py_DECREF(got);
                 return -1;
             }
         }
         PyObject *shape = PyTuple_GetItem(got, 0);
         Py_XINCREF(shape);
-        Py_XSETREF(lane->shape, shape);
+        Py_XSETREF(tier->shape, shape);
     }
     Py_DECREF(got);
-    lane->sizes.assign(sizes.begin(), sizes.end());
-    lane->dx = x.scalar_type();
-    lane->dy = y.scalar_type();
-    lane->planned = covered;
-    lane->threads = threads;
+    tier->sizes.assign(sizes.begin(), sizes.end());
+    tier->dx = x.scalar_type();
+    tier->dy = y.scalar_type();
+    tier->planned = covered;
+    tier->threads = threads;
     if (!covered) return 0;
-    std::copy(lane->plan, lane->plan + PLAN_SIZE, plan);
-    Py_INCREF(*shape = lane->shape);
+    std::copy(tier->plan, tier->plan + PLAN_SIZE, plan);
+    Py_INCREF(*shape = tier->shape);
     return 1;
 }
 
@@ -172,14 +183,16 @@ int staged(PyObject *runtime, PyObject *method, PyObject *rows) {
 }
 
 // The lane: 1 measured, 0 not taken (the Python hook measures it), -1 an error
-int measured(Lane *lane, PyObject *module, PyObject *args, PyObject *output) {
+int measured(Lane *lane, PyObject *layer, PyObject *module, PyObject *args, PyObject *kwargs,
+             PyObject *output) {
     if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) < 1) return 0;
     PyObject *xo = PyTuple_GET_ITEM(args, 0);
     if (!THPVariable_CheckExact(xo) || !THPVariable_CheckExact(output)) return 0;
     PyObject *rt = lane->runtime, *c = lane->counts;
     int t;
-    if ((t = truth(rt, s_paused)) != 0 || (t = truth(rt, s_full_stats)) != 0)
-        return t < 0 ? -1 : 0;  // (the full tier: the Python hook)
+    if ((t = truth(rt, s_paused)) != 0) return t < 0 ? -1 : 0;
+    int full = truth(rt, s_full_stats);
+    if (full < 0) return -1;
     PyObject *kernel = PyObject_GetAttr(rt, s_kernel);
     if (kernel == nullptr) return -1;
     t = PyUnicode_Check(kernel) && PyUnicode_Compare(kernel, s_auto) == 0;
@@ -201,7 +214,7 @@ int measured(Lane *lane, PyObject *module, PyObject *args, PyObject *output) {
         return 0;
     int64_t plan[PLAN_SIZE];
     PyObject *shape;
-    if ((t = planned(lane, xo, output, x, y, plan, &shape)) != 1) return t;
+    if ((t = planned(lane, full, xo, output, x, y, plan, &shape)) != 1) return t;
     PyObject *buffer = PyObject_CallOneArg(lane->take, shape);
     Py_DECREF(shape);
     if (buffer == nullptr) return -1;
@@ -233,7 +246,8 @@ int measured(Lane *lane, PyObject *module, PyObject *args, PyObject *output) {
     }
     // CallRows(row, key, width, eps, v, n, lined_up, full, fused, centred, out)
     PyObject *borrowed[11] = {lane->row, nullptr, nullptr, lane->eps, nullptr, nullptr,
-                              Py_True, Py_False, Py_False, lane->centred, Py_None};
+                              Py_True, full ? Py_True : Py_False, Py_False, lane->centred,
+                              Py_None};
     PyObject *owned[11] = {nullptr, key, width, nullptr, buffer, count};
     for (int i = 0; i < 11; i++) {
         PyObject *v = owned[i] ? owned[i] : borrowed[i];
@@ -250,6 +264,12 @@ int measured(Lane *lane, PyObject *module, PyObject *args, PyObject *output) {
         return -1;
     }
     Py_DECREF(size);
+    if (!full) return 1;
+    // the full tier's rest: the gradients hooked, the dtypes noted (LayerHook._tail)
+    PyObject *rest[5] = {layer, module, args, kwargs, output};
+    PyObject *done = PyObject_VectorcallMethod(s_tail, rest, 5, nullptr);
+    if (done == nullptr) return -1;
+    Py_DECREF(done);
     return 1;
 }
 
@@ -277,12 +297,27 @@ PyObject *failed(PyObject *layer) {
     Py_RETURN_NONE;
 }
 
+// Whether Dynamo compiles the Python frames run now (an eager stretch of a compiled
+// function, after a graph break): 1, 0, or -1 an error
+int compiling_frames() {
+    PyObject *callback = PyObject_CallNoArgs(dynamo_callback);
+    if (callback == nullptr) return -1;
+    int on = callback != Py_None && callback != Py_False;  // (False: cached code only)
+    Py_DECREF(callback);
+    return on;
+}
+
 PyObject *hook(PyObject *, PyObject *const *a, Py_ssize_t n) {
     if (n != 5) {
         PyErr_SetString(PyExc_TypeError, "hook(layer, module, args, kwargs, output)");
         return nullptr;
     }
     PyObject *layer = a[0];
+    // There the Python hook is traced as in a compiled graph, not run here: the Python
+    // this lane calls (the lender, the accumulator, _tail) would each be compiled apart.
+    int dynamo = compiling_frames();
+    if (dynamo < 0) return failed(layer);
+    if (dynamo) return PyObject_Vectorcall(layer, a + 1, 4, nullptr);
     PyObject *state = PyObject_GetAttr(layer, s_lane);  // a fastlane.State, or None
     if (state == nullptr) return failed(layer);
     PyObject *capsule = state;  // (None: the reference moves)
@@ -296,7 +331,7 @@ PyObject *hook(PyObject *, PyObject *const *a, Py_ssize_t n) {
     int r = 0;
     if (lane != nullptr) {
         try {
-            r = measured(lane, a[1], a[2], a[4]);
+            r = measured(lane, layer, a[1], a[2], a[3], a[4]);
         } catch (const std::exception &e) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, e.what());
             r = -1;
@@ -311,34 +346,36 @@ PyObject *hook(PyObject *, PyObject *const *a, Py_ssize_t n) {
 }
 
 // lane(runtime, counts, take, planner (native.row_plan), CallRows, row, width, eps, centred,
-// key_stride):
+// key_stride, moments (the full tier's, native.MOMENTS' name)):
 // one layer's lane, as a capsule for LayerHook's `_lane_state`
 PyObject *lane(PyObject *, PyObject *args) {
-    PyObject *rt, *counts, *take, *planner, *call_type, *row, *eps, *centred;
+    PyObject *rt, *counts, *take, *planner, *call_type, *row, *eps, *centred, *moments;
     long long width, key_stride;
-    if (!PyArg_ParseTuple(args, "OOOOOOLOOL", &rt, &counts, &take, &planner, &call_type,
-                          &row, &width, &eps, &centred, &key_stride))
+    if (!PyArg_ParseTuple(args, "OOOOOOLOOLO", &rt, &counts, &take, &planner, &call_type,
+                          &row, &width, &eps, &centred, &key_stride, &moments))
         return nullptr;
     if (!PyType_Check(call_type) ||
         !PyType_IsSubtype(reinterpret_cast<PyTypeObject *>(call_type), &PyTuple_Type))
         return PyErr_Format(PyExc_TypeError, "lane: call type: a tuple's subclass");
-    auto *state = new Lane{rt, counts, take, planner, call_type, row, eps, centred, width,
-                           key_stride};
-    for (PyObject *o : {rt, counts, take, planner, call_type, row, eps, centred})
+    auto *state = new Lane{rt, counts, take, planner, call_type, row, eps, centred, moments,
+                           width, key_stride};
+    for (PyObject *o : {rt, counts, take, planner, call_type, row, eps, centred, moments})
         Py_INCREF(o);
     PyObject *capsule = PyCapsule_New(state, "normwatch.lane", drop);
     if (capsule == nullptr) {  // (its references with it)
-        for (PyObject *o : {rt, counts, take, planner, call_type, row, eps, centred})
+        for (PyObject *o : {rt, counts, take, planner, call_type, row, eps, centred, moments})
             Py_DECREF(o);
         delete state;
     }
     return capsule;
 }
 
-// setup(addresses of normwatch_rows_planned, normwatch_grad_rows_planned, normwatch_through)
+// setup(addresses of normwatch_rows_planned, normwatch_grad_rows_planned, normwatch_through,
+// torch._C._dynamo.eval_frame.get_eval_frame_callback)
 PyObject *setup(PyObject *, PyObject *args) {
-    PyObject *a, *b, *c;
-    if (!PyArg_ParseTuple(args, "OOO", &a, &b, &c)) return nullptr;
+    PyObject *a, *b, *c, *callback;
+    if (!PyArg_ParseTuple(args, "OOOO", &a, &b, &c, &callback)) return nullptr;
+    if (!PyCallable_Check(callback)) return PyErr_Format(PyExc_TypeError, "setup: callable");
     void *p[3] = {PyLong_AsVoidPtr(a), PyLong_AsVoidPtr(b), PyLong_AsVoidPtr(c)};
     for (void *q : p)
         if (q == nullptr) return PyErr_Occurred() ? nullptr
@@ -346,6 +383,8 @@ PyObject *setup(PyObject *, PyObject *args) {
     rows_planned = reinterpret_cast<RowsFn>(p[0]);
     grad_rows_planned = reinterpret_cast<RowsFn>(p[1]);
     through = reinterpret_cast<ThroughFn>(p[2]);
+    Py_INCREF(callback);
+    Py_XSETREF(dynamo_callback, callback);
     Py_RETURN_NONE;
 }
 
@@ -878,6 +917,8 @@ PyModuleDef definition = {PyModuleDef_HEAD_INIT, "normwatch_lane", nullptr, -1, 
 
 }  // namespace
 
+extern PyMethodDef normwatch_sampler_methods[];  // sampler.cpp's, in the same module
+
 PyMODINIT_FUNC PyInit_normwatch_lane() {
     struct {
         PyObject **slot;
@@ -891,8 +932,10 @@ PyMODINIT_FUNC PyInit_normwatch_lane() {
                  {&s_accumulator, "accumulator"}, {&s_stage, "stage"}, {&s_shape, "shape"},
                  {&s_capsule, "capsule"}, {&s_gradients, "gradients"},
                  {&s_stage_grad, "stage_grad"}, {&s_both, "_both"}, {&s_node, "_node"},
-                 {&s_weight_grad, "_weight_grad"}};
+                 {&s_weight_grad, "_weight_grad"}, {&s_tail, "_tail"}};
     for (auto &n : names)
         if ((*n.slot = PyUnicode_InternFromString(n.name)) == nullptr) return nullptr;
-    return PyModule_Create(&definition);
+    PyObject *m = PyModule_Create(&definition);
+    if (m != nullptr && PyModule_AddFunctions(m, normwatch_sampler_methods) < 0) Py_CLEAR(m);
+    return m;
 }

@@ -3,6 +3,9 @@
     >>> pack = NativePack.make(samples, scales)   # None where the kernel does not cover them
     >>> pack.store()                              # the sampled values before the step
     >>> row = pack.measure(grads, size=True)      # float64 [|g|², |Δp|², |p|²], then kept
+    >>> lane = NativeSampler.make(params, packs)  # all of an optimizer's packs, in C++
+    >>> lane.before(optimizer.param_groups)       # the step hooks' work, no Python line
+    >>> row = lane.measure(size=True)
 
 The torch path (:class:`normwatch.measure.updates._Pack`) copies each tensor's sample
 into buffers, subtracts and reduces them: ~1.0 ms after each step of a d=256, 4-layer
@@ -19,14 +22,24 @@ waiting on its own misses (the call inside that loop on 2 cores: 198 -> 147 µs)
 covers: CPU, strided, float32, bfloat16 or float16, samples that are views (dense
 parameters); the pointers are taken from the samples, which hold the parameters'
 storage alive.
+
+Around the kernel, the step hooks' Python checked that the parameters are the sampled
+ones, whether anything wrote them since the last read, and that every gradient is laid
+out like its parameter (a few µs warm, ~170 µs a step inside a training step at d=128).
+:class:`NativeSampler` does all of that for an optimizer whose samples are all
+NativePacks in C++ (``sampler.cpp``, in :mod:`~normwatch.measure.fastlane`'s module),
+and says "no" where Python's path must measure.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 
+from normwatch.measure import fastlane
 from normwatch.measure.native import KINDS, library, pointers, threaded
 
 MEASURE, SIZE = 1, 2
@@ -98,3 +111,41 @@ class NativePack:
         self._fn(len(self.samples), self._kind, self._blocks, self._width, self._stride,
                  self._scale, self._params, grads_at, self.kept.data_ptr(), mode, out,
                  torch.get_num_threads() if self._split else 1)
+
+
+class NativeSampler:
+    """An optimizer's samples, every one in a :class:`NativePack`, with the step hooks'
+    work around the kernel in C++ (see the module docstring). Make it with :meth:`make`;
+    a copy (``deepcopy``, a pickle) gets ``None``."""
+
+    __slots__ = ("before", "measure", "seen")
+
+    def __init__(self, built: object, capsule: object) -> None:
+        self.before = functools.partial(built.sampler_pre, capsule)  # type: ignore[attr-defined]
+        """``before(param_groups)``: where the groups' trained parameters are the sampled
+        ones, in place, keep their values before the step (read again unless nothing
+        wrote them since the last read); ``False``: they are not (nothing done)."""
+        self.measure = functools.partial(built.sampler_post, capsule)  # type: ignore[attr-defined]
+        """``measure(size)``: :meth:`NativePack.measure`'s row summed over the packs, the
+        gradients read from the parameters; ``None`` where one is missing or not laid
+        out like its parameter (nothing done)."""
+        self.seen = functools.partial(built.sampler_seen, capsule)  # type: ignore[attr-defined]
+        """The parameters were just read (by Python's path): note their versions."""
+
+    @classmethod
+    def make(cls, params: Sequence[torch.Tensor],
+             packs: Sequence[tuple[list[int], object]]) -> NativeSampler | None:
+        """``params``' sampler, or ``None`` where a parameter is not a plain tensor (or
+        ``Parameter``), a pack is not a :class:`NativePack` or the C++ module is not
+        built."""
+        if any(type(p) not in _PLAIN for p in params) or \
+                any(not isinstance(pack, NativePack) for _, pack in packs):
+            return None
+        built = fastlane.module()
+        return None if built is None else cls(built, built.sampler(params, packs))
+
+    def __reduce__(self) -> tuple[Callable[[], None], tuple[()]]:
+        return fastlane.nothing, ()
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)

@@ -48,7 +48,7 @@ from torch.utils.hooks import RemovableHandle
 from normwatch.errors import ConfigError
 from normwatch.guarded import Part, guarded
 from normwatch.measure.losses import ride_along
-from normwatch.measure.native_updates import NativePack
+from normwatch.measure.native_updates import NativePack, NativeSampler
 from normwatch.measure.reductions import runs, summed_dtype
 from normwatch.measure.sharding import local
 from normwatch.records import UpdateStats
@@ -242,10 +242,31 @@ class _Sampled:
             self.packs.append((index, made or _Pack(samples, scales)))
         self.kept = any(pack.keep for _, pack in self.packs)
         """Whether some buffers are kept between steps (then the versions are noted)."""
+        self.lane = NativeSampler.make(params, self.packs) if native else None
+        """The step hooks' work in C++, where every pack is a NativePack (then the
+        versions are the lane's)."""
+
+    def before(self, groups: list[dict[str, Any]]) -> None:
+        """Keep the samples' values before the step (``groups``: the optimizer's param
+        groups, whose trained parameters these are)."""
+        if self.lane is not None and self.lane.before(groups):
+            return
+        unchanged = self.kept and self.unchanged()
+        for index, pack in self.packs:
+            if isinstance(pack, NativePack):
+                if not unchanged:  # else it holds the last step's values after
+                    pack.store()
+            elif unchanged and pack.keep:  # the last step's values after: nothing wrote since
+                pack.buffers.reverse()
+            else:
+                pack.fill(self.current(index), BEFORE)
 
     def seen(self) -> None:
         """The parameters were just copied into :data:`AFTER`: note their versions."""
-        self.versions = sum(map(_version, self.params))
+        if self.lane is not None:
+            self.lane.seen()
+        else:
+            self.versions = sum(map(_version, self.params))
 
     def unchanged(self) -> bool:
         """Whether no parameter was written since :meth:`seen` (once: the next call says
@@ -353,20 +374,14 @@ class UpdateMonitor:
 
     @guarded
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        params = list(filter(_trained, chain.from_iterable(map(_params, optimizer.param_groups))))
-        # (in C, not a loop of Python: inside the step each line costs many times more)
         sampled = self._sampled.get(id(optimizer))
-        if sampled is None or not sampled.fits(params):
-            sampled = self._sampled[id(optimizer)] = _Sampled(params, self._native)
-        unchanged = sampled.kept and sampled.unchanged()
-        for index, pack in sampled.packs:  # the samples' values before the step
-            if isinstance(pack, NativePack):
-                if not unchanged:  # else it holds the last step's values after
-                    pack.store()
-            elif unchanged and pack.keep:  # the last step's values after: nothing wrote since
-                pack.buffers.reverse()
-            else:
-                pack.fill(sampled.current(index), BEFORE)
+        groups = optimizer.param_groups
+        if sampled is None or sampled.lane is None or not sampled.lane.before(groups):
+            params = list(filter(_trained, chain.from_iterable(map(_params, groups))))
+            # (in C, not a loop of Python: inside the step each line costs many times more)
+            if sampled is None or not sampled.fits(params):
+                sampled = self._sampled[id(optimizer)] = _Sampled(params, self._native)
+            sampled.before(groups)
         self._pending.add(id(optimizer))
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -382,6 +397,22 @@ class UpdateMonitor:
         samples, per device."""
         exact = None if self._exact is None else self._exact(optimizer)
         sized = self._full() or id(optimizer) not in self._sizes
+        lane = None if exact is not None else sampled.lane
+        row = None if lane is None else lane.measure(sized)
+        rows = self._python_rows(sampled, exact, sized) if row is None else {row.device: row}
+        step = self._step()
+        for device, row in rows.items():
+            self._rows.append((step, id(optimizer), device, row, sized))
+        lrs = [g["lr"] for g in optimizer.param_groups]
+        lr = max(lrs) if lrs and all(isinstance(v, float | int) for v in lrs) else None
+        old = self._lrs.get(step)
+        self._lrs[step] = lr if old is None or lr is None else max(old, lr)
+        if sized:
+            self._sizes.setdefault(id(optimizer), math.nan)
+
+    def _python_rows(self, sampled: _Sampled, exact: Mapping[torch.device, torch.Tensor] | None,
+              sized: bool) -> dict[torch.device, torch.Tensor]:
+        """The step's rows per device by the packs' own Python (see :meth:`_measure`)."""
         rows: dict[torch.device, torch.Tensor] = {}
         grads = None
         if exact is None:
@@ -402,15 +433,7 @@ class UpdateMonitor:
             rows[pack.device] = rows[pack.device] + row if pack.device in rows else row
         if sampled.kept:
             sampled.seen()
-        step = self._step()
-        for device, row in rows.items():
-            self._rows.append((step, id(optimizer), device, row, sized))
-        lrs = [g["lr"] for g in optimizer.param_groups]
-        lr = max(lrs) if lrs and all(isinstance(v, float | int) for v in lrs) else None
-        old = self._lrs.get(step)
-        self._lrs[step] = lr if old is None or lr is None else max(old, lr)
-        if sized:
-            self._sizes.setdefault(id(optimizer), math.nan)
+        return rows
 
     def tensors(self) -> dict[torch.device, torch.Tensor]:
         """This interval's rows, flat per device, to ride along the flush copy."""

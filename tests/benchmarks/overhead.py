@@ -195,7 +195,7 @@ SWEPT = ("normwatch (defaults)", "normwatch + optimizer", "normwatch stats_every
 
 
 ENTRY_POINTS = (
-    ("normwatch.measure.hooks", "LayerHook", ("__call__",)),
+    ("normwatch.measure.hooks", "LayerHook", ("__call__", "_tail")),
     ("normwatch.measure.traced", "CompiledPath", ("pre",)),
     ("normwatch.measure.gradients", "GradHooks",
      ("_out", "_in", "_hidden", "_node", "_both", "_weight_grad")),
@@ -207,7 +207,9 @@ ENTRY_POINTS = (
     ("normwatch.measure.clipping", None, ("_record",)),
 )
 """Everything normwatch runs during a training step: its hooks, ``watch.step``, and what
-it records of the loop's ``clip_grad_norm_`` (``None``: a module's function)."""
+it records of the loop's ``clip_grad_norm_`` (``None``: a module's function). The C++
+hooks' own time is not in it, only the Python they call (``LayerHook._tail``, the
+fallbacks)."""
 
 
 @contextlib.contextmanager

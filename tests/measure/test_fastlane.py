@@ -254,3 +254,65 @@ def test_compiled_autograd_traces_the_python_hooks_in_their_place(built: object)
                 (name, field)
     for w in watches[1:]:
         w.close()  # type: ignore[union-attr]
+
+
+class _EagerNorm(torch.nn.Module):
+    """A block whose norm is called from a frame Dynamo runs as it is but compiles the
+    frames under (as FSDP2's graph breaks leave a norm's hooks in a compiled model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 32)
+        self.norm = torch.nn.LayerNorm(32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(_called(self.norm, self.lin(x)))
+
+
+@torch._dynamo.disable(recursive=False)
+def _called(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return norm(x)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("stats_every", [1, 1 << 20])
+def test_in_an_eager_stretch_of_a_compiled_model_the_python_hook_is_traced(
+        built: object, stats_every: int) -> None:
+    """Where Dynamo compiles the frames run under an eager one, the C++ lane hands the
+    call to the Python hook, traced as in a compiled graph: nothing of normwatch's is
+    compiled apart step after step (the lane's Python, each tier's), and the statistics
+    and losses are an eager watched copy's."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(_EagerNorm(), _EagerNorm())
+    models = [copy.deepcopy(base) for _ in range(2)]  # eager, compiled
+    watches = [normwatch.watch(m, report_dir=None, stats_every=stats_every, flush_every=100)
+               for m in models]
+    runs = [models[0], torch.compile(models[1], backend="eager")]
+    gen = torch.Generator().manual_seed(0)
+    losses: list[list[float]] = [[], []]
+    graphs = []
+    torch.compiler.reset()
+    try:
+        for _ in range(4):
+            x = torch.randn(4, 6, 32, generator=gen)
+            for i, (run, w) in enumerate(zip(runs, watches, strict=True)):
+                loss = run(x).square().mean()
+                loss.backward()
+                losses[i].append(loss.item())
+                w.step()
+            graphs.append(counters["stats"]["unique_graphs"])
+    finally:
+        torch.compiler.reset()
+    assert graphs[0] > 0 and graphs[1:] == [graphs[0]] * 3, graphs
+    assert losses[0] == losses[1]
+    eager, compiled = (w.flush() for w in watches)
+    assert not watches[1].disabled
+    for name, want in eager.layers.items():
+        got = compiled.layers[name]
+        assert got.calls == want.calls == 4
+        for field in ("absmax", "sumsq_max", "rms_min", "grad_out_rms", "weight_grad_norm"):
+            assert getattr(got, field) == pytest.approx(getattr(want, field), rel=1e-5), \
+                (name, field)
+    for w in watches:
+        w.close()

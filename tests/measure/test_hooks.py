@@ -194,31 +194,34 @@ class _Lanes(nn.Module):
 
 FLUSHED = (5, 8, 15)
 """Steps the lane's loop flushes after: its second interval (6-8) has sentinel steps only
-(``stats_every=4``), run under autocast."""
+(``stats_every=4``), run under autocast, and no output check (``output_check_every=2``:
+its first calls are the lane's)."""
 
 
 def _lane_run(lane: bool, monkeypatch: pytest.MonkeyPatch, cpp: bool = False
-              ) -> tuple[list[object], tuple[int, int]]:
+              ) -> tuple[list[object], tuple[int, int, int]]:
     """Each interval's raw rows, host counts and snapshot of one loop (token counts that
     change from step to step, eval and no-grad forwards between steps, two backward
     passes in one step, a NaN in one step, autocast over one interval and from a full-tier
-    step inside another), and how many calls of each tier the Python lane measured
-    (``cpp``: the C++ lane takes the sentinel's first)."""
-    taken = [0, 0]  # sentinel-tier calls, full-tier calls
+    step inside another), and how many calls the Python lane measured: of each tier past
+    each layer's interval's first, and first calls (``cpp``: the C++ lane takes the rest
+    first)."""
+    taken = [0, 0, 0]  # sentinel-tier calls, full-tier calls, the intervals' first
     real = LayerHook._lane
     state = fastlane.state
     monkeypatch.setattr(fastlane, "state", lambda *a: state(*a) if cpp else None)
 
     def taking(self: LayerHook, *args: object) -> bool:
+        first = not self.counts.calls
         done = real(self, *args) if lane else False  # type: ignore[arg-type]
-        taken[self.rt.full_stats] += done
+        taken[2 if first else self.rt.full_stats] += done
         return done
 
     monkeypatch.setattr(LayerHook, "_lane", taking)
     torch.manual_seed(0)
     model = _Lanes()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    w = normwatch.watch(model, opt, stats_every=4, flush_every=100, output_check_every=1,
+    w = normwatch.watch(model, opt, stats_every=4, flush_every=100, output_check_every=2,
                         report_dir=None)
     assert len(w._measure._hooks) == 5
     gen = torch.Generator().manual_seed(1)
@@ -247,7 +250,7 @@ def _lane_run(lane: bool, monkeypatch: pytest.MonkeyPatch, cpp: bool = False
             out += [w._measure.read()[0], counts, w.flush()]
     w.close()
     monkeypatch.undo()
-    return out, (taken[0], taken[1])
+    return out, (taken[0], taken[1], taken[2])
 
 
 def _same(a: float, b: float) -> bool:
@@ -258,19 +261,20 @@ def test_the_lane_measures_as_the_general_path(monkeypatch: pytest.MonkeyPatch) 
     """The common CPU training call, of either tier (the full tier's gradients hooked and
     dtypes noted there), is measured in a lane of few lines; every column of every layer
     (the gradients' included), its host counts and the snapshot, interval by interval,
-    are what the general path gives: each interval's first call (its dtypes:
+    are what the general path gives: each interval's first call (its dtypes noted:
     autocast in an interval of sentinel steps), the output check (a gated call first),
     eval and no-grad calls, the reentrant checkpoint's recompute inside backward and a
-    NaN all left as they were."""
+    NaN all left as they were. The C++ lane takes every call the Python lane takes but
+    the intervals' first."""
     if normwatch.measure.native.library() is None:
         pytest.skip("no C compiler: no lane")
     lane, taken = _lane_run(True, monkeypatch)
     general, none = _lane_run(False, monkeypatch)
-    assert taken[0] > 20 and taken[1] > 5 and none == (0, 0)
+    assert taken[0] > 20 and taken[1] > 5 and taken[2] > 2 and none == (0, 0, 0)
     _same_intervals(lane, general)
-    if fastlane.module() is not None:  # the C++ lane: every sentinel call the lane takes
+    if fastlane.module() is not None:
         cpp, left = _lane_run(True, monkeypatch, cpp=True)
-        assert left == (0, taken[1])
+        assert left == (0, 0, taken[2])
         _same_intervals(cpp, general)
 
 

@@ -14,8 +14,9 @@ import normwatch
 import normwatch.measure.updates
 from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
 from normwatch.errors import ConfigError
+from normwatch.measure import fastlane
 from normwatch.measure.native import library
-from normwatch.measure.native_updates import NativePack
+from normwatch.measure.native_updates import NativePack, NativeSampler
 from normwatch.measure.updates import _Pack
 from tests.threads import threads
 
@@ -302,8 +303,17 @@ def test_a_failing_hook_warns_once_and_training_goes_on(kernel: str,
     def broken(*args: object) -> torch.Tensor:
         raise RuntimeError("no norms today")
 
+    made = NativeSampler.make
+
+    def breaking(*args: object) -> NativeSampler | None:
+        lane = made(*args)  # type: ignore[arg-type]
+        if lane is not None:  # the C++ path breaks too
+            lane.measure = broken
+        return lane
+
     monkeypatch.setattr(_Pack, "sumsq", broken)
     monkeypatch.setattr(NativePack, "measure", broken)
+    monkeypatch.setattr(NativeSampler, "make", breaking)
     gen = torch.Generator().manual_seed(0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -414,6 +424,7 @@ def test_the_c_kernel_sums_the_documented_sample_in_float64() -> None:
         w.step()
     _, kinds = held(w)
     assert kinds == {NativePack} and len(w._updates._sampled[id(opt)].packs) == 3
+    assert (w._updates._sampled[id(opt)].lane is None) == (fastlane.module() is None)
     got = [[u.grad_norm, u.update_norm, u.param_norm] for u in w.flush().updates]
     assert len(got) == 3
     for row, want in zip(got, expected, strict=True):
@@ -495,3 +506,66 @@ def test_an_empty_parameter_adds_nothing(kernel: str) -> None:
         norms.append((u.grad_norm, u.update_norm, u.param_norm))
         w.close()
     assert norms[1] == pytest.approx(norms[0], rel=1e-12) and norms[0][1] > 0
+
+
+LANE = pytest.mark.skipif(fastlane.module() is None, reason="no C++ module built")
+
+
+@LANE
+def test_the_step_hooks_work_in_cpp_as_the_packs_python_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C++ sampler (an optimizer whose packs are all NativePacks) against the packs'
+    Python path, on two copies of one model trained alike: the same norms bit for bit,
+    step by step, through a write between steps (read again), a missing gradient (the
+    Python path's per-tensor estimate) and a param group added (the sampler made again);
+    on its plain steps the C++ copy calls none of the packs' Python."""
+    torch.manual_seed(0)
+    models = [TinyLM(dim=64, depth=2) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    extras = [nn.Parameter(torch.full((6000,), 0.01)) for _ in range(2)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    watches = [normwatch.watch(m, o, flush_every=100, report_dir=None)
+               for m, o in zip(models, opts, strict=True)]
+    calls = {"cpp": 0, "python": 0}
+    copy = ["cpp"]
+    for cls, name in [(NativePack, "measure"), (NativePack, "store"),
+                      (normwatch.measure.updates._Sampled, "grads_alike")]:
+        def counted(*args: object, _real: object = getattr(cls, name)) -> object:
+            calls[copy[0]] += 1
+            return _real(*args)  # type: ignore[operator]
+        monkeypatch.setattr(cls, name, counted)
+    per_step = []
+    for step in range(1, 7):
+        before = dict(calls)
+        for which, (model, opt, w, extra) in enumerate(zip(models, opts, watches, extras,
+                                                            strict=True)):
+            copy[0] = ["cpp", "python"][which]
+            with monkeypatch.context() as patch:
+                if which:  # the Python path: no sampler, now or when made again
+                    patch.setattr(NativeSampler, "make", classmethod(lambda cls, *a: None))
+                    for s in w._updates._sampled.values():
+                        s.lane = None
+                if step == 3:  # a write between steps
+                    with torch.no_grad():
+                        model.embed.weight.mul_(0.5)
+                if step == 5:
+                    opt.add_param_group({"params": [extra]})
+                tokens = synthetic_batch(torch.Generator().manual_seed(step), batch=2, seq=8)
+                loss = lm_loss(model(tokens), tokens) + (extra.sum() if step >= 5 else 0)
+                loss.backward()
+                if step == 4:  # a gradient missing: the per-tensor estimate
+                    model.norm.weight.grad = None
+                opt.step()
+                opt.zero_grad()
+                w.step()
+        per_step.append({k: calls[k] - before[k] for k in calls})
+        assert (watches[0]._updates._sampled[id(opts[0])].lane is not None)
+    cpp, python = ([(u.grad_norm, u.update_norm, u.param_norm) for u in w.flush().updates]
+                   for w in watches)
+    assert len(cpp) == 6 and cpp == python
+    assert all(u[1] > 0 for u in cpp)
+    plain = [n["cpp"] for i, n in enumerate(per_step, 1) if i != 4]
+    assert plain == [0] * 5 and per_step[3]["cpp"] > 0  # the missing gradient: Python's
+    assert all(n["python"] > 0 for n in per_step)
+    for w in watches:
+        w.close()
