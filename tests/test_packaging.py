@@ -7,6 +7,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+from normwatch.measure import fastlane
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -19,6 +21,8 @@ def test_wheel_layout(tmp_path: Path) -> None:
     assert "normwatch/py.typed" in names
     assert "normwatch/_boot/sitecustomize.py" in names  # what `normwatch run` starts
     assert "normwatch/measure/native_rows.c" in names  # the CPU sentinel, compiled at first use
+    for source in fastlane.SOURCES:  # the C++ hooks, the same
+        assert f"normwatch/measure/{source.name}" in names
     assert not [n for n in names if n.startswith("integrations/")]
     assert not [n for n in names if n.startswith("tests/")]
     meta = next(n for n in names if n.endswith("entry_points.txt"))

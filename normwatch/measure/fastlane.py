@@ -1,15 +1,20 @@
-"""The hooks' lanes in C++: a sentinel-tier call of the common CPU case measured with no
-Python frame around it, and the full tier's gradient hooks (:class:`GradLane`) the same.
+"""The hooks' lanes in C++: a training call of the common CPU case measured with no
+Python frame around it, the full tier's gradient hooks (:class:`GradLane`) the same, and
+(``sampler.cpp``, in the same module) the optimizer's step hooks around the update
+sample's kernel (:class:`~normwatch.measure.native_updates.NativeSampler`).
 
 Inside a training step each line of a hook's Python costs several times what it costs
 warm (the model's work leaves the interpreter's code and objects out of the caches): a
 sentinel call's C read took 23 µs at d=128 and its Python around it ~80. ``lane.cpp``
 (shipped with the package) measures the calls :meth:`LayerHook._lane
-<normwatch.measure.hooks.LayerHook._lane>` takes in the sentinel tier exactly as it does
-(the same C read, buffer, staged rows and counts) and hands every other call to the
-Python hook. It is compiled at first use against torch's headers (~20 s, once per
-machine and torch: into :func:`~normwatch.measure.native.cache_dir`, named by a hash of
-the source, the compiler, Python and torch).
+<normwatch.measure.hooks.LayerHook._lane>` takes (but each interval's first) exactly as
+it does (the same C read, buffer, staged rows and counts; in the full tier with the
+layer's moments, then :meth:`LayerHook._tail
+<normwatch.measure.hooks.LayerHook._tail>` hooks the call's gradients) and hands every
+other call to the Python hook. Its sources are compiled at first use against torch's
+headers, side by side (~25 s, once per machine and torch: into
+:func:`~normwatch.measure.native.cache_dir`, named by a hash of the sources, the
+compiler, Python and torch).
 
 The gradients' hooks (a node's pre-hook per site, the output node's that also computes
 the gradient through the norm, the weight's tensor hook) are C++ objects torch calls
@@ -21,9 +26,12 @@ every other case.
 
 Torch calls the forward hook as ``functools.partial(hook, layer)``; while Dynamo traces,
 a Python stand-in (:func:`torch._dynamo.substitute_in_graph`) calls ``layer`` instead, so
-compiled graphs are traced as before. Without a C++ compiler, torch's headers or the C library,
-or with ``NORMWATCH_NATIVE=0`` or ``NORMWATCH_LANE=0``, the Python hook is registered
-itself.
+compiled graphs are traced as before. Where a compiled model runs a stretch eagerly and
+Dynamo compiles the frames run under it (after a graph break: FSDP2's hooks), the lane
+calls ``layer`` too, which Dynamo traces: the Python the lane calls (the lender, the
+accumulator, ``_tail``) would each be compiled apart, step after step. Without a C++
+compiler, torch's headers or the C library, or with ``NORMWATCH_NATIVE=0`` or
+``NORMWATCH_LANE=0``, the Python hook is registered itself.
 """
 
 from __future__ import annotations

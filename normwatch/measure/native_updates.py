@@ -135,10 +135,10 @@ class NativeSampler:
     @classmethod
     def make(cls, params: Sequence[torch.Tensor],
              packs: Sequence[tuple[list[int], object]]) -> NativeSampler | None:
-        """``params``' sampler, or ``None`` where a parameter is not a plain tensor (or
-        ``Parameter``), a pack is not a :class:`NativePack` or the C++ module is not
-        built."""
-        if any(type(p) not in _PLAIN for p in params) or \
+        """``params``' sampler, or ``None`` where there is no pack, a parameter is not a
+        plain tensor (or ``Parameter``), a pack is not a :class:`NativePack` or the C++
+        module is not built."""
+        if not packs or any(type(p) not in _PLAIN for p in params) or \
                 any(not isinstance(pack, NativePack) for _, pack in packs):
             return None
         built = fastlane.module()

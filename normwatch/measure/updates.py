@@ -26,7 +26,9 @@ hooks and the loss see it). The two buffers cost 2/37 of the optimizer's local
 parameters (a shard under FSDP2) in memory: for the duration of ``step()`` on
 accelerators, kept between steps on the CPU (:data:`KEEP_ON`). There, where its C
 kernel covers the parameters (``native``), :class:`~normwatch.measure.native_updates.
-NativePack` does all of that in one call per dtype, with one kept buffer of 1/37.
+NativePack` does all of that in one call per dtype, with one kept buffer of 1/37, and
+:class:`~normwatch.measure.native_updates.NativeSampler` the hooks' checks around it in
+C++.
 Everything stays on the parameters' devices (no host sync) until the flush copies the
 rows along with the statistics. Several optimizers stepping in one training step add up
 into one row. A failure in a hook detaches the monitor with one warning; training goes

@@ -4,13 +4,13 @@ Run: ``python -m tests.benchmarks.compare REV [--hidden 256 --batch 4 --seq 128]
 [--steps 100] [--optimizer] [--stats-every 4]``.
 
 ``REV``'s ``normwatch/`` is exported (``git archive``) into a temporary folder as the
-package ``normwatch_then``, its imports rewritten to that name. Three copies of one tiny
-Llama (unwatched, watched by ``REV``'s normwatch, watched by this tree's) take the same
-batches, one step each in turn, in alternating order; per 10-step block (one flush each)
-the time inside each normwatch (its entry points, :data:`overhead.ENTRY_POINTS`) and its
-step time over the unwatched one's. Medians over blocks: what a change saved, measured
-in one machine state (runs of separate processes on this machine differ by more than
-most changes).
+package ``normwatch_then``, its imports rewritten to that name. Copies of one tiny
+Llama (unwatched, unwatched again: the run's floor, watched by ``REV``'s normwatch, watched
+by this tree's; :data:`ORDER`) take the same batches, one step each in turn, in
+alternating order; per 10-step block (one flush each) the time inside each normwatch
+(its entry points, :data:`overhead.ENTRY_POINTS`) and its step time over the unwatched
+one's. Medians over blocks: what a change saved, measured in one machine state (runs of
+separate processes on this machine differ by more than most changes).
 """
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ from tests.benchmarks import overhead
 
 ROOT = Path(__file__).resolve().parents[2]
 THEN = "normwatch_then"
+ORDER = ("plain", "control", "then", "now")
+"""The copies, stepping in this order and the reverse by turns: unwatched, unwatched again
+(the control: how far two copies of one model differ in this run, the floor under any
+ratio it reports), watched by ``REV``'s normwatch, by this tree's."""
 
 
 def export(rev: str, into: Path) -> ModuleType:
@@ -82,7 +86,7 @@ def compare(rev: str, hidden: int, layers: int, batch: int, seq: int, steps: int
         stack.enter_context(overhead.timed_entry_points(totals["now"]))
         torch.manual_seed(0)
         base = overhead.tiny_llama(hidden, layers).to(dtype)
-        models = {k: copy.deepcopy(base) for k in ("plain", "then", "now")}
+        models = {k: copy.deepcopy(base) for k in ORDER}
         opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
         watches = {k: package.watch(models[k], opts[k] if optimizer else None,
                                     report_dir=None, stats_every=stats_every)
@@ -92,7 +96,7 @@ def compare(rev: str, hidden: int, layers: int, batch: int, seq: int, steps: int
         inside: dict[str, list[float]] = {k: [] for k in watches}
         for i in range(steps + 10):  # the first 10: warm-up
             tokens = torch.randint(0, 1024, (batch, seq), generator=gen)
-            for k in ("plain", "then", "now") if i % 2 else ("now", "then", "plain"):
+            for k in ORDER if i % 2 else ORDER[::-1]:
                 before = totals[k][0] if k in totals else 0.0
                 start = time.perf_counter()
                 # no watcher passed: an earlier commit's Watch is another class
@@ -115,8 +119,9 @@ def compare(rev: str, hidden: int, layers: int, batch: int, seq: int, steps: int
              f"torch {torch.__version__}, {torch.get_num_threads()} threads; unwatched step "
              f"{ms:.1f} ms", "", "| normwatch | inside (ms/step) | share of the step | ratio |",
              "|---|---:|---:|---:|"]
-    for k, label in (("then", rev), ("now", "this tree")):
-        spent = statistics.median(blocks(inside[k])) * 1e3
+    for k, label in (("control", "none (a second unwatched copy)"), ("then", rev),
+                     ("now", "this tree")):
+        spent = statistics.median(blocks(inside[k])) * 1e3 if k in inside else 0.0
         ratio = statistics.median(a / b for a, b in zip(blocks(times[k]), plain, strict=True))
         lines.append(f"| {label} | {spent:.2f} | {spent / ms:.2%} | {ratio:.3f}x |")
     return "\n".join(lines)

@@ -47,6 +47,7 @@ def test_comparison_with_a_commit_runs() -> None:
     text = compare.main(["HEAD", "--hidden", "32", "--layers", "1", "--batch", "2", "--seq",
                          "8", "--steps", "10", "--optimizer"])
     assert "| HEAD |" in text and "| this tree |" in text and "optimizer watched" in text
+    assert "| none (a second unwatched copy) | 0.00 | 0.00% |" in text
 
 
 def test_the_floor_benchmark_builds_compiles_and_runs(tmp_path: Path) -> None:
