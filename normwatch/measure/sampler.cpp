@@ -54,22 +54,25 @@ Sampler *held(PyObject *capsule) {
     return static_cast<Sampler *>(PyCapsule_GetPointer(capsule, "normwatch.sampler"));
 }
 
+// Call f on each item of a sequence, up to its first error: 0, or -1 with an error set
+template <class F>
+int each(PyObject *seq, F f) {
+    PyObject *fast = PySequence_Fast(seq, "sampler: a sequence");
+    if (fast == nullptr) return -1;
+    int r = 0;
+    for (Py_ssize_t i = 0; r == 0 && i < PySequence_Fast_GET_SIZE(fast); i++)
+        r = f(PySequence_Fast_GET_ITEM(fast, i));
+    Py_DECREF(fast);
+    return r;
+}
+
 // A sequence's items read by `read` into `out` (0, or -1 with an error)
 template <class T>
 int items(PyObject *seq, std::vector<T> &out, T (*read)(PyObject *)) {
-    PyObject *fast = PySequence_Fast(seq, "sampler: a sequence");
-    if (fast == nullptr) return -1;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        T v = read(PySequence_Fast_GET_ITEM(fast, i));
-        if (PyErr_Occurred()) {
-            Py_DECREF(fast);
-            return -1;
-        }
-        out.push_back(v);
-    }
-    Py_DECREF(fast);
-    return 0;
+    return each(seq, [&](PyObject *item) {
+        out.push_back(read(item));
+        return PyErr_Occurred() ? -1 : 0;
+    });
 }
 
 int64_t as_int(PyObject *o) { return PyLong_AsLongLong(o); }
@@ -115,6 +118,36 @@ int pack_from(PyObject *index, PyObject *native, Pack &p) {
     return r;
 }
 
+// A parameter added to the sampler: 0, or -1 with an error
+int add_param(Sampler &s, PyObject *p) {
+    if (!THPVariable_Check(p)) {
+        PyErr_SetString(PyExc_TypeError, "sampler: params: tensors");
+        return -1;
+    }
+    Py_INCREF(p);
+    s.objects.push_back(p);
+    s.params.push_back(THPVariable_Unpack(p));
+    s.addresses.push_back(s.params.back().const_data_ptr());
+    return 0;
+}
+
+// An (index, NativePack) pair added to the sampler: 0, or -1 with an error
+int add_pack(Sampler &s, PyObject *pair) {
+    if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+        PyErr_SetString(PyExc_TypeError, "sampler: packs: (index, NativePack) pairs");
+        return -1;
+    }
+    Pack p;
+    if (pack_from(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), p) < 0) return -1;
+    for (size_t k : p.index)
+        if (k >= s.params.size()) {
+            PyErr_SetString(PyExc_IndexError, "sampler: a pack's index");
+            return -1;
+        }
+    s.packs.push_back(std::move(p));
+    return 0;
+}
+
 // sampler(params, packs: [(index, NativePack)]): an optimizer's sampler, as a capsule
 PyObject *sampler(PyObject *, PyObject *args) {
     PyObject *params, *packs;
@@ -125,47 +158,9 @@ PyObject *sampler(PyObject *, PyObject *args) {
         delete s;
         return nullptr;
     }
-    PyObject *fast = PySequence_Fast(params, "sampler: params: a sequence");
-    if (fast == nullptr) {
-        Py_DECREF(capsule);
-        return nullptr;
-    }
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); i++) {
-        PyObject *p = PySequence_Fast_GET_ITEM(fast, i);
-        if (!THPVariable_Check(p)) {
-            Py_DECREF(fast);
-            Py_DECREF(capsule);
-            return PyErr_Format(PyExc_TypeError, "sampler: params: tensors");
-        }
-        Py_INCREF(p);
-        s->objects.push_back(p);
-        s->params.push_back(THPVariable_Unpack(p));
-        s->addresses.push_back(s->params.back().const_data_ptr());
-    }
-    Py_DECREF(fast);
-    PyObject *all = PySequence_Fast(packs, "sampler: packs: a sequence");
-    if (all == nullptr) {
-        Py_DECREF(capsule);
-        return nullptr;
-    }
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(all); i++) {
-        PyObject *pair = PySequence_Fast_GET_ITEM(all, i);
-        Pack p;
-        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
-            PyErr_SetString(PyExc_TypeError, "sampler: packs: (index, NativePack) pairs");
-        } else if (pack_from(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1), p) == 0) {
-            for (size_t k : p.index)
-                if (k >= s->params.size())
-                    PyErr_SetString(PyExc_IndexError, "sampler: a pack's index");
-        }
-        if (PyErr_Occurred()) {
-            Py_DECREF(all);
-            Py_DECREF(capsule);
-            return nullptr;
-        }
-        s->packs.push_back(std::move(p));
-    }
-    Py_DECREF(all);
+    if (each(params, [&](PyObject *p) { return add_param(*s, p); }) < 0 ||
+        each(packs, [&](PyObject *pair) { return add_pack(*s, pair); }) < 0)
+        Py_CLEAR(capsule);  // (its references with it)
     return capsule;
 }
 
