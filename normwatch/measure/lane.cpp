@@ -8,8 +8,9 @@
 // first) is measured here as _lane measures it: the same C kernel
 // (normwatch_rows_planned), the same buffer lender, the same CallRows staged, the same
 // counts; in the full tier, with the layer's moments, then LayerHook._tail (its
-// gradients hooked, its dtypes noted). Any other call, and every call while Dynamo
-// traces (a Python stand-in), goes to the Python LayerHook. An error here disables the hook as the Python hook's would
+// gradients hooked, its dtypes noted). Any other call, every call while Dynamo traces (a
+// Python stand-in) and every call where Dynamo compiles the frames run (see hook), goes
+// to the Python LayerHook. An error here disables the hook as the Python hook's would
 // (LayerHook._fail): training goes on.
 #include <Python.h>
 
@@ -57,8 +58,8 @@ struct Lane {
     Planned tiers[2];
 };
 
-PyObject *s_paused, *s_full_stats, *s_tail, *s_kernel, *s_check_outputs, *s_output_checked, *s_calls,
-    *s_training, *s_step, *s_calls_this_step, *s_tokens, *s_input_shape, *s_auto, *s_lane,
+PyObject *s_paused, *s_full_stats, *s_tail, *s_kernel, *s_check_outputs, *s_output_checked,
+    *s_calls, *s_training, *s_step, *s_calls_this_step, *s_tokens, *s_input_shape, *s_auto, *s_lane,
     *s_fail, *s_accumulator, *s_stage, *s_shape, *s_capsule, *s_gradients, *s_stage_grad,
     *s_both, *s_node, *s_weight_grad;
 
