@@ -62,6 +62,8 @@ from normwatch.measure.reductions import CallRows
 SOURCES = (Path(__file__).with_name("lane.cpp"), Path(__file__).with_name("sampler.cpp"))
 """The module's sources: the hooks' lanes, the update monitor's step hooks."""
 NAME = "normwatch_lane"
+PLAIN = (torch.Tensor, torch.nn.Parameter)
+"""The tensor types the C++ hooks read as they are (no subclass: a DTensor is Python's)."""
 
 log = logging.getLogger(__name__)
 
@@ -232,14 +234,16 @@ def _run(commands: list[list[str]]) -> None:
     failure raises with the compiler's words."""
     running = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 text=True) for c in commands]
-    for command, process in zip(commands, running, strict=True):
-        try:
+    try:
+        for command, process in zip(commands, running, strict=True):
             _, err = process.communicate(timeout=600)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise
-        if process.returncode:
-            raise RuntimeError(f"{' '.join(command[-3:])} did not build: {err[-2000:]}")
+            if process.returncode:
+                raise RuntimeError(f"{' '.join(command[-3:])} did not build: {err[-2000:]}")
+    finally:  # (a failure or a timeout leaves no compiler writing into the folder)
+        for process in running:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
 
 def _load(path: Path) -> ModuleType:

@@ -49,7 +49,7 @@ from torch.utils.hooks import RemovableHandle
 
 from normwatch.catalog import COLUMNS, GRAD_SITES, GRAD_SUMS
 from normwatch.guarded import guarded
-from normwatch.measure.fastlane import GradLane, WeightHandle
+from normwatch.measure.fastlane import PLAIN, GradLane, WeightHandle
 from normwatch.measure.native import GradReader, ThroughReader, allocated, fold_grad_rows
 from normwatch.measure.opaque import observe_grad
 from normwatch.measure.reductions import runs, summed_dtype
@@ -545,7 +545,7 @@ class GradHooks:
         weight = self._weight
         if on and self._weight_handle is None and weight is not None:
             self._weight_handle = self._lane.weight(weight) if self._lane is not None and \
-                type(weight) in (nn.Parameter, torch.Tensor) else \
+                type(weight) in PLAIN else \
                 weight.register_hook(self._weight_grad)  # type: ignore[no-untyped-call]
         elif not on and self._weight_handle is not None:
             self._weight_handle.remove()

@@ -138,7 +138,7 @@ class NativeSampler:
         """``params``' sampler, or ``None`` where there is no pack, a parameter is not a
         plain tensor (or ``Parameter``), a pack is not a :class:`NativePack` or the C++
         module is not built."""
-        if not packs or any(type(p) not in _PLAIN for p in params) or \
+        if not packs or any(type(p) not in fastlane.PLAIN for p in params) or \
                 any(not isinstance(pack, NativePack) for _, pack in packs):
             return None
         built = fastlane.module()
@@ -147,5 +147,3 @@ class NativeSampler:
     def __reduce__(self) -> tuple[Callable[[], None], tuple[()]]:
         return fastlane.nothing, ()
 
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)

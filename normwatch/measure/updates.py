@@ -412,8 +412,9 @@ class UpdateMonitor:
         if sized:
             self._sizes.setdefault(id(optimizer), math.nan)
 
-    def _python_rows(self, sampled: _Sampled, exact: Mapping[torch.device, torch.Tensor] | None,
-              sized: bool) -> dict[torch.device, torch.Tensor]:
+    def _python_rows(self, sampled: _Sampled,
+                     exact: Mapping[torch.device, torch.Tensor] | None,
+                     sized: bool) -> dict[torch.device, torch.Tensor]:
         """The step's rows per device by the packs' own Python (see :meth:`_measure`)."""
         rows: dict[torch.device, torch.Tensor] = {}
         grads = None
