@@ -68,14 +68,16 @@ class Accumulator:
         """Where the C reader's gradients go (lent until :meth:`commit_grads` folds them)."""
 
     def stage(self, call: CallRows) -> None:
-        """Queue one call's rows; no tensor op (the fold is a few dozen ops per step)."""
+        """Queue one call's rows; no tensor op (the fold is a few dozen ops per step). The
+        C++ lane runs this body itself (see :data:`STAGES`)."""
         self._staged.append(call)
         self._staged_tokens += call.n
         if self._staged_tokens >= self.max_staged_tokens:
             self.commit()
 
     def stage_grad(self, grad: GradRows) -> None:
-        """Queue one gradient's rows (backward hooks); no tensor op."""
+        """Queue one gradient's rows (backward hooks); no tensor op. The C++ hooks run this
+        body themselves (see :data:`STAGES`)."""
         self._staged_grads.append(grad)
         self._staged_tokens += grad.norms.numel()
         if self._staged_tokens >= self.max_staged_tokens:
@@ -277,6 +279,11 @@ class Accumulator:
 
 _norms, _lo, _device = (operator.attrgetter(a) for a in ("norms", "lo", "device"))
 _where = operator.attrgetter("layer", "site", "width")
+
+
+STAGES = (Accumulator.stage, Accumulator.stage_grad)
+"""The staging methods as defined here: where an accumulator's are still these, the C++
+lanes (:mod:`~normwatch.measure.fastlane`) run their bodies themselves, with no frame."""
 
 
 def _nonfinite(calls: list[CallRows], grads: list[GradRows]) -> list[torch.Tensor]:

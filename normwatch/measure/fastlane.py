@@ -7,14 +7,14 @@ Inside a training step each line of a hook's Python costs several times what it 
 warm (the model's work leaves the interpreter's code and objects out of the caches): a
 sentinel call's C read took 23 µs at d=128 and its Python around it ~80. ``lane.cpp``
 (shipped with the package) measures the calls :meth:`LayerHook._lane
-<normwatch.measure.hooks.LayerHook._lane>` takes (but each interval's first) exactly as
-it does (the same C read, buffer, staged rows and counts; in the full tier with the
-layer's moments, then :meth:`LayerHook._tail
-<normwatch.measure.hooks.LayerHook._tail>` hooks the call's gradients) and hands every
-other call to the Python hook. Its sources are compiled at first use against torch's
-headers, side by side (~25 s, once per machine and torch: into
-:func:`~normwatch.measure.native.cache_dir`, named by a hash of the sources, the
-compiler, Python and torch).
+<normwatch.measure.hooks.LayerHook._lane>` takes exactly as it does (the same C read,
+buffer, staged rows and counts, the lender's and the accumulator's common case run in
+C++; in the full tier with the layer's moments; there and on an interval's first call
+:meth:`LayerHook._tail <normwatch.measure.hooks.LayerHook._tail>` hooks the call's
+gradients and notes its dtypes) and hands every other call to the Python hook. Its
+sources are compiled at first use against torch's headers, side by side (~25 s, once
+per machine and torch: into :func:`~normwatch.measure.native.cache_dir`, named by a
+hash of the sources, the compiler, Python and torch).
 
 The gradients' hooks (a node's pre-hook per site, the output node's that also computes
 the gradient through the norm, the weight's tensor hook) are C++ objects torch calls
@@ -78,9 +78,11 @@ def module() -> ModuleType | None:
         return None
     try:
         built = _load(_built())
+        from normwatch.measure.accumulator import STAGES  # (it imports this module)
+
         built.setup(*(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in (
             "normwatch_rows_planned", "normwatch_grad_rows_planned", "normwatch_through")),
-            torch._C._dynamo.eval_frame.get_eval_frame_callback)
+            torch._C._dynamo.eval_frame.get_eval_frame_callback, native.TAKE, *STAGES)
         built.setup_sampler(ctypes.cast(lib.normwatch_sample, ctypes.c_void_p).value)
         _stand_in(built.hook)
     except Exception as exc:  # no C++ compiler, no headers, a failed build: Python's lane

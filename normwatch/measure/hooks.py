@@ -271,22 +271,23 @@ class LayerHook:
         c.calls += 1
         c.tokens += call.n
         c.input_shape = x.shape
-        if full:
-            self._tail(module, args, kwargs, output)
-        elif c.calls == 1:
-            self.record_dtypes(module, x, output)
-        if c.calls == 1:
-            rt.forward_order.setdefault(self.layer.name, len(rt.forward_order))
+        if full or c.calls == 1:
+            self._tail(module, args, kwargs, output, full)
         return True
 
     def _tail(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any],
-              output: torch.Tensor) -> None:
-        """The rest of a full-tier call the lane measured (this object's or the C++
-        one's): its gradients hooked, its dtypes noted."""
+              output: torch.Tensor, full: bool) -> None:
+        """The rest of a call the lane measured (this object's or the C++ one's), on
+        full-tier steps and the interval's first call: its gradients hooked (``full``),
+        its dtypes noted, its place in the forward order (the first)."""
         x = args[0]
-        self._watch_grads(module, x, output, (len(args) == 1 and not kwargs)
-                          or not other_tensor(args, kwargs, x))
+        if full:
+            self._watch_grads(module, x, output, (len(args) == 1 and not kwargs)
+                              or not other_tensor(args, kwargs, x))
         self.record_dtypes(module, x, output)
+        if self.counts.calls == 1:
+            order = self.rt.forward_order
+            order.setdefault(self.layer.name, len(order))
 
     def _watch_grads(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor | None,
                      alone: bool) -> None:

@@ -4,10 +4,10 @@
 //
 // hook(layer, module, args, kwargs, output) is registered with torch as
 // functools.partial(hook, layer): torch's hook loop calls it with no Python frame. A
-// training call of the common CPU case (what LayerHook._lane takes, past the interval's
-// first) is measured here as _lane measures it: the same C kernel
-// (normwatch_rows_planned), the same buffer lender, the same CallRows staged, the same
-// counts; in the full tier, with the layer's moments, then LayerHook._tail (its
+// training call of the common CPU case (what LayerHook._lane takes) is measured here as
+// _lane measures it: the same C kernel (normwatch_rows_planned), the same buffer lender,
+// the same CallRows staged, the same counts; in the full tier, with the layer's moments;
+// then, in the full tier and for the interval's first call, LayerHook._tail (its
 // gradients hooked, its dtypes noted). Any other call, every call while Dynamo traces (a
 // Python stand-in) and every call where Dynamo compiles the frames run (see hook), goes
 // to the Python LayerHook. An error here disables the hook as the Python hook's would
@@ -37,6 +37,9 @@ using ThroughFn = int (*)(const float *, const float *, const float *, float *, 
 RowsFn rows_planned = nullptr, grad_rows_planned = nullptr;
 ThroughFn through = nullptr;
 PyObject *dynamo_callback = nullptr;  // torch._C._dynamo.eval_frame.get_eval_frame_callback
+// RowBuffers.take, Accumulator.stage and .stage_grad: where a lender's or accumulator's
+// method is still the class's own, its common case runs here (borrowed_buffer, staged)
+PyObject *f_take = nullptr, *f_stage = nullptr, *f_stage_grad = nullptr;
 
 constexpr int PLAN_SIZE = 9;   // normwatch_rows_planned's plan (native.row_plan's args)
 
@@ -61,7 +64,8 @@ struct Lane {
 PyObject *s_paused, *s_full_stats, *s_tail, *s_kernel, *s_check_outputs, *s_output_checked,
     *s_calls, *s_training, *s_step, *s_calls_this_step, *s_tokens, *s_input_shape, *s_auto, *s_lane,
     *s_fail, *s_accumulator, *s_stage, *s_shape, *s_capsule, *s_gradients, *s_stage_grad,
-    *s_both, *s_node, *s_weight_grad;
+    *s_both, *s_node, *s_weight_grad, *s_free, *s_lent, *s_staged_calls, *s_staged_grads,
+    *s_staged_tokens, *s_max_staged, *s_commit;
 
 void drop(PyObject *capsule) {
     auto *lane = static_cast<Lane *>(PyCapsule_GetPointer(capsule, "normwatch.lane"));
@@ -173,11 +177,81 @@ int planned(Lane *lane, bool full, PyObject *xo, PyObject *yo, const at::Tensor 
     return 1;
 }
 
-// runtime.accumulator.<method>(rows): 0, or -1 an error
-int staged(PyObject *runtime, PyObject *method, PyObject *rows) {
+// Whether `owner.<name>` is the function `own` (the class's, not replaced): 1, 0, -1
+int owns(PyObject *owner, PyObject *name, PyObject *own) {
+    PyObject *bound = PyObject_GetAttr(owner, name);
+    if (bound == nullptr) return -1;
+    int r = PyMethod_Check(bound) && PyMethod_GET_FUNCTION(bound) == own;
+    Py_DECREF(bound);
+    return r;
+}
+
+// RowBuffers.take(lender, shape)'s common case, a free buffer of that shape, run here (a
+// new reference; nullptr: none free, no error, or an error)
+PyObject *loaned(PyObject *lender, PyObject *shape) {
+    PyObject *free = PyObject_GetAttr(lender, s_free);
+    PyObject *kept = free == nullptr || !PyDict_Check(free)
+                         ? nullptr : PyDict_GetItemWithError(free, shape);  // (borrowed)
+    PyObject *rows = nullptr;
+    if (kept != nullptr && PyList_Check(kept) && PyList_GET_SIZE(kept) > 0) {
+        Py_ssize_t n = PyList_GET_SIZE(kept);
+        rows = Py_NewRef(PyList_GET_ITEM(kept, n - 1));
+        PyObject *lent = PyList_SetSlice(kept, n - 1, n, nullptr) == 0
+                             ? PyObject_GetAttr(lender, s_lent) : nullptr;
+        if (lent == nullptr || !PyList_Check(lent) || PyList_Append(lent, rows) < 0) {
+            if (lent != nullptr && !PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "lane: the lender's loans are no list");
+            Py_CLEAR(rows);
+        }
+        Py_XDECREF(lent);
+    }
+    Py_XDECREF(free);
+    return rows;
+}
+
+// take(shape), a buffer (a new reference) or nullptr: where `take` is RowBuffers.take
+// itself (not replaced) its common case runs here, with no Python frame
+PyObject *borrowed_buffer(PyObject *take, PyObject *shape) {
+    PyObject *rows = nullptr;
+    if (PyMethod_Check(take) && PyMethod_GET_FUNCTION(take) == f_take) {
+        rows = loaned(PyMethod_GET_SELF(take), shape);
+        if (rows != nullptr || PyErr_Occurred()) return rows;
+    }
+    rows = PyObject_CallOneArg(take, shape);
+    if (rows != nullptr && !THPVariable_Check(rows)) {
+        Py_DECREF(rows);
+        PyErr_SetString(PyExc_TypeError, "lane: the lender gave no tensor");
+        return nullptr;
+    }
+    return rows;
+}
+
+// runtime.accumulator.<method>(rows) (rows of `n` tokens: Accumulator.stage's and
+// .stage_grad's count): where the method is the class's own (`own`, not replaced), its
+// body runs here (the rows appended to `list`, the tokens counted, a commit past the
+// cap), with no Python frame: 0, or -1 an error
+int staged(PyObject *runtime, PyObject *method, PyObject *own, PyObject *list,
+           PyObject *rows, int64_t n) {
     PyObject *accumulator = PyObject_GetAttr(runtime, s_accumulator);
-    PyObject *r = accumulator ? PyObject_CallMethodOneArg(accumulator, method, rows) : nullptr;
-    Py_XDECREF(accumulator);
+    if (accumulator == nullptr) return -1;
+    int t = owns(accumulator, method, own);
+    PyObject *r = nullptr;
+    if (t == 0) {
+        r = PyObject_CallMethodOneArg(accumulator, method, rows);
+    } else if (t == 1) {
+        PyObject *queue = PyObject_GetAttr(accumulator, list);
+        int64_t tokens = 0, cap = 0;
+        if (queue != nullptr && !PyList_Check(queue))
+            PyErr_SetString(PyExc_TypeError, "lane: the accumulator's queue is no list");
+        else if (queue != nullptr && PyList_Append(queue, rows) == 0 &&
+                 (tokens = integer(accumulator, s_staged_tokens)) >= 0 &&
+                 (cap = integer(accumulator, s_max_staged)) >= 0 &&
+                 add(accumulator, s_staged_tokens, n) == 0)
+            r = tokens + n >= cap ? PyObject_CallMethodNoArgs(accumulator, s_commit)
+                                  : Py_NewRef(Py_None);
+        Py_XDECREF(queue);
+    }
+    Py_DECREF(accumulator);
     if (r == nullptr) return -1;
     Py_DECREF(r);
     return 0;
@@ -200,7 +274,7 @@ int measured(Lane *lane, PyObject *layer, PyObject *module, PyObject *args, PyOb
     Py_DECREF(kernel);
     if (!t) return PyErr_Occurred() ? -1 : 0;
     int64_t calls = integer(c, s_calls);
-    if (calls <= 0) return calls == -1 && PyErr_Occurred() ? -1 : 0;
+    if (calls < 0) return calls == -1 && PyErr_Occurred() ? -1 : 0;
     if ((t = truth(rt, s_check_outputs)) != 0) {  // the interval's output check pending
         if (t < 0) return -1;
         if ((t = truth(c, s_output_checked)) != 1) return t;
@@ -216,14 +290,9 @@ int measured(Lane *lane, PyObject *layer, PyObject *module, PyObject *args, PyOb
     int64_t plan[PLAN_SIZE];
     PyObject *shape;
     if ((t = planned(lane, full, xo, output, x, y, plan, &shape)) != 1) return t;
-    PyObject *buffer = PyObject_CallOneArg(lane->take, shape);
+    PyObject *buffer = borrowed_buffer(lane->take, shape);
     Py_DECREF(shape);
     if (buffer == nullptr) return -1;
-    if (!THPVariable_Check(buffer)) {
-        Py_DECREF(buffer);
-        PyErr_SetString(PyExc_TypeError, "lane: the lender gave no tensor");
-        return -1;
-    }
     if (rows_planned(x.const_data_ptr(), y.const_data_ptr(),
                      THPVariable_Unpack(buffer).mutable_data_ptr<float>(), plan) != 0) {
         Py_DECREF(buffer);
@@ -255,7 +324,7 @@ int measured(Lane *lane, PyObject *layer, PyObject *module, PyObject *args, PyOb
         if (!owned[i]) Py_INCREF(v);
         PyTuple_SET_ITEM(call, i, v);
     }
-    int r = staged(rt, s_stage, call);
+    int r = staged(rt, s_stage, f_stage, s_staged_calls, call, tokens);
     Py_DECREF(call);
     if (r < 0) return -1;
     PyObject *size = PyObject_GetAttr(xo, s_shape);
@@ -265,10 +334,11 @@ int measured(Lane *lane, PyObject *layer, PyObject *module, PyObject *args, PyOb
         return -1;
     }
     Py_DECREF(size);
-    if (!full) return 1;
-    // the full tier's rest: the gradients hooked, the dtypes noted (LayerHook._tail)
-    PyObject *rest[5] = {layer, module, args, kwargs, output};
-    PyObject *done = PyObject_VectorcallMethod(s_tail, rest, 5, nullptr);
+    if (!full && calls > 0) return 1;
+    // the rest of a full-tier or first call: the gradients hooked (full), the dtypes and
+    // the place in the forward order noted (LayerHook._tail)
+    PyObject *rest[6] = {layer, module, args, kwargs, output, full ? Py_True : Py_False};
+    PyObject *done = PyObject_VectorcallMethod(s_tail, rest, 6, nullptr);
     if (done == nullptr) return -1;
     Py_DECREF(done);
     return 1;
@@ -372,11 +442,17 @@ PyObject *lane(PyObject *, PyObject *args) {
 }
 
 // setup(addresses of normwatch_rows_planned, normwatch_grad_rows_planned, normwatch_through,
-// torch._C._dynamo.eval_frame.get_eval_frame_callback)
+// torch._C._dynamo.eval_frame.get_eval_frame_callback, RowBuffers.take, Accumulator.stage,
+// Accumulator.stage_grad)
 PyObject *setup(PyObject *, PyObject *args) {
-    PyObject *a, *b, *c, *callback;
-    if (!PyArg_ParseTuple(args, "OOOO", &a, &b, &c, &callback)) return nullptr;
-    if (!PyCallable_Check(callback)) return PyErr_Format(PyExc_TypeError, "setup: callable");
+    PyObject *a, *b, *c, *callback, *take, *stage, *stage_grad;
+    if (!PyArg_ParseTuple(args, "OOOOOOO", &a, &b, &c, &callback, &take, &stage, &stage_grad))
+        return nullptr;
+    for (PyObject *f : {callback, take, stage, stage_grad})
+        if (!PyCallable_Check(f)) return PyErr_Format(PyExc_TypeError, "setup: callable");
+    for (auto [slot, f] :
+         {std::pair{&f_take, take}, {&f_stage, stage}, {&f_stage_grad, stage_grad}})
+        Py_XSETREF(*slot, Py_NewRef(f));
     void *p[3] = {PyLong_AsVoidPtr(a), PyLong_AsVoidPtr(b), PyLong_AsVoidPtr(c)};
     for (void *q : p)
         if (q == nullptr) return PyErr_Occurred() ? nullptr
@@ -499,18 +575,14 @@ int grad_plan(GradPlan &plan, PyObject *planner, const at::Tensor &g, int whole)
 PyObject *lent(Grads &gr, int64_t count) {
     PyObject *shape = Py_BuildValue("(L)", (long long)count);
     if (shape == nullptr) return nullptr;
-    PyObject *buffer = PyObject_CallOneArg(gr.take, shape);
+    PyObject *buffer = borrowed_buffer(gr.take, shape);
     Py_DECREF(shape);
-    if (buffer != nullptr && !THPVariable_Check(buffer)) {
-        Py_DECREF(buffer);
-        PyErr_SetString(PyExc_TypeError, "grads: the lender gave no tensor");
-        return nullptr;
-    }
     return buffer;
 }
 
 // Stage GradRows(buffer, None, None, row, site, width); takes `buffer`'s reference: 0 or -1
 int stage(Grads &gr, PyObject *buffer, int site, int64_t width) {
+    int64_t count = THPVariable_Unpack(buffer).numel();  // (GradRows.norms' tokens)
     auto *type = reinterpret_cast<PyTypeObject *>(gr.rows_type);
     PyObject *s = PyLong_FromLong(site), *w = PyLong_FromLongLong(width);
     PyObject *rows = s && w ? type->tp_alloc(type, 6) : nullptr;
@@ -523,7 +595,7 @@ int stage(Grads &gr, PyObject *buffer, int site, int64_t width) {
         if (i == 1 || i == 2 || i == 3) Py_INCREF(items[i]);
         PyTuple_SET_ITEM(rows, i, items[i]);
     }
-    int r = staged(gr.runtime, s_stage_grad, rows);
+    int r = staged(gr.runtime, s_stage_grad, f_stage_grad, s_staged_grads, rows, count);
     Py_DECREF(rows);
     return r;
 }
@@ -933,7 +1005,10 @@ PyMODINIT_FUNC PyInit_normwatch_lane() {
                  {&s_accumulator, "accumulator"}, {&s_stage, "stage"}, {&s_shape, "shape"},
                  {&s_capsule, "capsule"}, {&s_gradients, "gradients"},
                  {&s_stage_grad, "stage_grad"}, {&s_both, "_both"}, {&s_node, "_node"},
-                 {&s_weight_grad, "_weight_grad"}, {&s_tail, "_tail"}};
+                 {&s_weight_grad, "_weight_grad"}, {&s_tail, "_tail"}, {&s_free, "_free"},
+                 {&s_lent, "_lent"}, {&s_staged_calls, "_staged"},
+                 {&s_staged_grads, "_staged_grads"}, {&s_staged_tokens, "_staged_tokens"},
+                 {&s_max_staged, "max_staged_tokens"}, {&s_commit, "commit"}};
     for (auto &n : names)
         if ((*n.slot = PyUnicode_InternFromString(n.name)) == nullptr) return nullptr;
     PyObject *m = PyModule_Create(&definition);

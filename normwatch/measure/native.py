@@ -381,7 +381,8 @@ class RowBuffers:
         self._lent: list[torch.Tensor] = []
 
     def take(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A buffer of ``shape``, to hold until the next :meth:`give_back`."""
+        """A buffer of ``shape``, to hold until the next :meth:`give_back` (the C++ lanes
+        run this body themselves: see :data:`TAKE`)."""
         free = self._free.get(shape)
         rows = free.pop() if free else allocated(shape)
         self._lent.append(rows)
@@ -397,6 +398,11 @@ class RowBuffers:
         for rows in self._lent:
             free.setdefault(tuple(rows.shape), []).append(rows)
         self._free, self._lent = free, []
+
+
+TAKE = RowBuffers.take
+"""The lender's method as defined here: where a lender's is still it, the C++ lanes
+(:mod:`~normwatch.measure.fastlane`) run its common case themselves, with no frame."""
 
 
 class RowReader:

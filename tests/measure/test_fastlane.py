@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import functools
 import shutil
+import sys
 import warnings
 from collections.abc import Iterator
 
@@ -209,6 +210,58 @@ def test_the_gradients_are_read_in_cpp_as_the_python_hooks_read_them(
             assert getattr(got, field) == getattr(want, field), (name, field)
     for w in watches:
         w.close()
+
+
+def test_the_lanes_borrow_and_stage_with_no_python_frame(built: object) -> None:
+    """Past each layer's first call of an interval, the C++ lanes (the forward's, the
+    gradients') run the lender's and the accumulator's common case themselves (a free
+    buffer lent: from the second interval on, the calls' buffers given back at the first
+    one's fold): no frame of ``RowBuffers.take``, ``Accumulator.stage`` or
+    ``.stage_grad`` in three steps of both tiers, yet every call and gradient is staged
+    (what they stage, against the general path:
+    tests/measure/test_hooks.py::test_the_lane_measures_as_the_general_path; a replaced
+    method is called: tests/measure/test_native.py)."""
+    from normwatch.measure.accumulator import STAGES
+    from normwatch.measure.native import TAKE
+
+    torch.manual_seed(0)
+    model = tiny_llama(32, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = normwatch.watch(model, opt, report_dir=None, stats_every=2, flush_every=100)
+    tokens = torch.randint(0, 1024, (2, 8), generator=torch.Generator().manual_seed(0))
+    for _ in range(4):  # an interval: buffers lent, then free again at its flush
+        train_step(model, opt, tokens, w)
+    w.flush()
+    train_step(model, opt, tokens, w)  # (the interval's first calls: the Python lane's)
+    codes = {f.__code__: f.__qualname__ for f in (TAKE, *STAGES)}
+    seen: list[str] = []
+    committed = [0]
+    accumulator = w._measure._rt.accumulator
+    real = accumulator.commit_grads
+
+    def commit_grads() -> None:
+        committed[0] += len(accumulator._staged_grads)
+        real()
+
+    accumulator.commit_grads = commit_grads  # type: ignore[method-assign]
+
+    def profile(frame: object, event: str, arg: object) -> None:
+        if event == "call" and frame.f_code in codes:  # type: ignore[attr-defined]
+            seen.append(codes[frame.f_code])  # type: ignore[attr-defined]
+
+    sys.setprofile(profile)
+    try:
+        for _ in range(3):  # (two tiers by turns: the first interval's buffers fit)
+            train_step(model, opt, tokens, w)
+    finally:
+        sys.setprofile(None)
+    assert seen == []
+    norms = len(w._measure._hooks)
+    assert len(accumulator._staged) == 4 * norms  # every call of the interval's steps
+    assert committed[0] >= 3 * norms  # a full-tier step's gradients: 3+ per norm
+    snapshot = w.flush()
+    assert all(s.calls == 4 and s.grad_out_rms for s in snapshot.layers.values())
+    w.close()
 
 
 def test_compiled_autograd_traces_the_python_hooks_in_their_place(built: object) -> None:
