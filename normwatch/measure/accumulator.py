@@ -283,7 +283,8 @@ _where = operator.attrgetter("layer", "site", "width")
 
 STAGES = (Accumulator.stage, Accumulator.stage_grad)
 """The staging methods as defined here: where an accumulator's are still these, the C++
-lanes (:mod:`~normwatch.measure.fastlane`) run their bodies themselves, with no frame."""
+lanes (:func:`~normwatch.measure.fastlane.state`'s ``own``) run their bodies themselves,
+with no frame."""
 
 
 def _nonfinite(calls: list[CallRows], grads: list[GradRows]) -> list[torch.Tensor]:

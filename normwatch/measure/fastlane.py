@@ -78,11 +78,9 @@ def module() -> ModuleType | None:
         return None
     try:
         built = _load(_built())
-        from normwatch.measure.accumulator import STAGES  # (it imports this module)
-
         built.setup(*(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in (
             "normwatch_rows_planned", "normwatch_grad_rows_planned", "normwatch_through")),
-            torch._C._dynamo.eval_frame.get_eval_frame_callback, native.TAKE, *STAGES)
+            torch._C._dynamo.eval_frame.get_eval_frame_callback)
         built.setup_sampler(ctypes.cast(lib.normwatch_sample, ctypes.c_void_p).value)
         _stand_in(built.hook)
     except Exception as exc:  # no C++ compiler, no headers, a failed build: Python's lane
@@ -118,14 +116,18 @@ def nothing() -> None:
 
 
 def state(runtime: Any, counts: Any, take: Callable[..., Any], row: int, width: int | None,
-          eps: float, centred: bool, moments: str) -> State | None:
+          eps: float, centred: bool, moments: str,
+          own: tuple[Callable[..., Any], ...]) -> State | None:
     """A layer's lane state, or ``None``: no lane for it (tokens that are not its last
     dim, or no lane built). The lane plans a new layout (of an input and output alike)
     with :func:`~normwatch.measure.native.row_plan`, as the Python lane does: in the full
-    tier with ``moments``."""
+    tier with ``moments``. ``own``: ``RowBuffers.take``, ``Accumulator.stage`` and
+    ``.stage_grad`` as their classes define them; where a lender's or accumulator's are
+    still these, the lanes (this one's, the gradients') run their common case themselves."""
     built = module()
     if built is None or width is None:
         return None
+    built.own(*own)
     return State(built.lane(runtime, counts, take, native.row_plan, CallRows, row, width,
                             eps, centred, KEY_STRIDE, moments))
 

@@ -30,11 +30,11 @@ from torch.utils.hooks import RemovableHandle
 from normwatch.catalog import KEY_STRIDE
 from normwatch.guarded import Part
 from normwatch.measure import fastlane
-from normwatch.measure.accumulator import Accumulator
+from normwatch.measure.accumulator import STAGES, Accumulator
 from normwatch.measure.autocasting import autocast_made, output_op
 from normwatch.measure.calls import dtype_name, dtypes, input_of, other_tensor, output_of
 from normwatch.measure.gradients import GradHooks, GradRows, through_formula
-from normwatch.measure.native import RowReader, ThroughReader
+from normwatch.measure.native import TAKE, RowReader, ThroughReader
 from normwatch.measure.opaque import disown, own
 from normwatch.measure.outputs import output_check
 from normwatch.measure.reductions import CallRows, fused_call, out_rows, reduce_call, token_view
@@ -159,7 +159,7 @@ class LayerHook:
         native = runtime.kernel == "auto"
         self._lane_state = fastlane.state(
             runtime, self.counts, runtime.accumulator.buffers.take, row,
-            layer.token_size, self._eps, self._centred, self._moments) \
+            layer.token_size, self._eps, self._centred, self._moments, (TAKE, *STAGES)) \
             if native and home is not None and home.type == "cpu" else None
         """The C++ lane's state (``None``: every call is this object's; a layer not on the
         CPU builds nothing): see :mod:`~normwatch.measure.fastlane`."""

@@ -442,17 +442,11 @@ PyObject *lane(PyObject *, PyObject *args) {
 }
 
 // setup(addresses of normwatch_rows_planned, normwatch_grad_rows_planned, normwatch_through,
-// torch._C._dynamo.eval_frame.get_eval_frame_callback, RowBuffers.take, Accumulator.stage,
-// Accumulator.stage_grad)
+// torch._C._dynamo.eval_frame.get_eval_frame_callback)
 PyObject *setup(PyObject *, PyObject *args) {
-    PyObject *a, *b, *c, *callback, *take, *stage, *stage_grad;
-    if (!PyArg_ParseTuple(args, "OOOOOOO", &a, &b, &c, &callback, &take, &stage, &stage_grad))
-        return nullptr;
-    for (PyObject *f : {callback, take, stage, stage_grad})
-        if (!PyCallable_Check(f)) return PyErr_Format(PyExc_TypeError, "setup: callable");
-    for (auto [slot, f] :
-         {std::pair{&f_take, take}, {&f_stage, stage}, {&f_stage_grad, stage_grad}})
-        Py_XSETREF(*slot, Py_NewRef(f));
+    PyObject *a, *b, *c, *callback;
+    if (!PyArg_ParseTuple(args, "OOOO", &a, &b, &c, &callback)) return nullptr;
+    if (!PyCallable_Check(callback)) return PyErr_Format(PyExc_TypeError, "setup: callable");
     void *p[3] = {PyLong_AsVoidPtr(a), PyLong_AsVoidPtr(b), PyLong_AsVoidPtr(c)};
     for (void *q : p)
         if (q == nullptr) return PyErr_Occurred() ? nullptr
@@ -972,6 +966,18 @@ PyObject *unhook(PyObject *, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+// own(RowBuffers.take, Accumulator.stage, Accumulator.stage_grad), as their classes
+// define them: where a lender's or accumulator's method is still one of these, its common
+// case runs here (borrowed_buffer, staged)
+PyObject *own(PyObject *, PyObject *args) {
+    PyObject *take, *stage, *stage_grad;
+    if (!PyArg_ParseTuple(args, "OOO", &take, &stage, &stage_grad)) return nullptr;
+    for (auto [slot, f] :
+         {std::pair{&f_take, take}, {&f_stage, stage}, {&f_stage_grad, stage_grad}})
+        Py_XSETREF(*slot, Py_NewRef(f));
+    Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
     {"hook", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(hook)),
      METH_FASTCALL, "hook(layer, module, args, kwargs, output): the forward hook"},
@@ -984,6 +990,7 @@ PyMethodDef methods[] = {
     {"hook_weight", hook_weight, METH_VARARGS, "hook_weight(capsule, w): w's hook's handle"},
     {"unhook", unhook, METH_VARARGS, "unhook(w, handle)"},
     {"setup", setup, METH_VARARGS, "setup(addresses of the C readers)"},
+    {"own", own, METH_VARARGS, "own(take, stage, stage_grad): the classes' own methods"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef definition = {PyModuleDef_HEAD_INIT, "normwatch_lane", nullptr, -1, methods};

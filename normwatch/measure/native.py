@@ -402,7 +402,8 @@ class RowBuffers:
 
 TAKE = RowBuffers.take
 """The lender's method as defined here: where a lender's is still it, the C++ lanes
-(:mod:`~normwatch.measure.fastlane`) run its common case themselves, with no frame."""
+(:func:`~normwatch.measure.fastlane.state`'s ``own``) run its common case themselves,
+with no frame."""
 
 
 class RowReader:
