@@ -44,12 +44,15 @@ class LossBuffer:
                           "losses are not recorded", RuntimeWarning, stacklevel=4)
 
     def tensors(self) -> dict[torch.device, torch.Tensor]:
-        """The tensor losses stacked per device (float64), to ride along the flush copy."""
+        """The tensor losses stacked per device (float64), to ride along the flush copy:
+        losses of one dtype stacked, then converted once (one op, not one a loss)."""
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for _, value in self._losses:
             if isinstance(value, torch.Tensor):
-                by_device.setdefault(value.device, []).append(value.to(torch.float64))
-        return {d: torch.stack(v) for d, v in by_device.items()}
+                by_device.setdefault(value.device, []).append(value)
+        return {d: torch.stack(v if len({t.dtype for t in v}) == 1 else
+                               [t.to(torch.float64) for t in v]).to(torch.float64)
+                for d, v in by_device.items()}
 
     def resolve(self, copied: Mapping[torch.device, Iterable[float]]
                 ) -> tuple[tuple[int, float], ...]:

@@ -26,6 +26,22 @@ def test_tensors_and_numbers_resolve_in_order() -> None:
     assert buffer.resolve({}) == () and buffer.tensors() == {}
 
 
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16,) * 3,
+                                    (torch.bfloat16, torch.int64, torch.float32)])
+def test_losses_of_any_dtypes_are_copied_exactly(dtypes: tuple[torch.dtype, ...]) -> None:
+    """One dtype or several (an integer past float32's 24 bits among them): each loss
+    reaches the host as its own value in float64."""
+    values = [1.0078125, 2**40 + 1, 3.25]
+    buffer = LossBuffer()
+    for step, (value, dtype) in enumerate(zip(values, dtypes, strict=True)):
+        buffer.record(torch.tensor(value, dtype=dtype), step=step)
+    want = [torch.tensor(v, dtype=d).double().item() for v, d in zip(values, dtypes,
+                                                                      strict=True)]
+    stacked = buffer.tensors()[torch.device("cpu")]
+    assert stacked.dtype == torch.float64 and stacked.tolist() == want
+    assert (2**40 + 1 in want) == (torch.int64 in dtypes)
+
+
 def test_a_bad_loss_warns_once_and_is_ignored() -> None:
     buffer = LossBuffer()
     with pytest.warns(RuntimeWarning, match=r"'loss' must be a scalar tensor or a number: got "
