@@ -50,8 +50,8 @@ class LossBuffer:
         for _, value in self._losses:
             if isinstance(value, torch.Tensor):
                 by_device.setdefault(value.device, []).append(value)
-        return {d: torch.stack(v if len({t.dtype for t in v}) == 1 else
-                               [t.to(torch.float64) for t in v]).to(torch.float64)
+        return {d: torch.stack(v).to(torch.float64) if len({t.dtype for t in v}) == 1
+                else torch.stack([t.to(torch.float64) for t in v])
                 for d, v in by_device.items()}
 
     def resolve(self, copied: Mapping[torch.device, Iterable[float]]
