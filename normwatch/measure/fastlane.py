@@ -9,9 +9,13 @@ sentinel call's C read took 23 µs at d=128 and its Python around it ~80. ``lane
 (shipped with the package) measures the calls :meth:`LayerHook._lane
 <normwatch.measure.hooks.LayerHook._lane>` takes exactly as it does (the same C read,
 buffer, staged rows and counts, the lender's and the accumulator's common case run in
-C++; in the full tier with the layer's moments; there and on an interval's first call
+C++; in the full tier with the layer's moments; on an interval's first call
 :meth:`LayerHook._tail <normwatch.measure.hooks.LayerHook._tail>` hooks the call's
-gradients and notes its dtypes) and hands every other call to the Python hook. Its
+gradients and notes its dtypes, and on a full-tier call the lane does that itself where
+it is the common case: its only argument a float32 input with an autograd node, the
+gradient through the norm computed, the weight already hooked; the dtypes are noted
+where they changed, and a replaced method of the tail's is called) and hands every
+other call to the Python hook. Its
 sources are compiled at first use against torch's headers, side by side (~25 s, once
 per machine and torch: into :func:`~normwatch.measure.native.cache_dir`, named by a
 hash of the sources, the compiler, Python and torch).
@@ -123,7 +127,9 @@ def state(runtime: Any, counts: Any, take: Callable[..., Any], row: int, width: 
     with :func:`~normwatch.measure.native.row_plan`, as the Python lane does: in the full
     tier with ``moments``. ``own``: ``RowBuffers.take``, ``Accumulator.stage`` and
     ``.stage_grad`` as their classes define them; where a lender's or accumulator's are
-    still these, the lanes (this one's, the gradients') run their common case themselves."""
+    still these, the lanes (this one's, the gradients') run their common case themselves;
+    then :data:`~normwatch.measure.hooks.TAIL`, whose common case the lane runs on a
+    full-tier call where a layer's and its gradient hooks' are still these."""
     built = module()
     if built is None or width is None:
         return None
@@ -142,9 +148,11 @@ class GradLane:
     Python hook it stands for. A copy (an EMA ``deepcopy``) gets ``None``: Python's
     hooks."""
 
-    __slots__ = ("_hook_weight", "_unhook", "close", "out", "site")
+    __slots__ = ("_hook_weight", "_unhook", "capsule", "close", "out", "site")
 
     def __init__(self, built: ModuleType, capsule: object) -> None:
+        self.capsule = capsule
+        """(what the forward's lane hooks a full-tier call's gradients with)"""
         self.site = functools.partial(built.hook_site, capsule)
         self.out = functools.partial(built.hook_out, capsule)
         self._hook_weight = functools.partial(built.hook_weight, capsule)

@@ -68,7 +68,7 @@ assert all(SUM_AT[s] == SUM_AT[SITES[0]] + i * len(GRAD_SUMS) and
 OUT, IN, HIDDEN = (SITES.index(s) for s in ("grad_out", "grad_in", "grad_hidden"))
 WEIGHT = len(SITES)
 """The weight gradient's site index in :class:`GradRows` (after :data:`SITES`)."""
-assert (OUT, IN, WEIGHT) == (0, 1, 3)  # (as lane.cpp's gradient hooks name them)
+assert (OUT, IN, HIDDEN, WEIGHT) == (0, 1, 2, 3)  # (as lane.cpp's gradient hooks name them)
 
 Tokens = Callable[[torch.Tensor], torch.Tensor]
 """A layer's token view (``(tokens, elements)``, as its forward hook reads x and y)."""

@@ -159,7 +159,8 @@ class LayerHook:
         native = runtime.kernel == "auto"
         self._lane_state = fastlane.state(
             runtime, self.counts, runtime.accumulator.buffers.take, row,
-            layer.token_size, self._eps, self._centred, self._moments, (TAKE, *STAGES)) \
+            layer.token_size, self._eps, self._centred, self._moments,
+            (TAKE, *STAGES, *TAIL)) \
             if native and home is not None and home.type == "cpu" else None
         """The C++ lane's state (``None``: every call is this object's; a layer not on the
         CPU builds nothing): see :mod:`~normwatch.measure.fastlane`."""
@@ -442,6 +443,11 @@ class LayerHook:
             warnings.warn(f"normwatch: {self.layer.name!r} called with {why}; such calls are "
                           "not measured", RuntimeWarning, stacklevel=4)
 
+
+TAIL = (LayerHook._tail, LayerHook._watch_grads, LayerHook.record_dtypes,
+        GradHooks.watch_call, GradHooks.computes, GradHooks.watch_weight)
+"""The methods whose common case the C++ lane runs itself on a full-tier call (where an
+object's are still these; see :mod:`~normwatch.measure.fastlane`)."""
 
 _new = tuple.__new__
 """A named tuple made from all its fields, without its ``__new__``'s Python frame (inside a

@@ -7,14 +7,18 @@
 // training call of the common CPU case (what LayerHook._lane takes) is measured here as
 // _lane measures it: the same C kernel (normwatch_rows_planned), the same buffer lender,
 // the same CallRows staged, the same counts; in the full tier, with the layer's moments;
-// then, in the full tier and for the interval's first call, LayerHook._tail (its
-// gradients hooked, its dtypes noted). Any other call, every call while Dynamo traces (a
+// then, on the interval's first call and a full-tier call that is not the common case,
+// LayerHook._tail (its gradients hooked, its dtypes noted); the common full-tier call's
+// tail runs here (full_tail: the same C++ gradient hooks placed, the dtypes noted where
+// they changed). Any other call, every call while Dynamo traces (a
 // Python stand-in) and every call where Dynamo compiles the frames run (see hook), goes
 // to the Python LayerHook. An error here disables the hook as the Python hook's would
 // (LayerHook._fail): training goes on.
 #include <Python.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/SavedTensorHooks.h>
+#include <ATen/autocast_mode.h>
 #include <torch/csrc/PyInterpreter.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -27,6 +31,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace {
@@ -40,6 +45,11 @@ PyObject *dynamo_callback = nullptr;  // torch._C._dynamo.eval_frame.get_eval_fr
 // RowBuffers.take, Accumulator.stage and .stage_grad: where a lender's or accumulator's
 // method is still the class's own, its common case runs here (borrowed_buffer, staged)
 PyObject *f_take = nullptr, *f_stage = nullptr, *f_stage_grad = nullptr;
+// LayerHook._tail, ._watch_grads, .record_dtypes, GradHooks.watch_call, .computes,
+// .watch_weight: where a layer's and its GradHooks' are still these, full_tail does their
+// common case
+constexpr int TAIL_METHODS = 6;
+PyObject *f_tail[TAIL_METHODS] = {nullptr};
 
 constexpr int PLAN_SIZE = 9;   // normwatch_rows_planned's plan (native.row_plan's args)
 
@@ -59,20 +69,36 @@ struct Lane {
     PyObject *runtime, *counts, *take, *planner, *call_type, *row, *eps, *centred, *moments;
     int64_t width, key_stride;
     Planned tiers[2];
+    // The dtypes the layer's record_dtypes last noted from here (full_tail): its
+    // `_signature` then (owned), and what that signature is made of
+    PyObject *signature = nullptr;
+    int64_t dtypes[4] = {-1, -1, -1, -1};
+    std::string op;
 };
 
 PyObject *s_paused, *s_full_stats, *s_tail, *s_kernel, *s_check_outputs, *s_output_checked,
     *s_calls, *s_training, *s_step, *s_calls_this_step, *s_tokens, *s_input_shape, *s_auto, *s_lane,
     *s_fail, *s_accumulator, *s_stage, *s_shape, *s_capsule, *s_gradients, *s_stage_grad,
     *s_both, *s_node, *s_weight_grad, *s_free, *s_lent, *s_staged_calls, *s_staged_grads,
-    *s_staged_tokens, *s_max_staged, *s_commit;
+    *s_staged_tokens, *s_max_staged, *s_commit, *s_grads, *s_grad_lane, *s_computed,
+    *s_hooked_weight, *s_weight, *s_signature, *s_record_dtypes, *s_watch_grads,
+    *s_watch_call, *s_computes, *s_watch_weight;
+
+// The holder of a new reference (or nullptr)
+struct Owned {
+    PyObject *p;
+    explicit Owned(PyObject *o) : p(o) {}
+    Owned(const Owned &) = delete;
+    Owned &operator=(const Owned &) = delete;
+    ~Owned() { Py_XDECREF(p); }
+};
 
 void drop(PyObject *capsule) {
     auto *lane = static_cast<Lane *>(PyCapsule_GetPointer(capsule, "normwatch.lane"));
     if (lane == nullptr) return;
     for (PyObject *o : {lane->runtime, lane->counts, lane->take, lane->planner,
                         lane->call_type, lane->row, lane->eps, lane->centred, lane->moments,
-                        lane->tiers[0].shape, lane->tiers[1].shape})
+                        lane->tiers[0].shape, lane->tiers[1].shape, lane->signature})
         Py_XDECREF(o);
     delete lane;
 }
@@ -257,6 +283,9 @@ int staged(PyObject *runtime, PyObject *method, PyObject *own, PyObject *list,
     return 0;
 }
 
+int full_tail(Lane *lane, PyObject *layer, PyObject *module, PyObject *args, PyObject *kwargs,
+              PyObject *xo, PyObject *yo, const at::Tensor &x, const at::Tensor &y);
+
 // The lane: 1 measured, 0 not taken (the Python hook measures it), -1 an error
 int measured(Lane *lane, PyObject *layer, PyObject *module, PyObject *args, PyObject *kwargs,
              PyObject *output) {
@@ -335,6 +364,9 @@ int measured(Lane *lane, PyObject *layer, PyObject *module, PyObject *args, PyOb
     }
     Py_DECREF(size);
     if (!full && calls > 0) return 1;
+    if (full && calls > 0 && (t = full_tail(lane, layer, module, args, kwargs, xo, output,
+                                            x, y)) != 0)
+        return t;
     // the rest of a full-tier or first call: the gradients hooked (full), the dtypes and
     // the place in the forward order noted (LayerHook._tail)
     PyObject *rest[6] = {layer, module, args, kwargs, output, full ? Py_True : Py_False};
@@ -470,7 +502,8 @@ PyObject *setup(PyObject *, PyObject *args) {
 // ._weight_grad), which measures it as before. An error disables the layer through
 // GradHooks._fail. Registered with no RemovableHandle (a node's hooks go with its graph).
 
-constexpr int SITE_OUT = 0, SITE_IN = 1, SITE_WEIGHT = 3;  // gradients.SITES order, WEIGHT
+// gradients.SITES order, then WEIGHT
+constexpr int SITE_OUT = 0, SITE_IN = 1, SITE_HIDDEN = 2, SITE_WEIGHT = 3;
 
 // A layout's plan (asked of a Python planner on a new layout)
 struct GradPlan {
@@ -913,6 +946,78 @@ Shared *unpack(PyObject *capsule, PyObject *t, at::Tensor &out) {
     return held;
 }
 
+// The rest of a full-tier call that is not the interval's first (LayerHook._tail's work),
+// its common case here: x the call's only argument, both float32 with autograd nodes, the
+// gradient through the norm computed (GradHooks.computes: no saved-tensor hooks, a
+// float32 weight of one element per x's, or none, already hooked), the layer's C++
+// gradient hooks placed as GradHooks.watch_call places them (the hidden state's on x's
+// node, then the output's with the one through the norm on y's), then the dtypes noted
+// where they changed since this lane last noted them (LayerHook.record_dtypes, called).
+// 1 done, 0 not that case (nothing done: the Python _tail does it), -1 an error.
+int full_tail(Lane *lane, PyObject *layer, PyObject *module, PyObject *args, PyObject *kwargs,
+              PyObject *xo, PyObject *yo, const at::Tensor &x, const at::Tensor &y) {
+    if (PyTuple_GET_SIZE(args) != 1 ||
+        (kwargs != nullptr && kwargs != Py_None &&
+         (!PyDict_Check(kwargs) || PyDict_GET_SIZE(kwargs) != 0)))
+        return 0;
+    if (through == nullptr || x.scalar_type() != at::kFloat || y.scalar_type() != at::kFloat ||
+        !x.requires_grad() || !y.requires_grad() || !x.grad_fn() || !y.grad_fn() ||
+        at::SavedTensorDefaultHooks::get_hooks(false).has_value())
+        return 0;
+    int t = grads_now(lane->runtime);
+    if (t != 1) return t;
+    Owned weight(PyObject_GetAttr(module, s_weight));  // getattr(module, "weight", None)
+    if (weight.p == nullptr) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
+        PyErr_Clear();
+        weight.p = Py_NewRef(Py_None);
+    }
+    at::Tensor w;
+    if (weight.p != Py_None) {
+        if (!THPVariable_Check(weight.p)) return 0;
+        w = THPVariable_Unpack(weight.p);
+        if (w.scalar_type() != at::kFloat || !plain(w) || w.numel() != x.size(-1)) return 0;
+    }
+    Owned grads(PyObject_GetAttr(layer, s_grads));
+    if (grads.p == nullptr) return -1;
+    if (grads.p == Py_None) return 0;
+    PyObject *names[TAIL_METHODS] = {s_tail, s_watch_grads, s_record_dtypes, s_watch_call,
+                                     s_computes, s_watch_weight};
+    for (int i = 0; i < TAIL_METHODS; i++)  // (the Python's, where any is replaced)
+        if ((t = owns(i < 3 ? layer : grads.p, names[i], f_tail[i])) != 1) return t;
+    Owned computed(PyObject_GetAttr(grads.p, s_computed)),
+        hooked(computed.p ? PyObject_GetAttr(grads.p, s_hooked_weight) : nullptr),
+        gradlane(hooked.p ? PyObject_GetAttr(grads.p, s_grad_lane) : nullptr);
+    if (gradlane.p == nullptr) return -1;
+    if (computed.p == Py_None || gradlane.p == Py_None ||
+        (weight.p != Py_None && weight.p != hooked.p))  // (GradHooks.watch_weight's to do)
+        return 0;
+    Owned capsule(PyObject_GetAttr(gradlane.p, s_capsule));
+    Shared *held = capsule.p ? held_grads(capsule.p) : nullptr;
+    if (held == nullptr) return -1;
+    x.grad_fn()->add_pre_hook(std::make_unique<SiteHook>(*held, SITE_HIDDEN, x.output_nr()));
+    y.grad_fn()->add_pre_hook(std::make_unique<OutHook>(*held, y.output_nr(), x, w));
+    // LayerHook.record_dtypes where anything its signature is made of changed
+    int64_t dtypes[4] = {(int64_t)x.scalar_type(), w.defined() ? (int64_t)w.scalar_type() : -1,
+                         (int64_t)y.scalar_type(),
+                         at::autocast::is_autocast_enabled(at::kCPU)
+                             ? (int64_t)at::autocast::get_autocast_dtype(at::kCPU) : -1};
+    std::string op = y.grad_fn()->name();
+    Owned signature(PyObject_GetAttr(layer, s_signature));
+    if (signature.p == nullptr) return -1;
+    if (signature.p == lane->signature && std::equal(dtypes, dtypes + 4, lane->dtypes) &&
+        op == lane->op)
+        return 1;
+    PyObject *call[4] = {layer, module, xo, yo};
+    Owned done(PyObject_VectorcallMethod(s_record_dtypes, call, 4, nullptr));
+    Owned noted(done.p ? PyObject_GetAttr(layer, s_signature) : nullptr);
+    if (noted.p == nullptr) return -1;
+    Py_XSETREF(lane->signature, Py_NewRef(noted.p));
+    std::copy(dtypes, dtypes + 4, lane->dtypes);
+    lane->op = std::move(op);
+    return 1;
+}
+
 PyObject *hook_site(PyObject *, PyObject *args) {
     PyObject *capsule, *to;
     int site;
@@ -966,15 +1071,17 @@ PyObject *unhook(PyObject *, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-// own(RowBuffers.take, Accumulator.stage, Accumulator.stage_grad), as their classes
-// define them: where a lender's or accumulator's method is still one of these, its common
-// case runs here (borrowed_buffer, staged)
+// own(RowBuffers.take, Accumulator.stage, Accumulator.stage_grad, then LayerHook._tail,
+// ._watch_grads, .record_dtypes, GradHooks.watch_call, .computes, .watch_weight), as their
+// classes define them: where an object's method is still one of these, its common case
+// runs here (borrowed_buffer, staged, full_tail)
 PyObject *own(PyObject *, PyObject *args) {
-    PyObject *take, *stage, *stage_grad;
-    if (!PyArg_ParseTuple(args, "OOO", &take, &stage, &stage_grad)) return nullptr;
-    for (auto [slot, f] :
-         {std::pair{&f_take, take}, {&f_stage, stage}, {&f_stage_grad, stage_grad}})
-        Py_XSETREF(*slot, Py_NewRef(f));
+    constexpr Py_ssize_t n = 3 + TAIL_METHODS;
+    if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) != n)
+        return PyErr_Format(PyExc_TypeError, "own: %zd functions", n);
+    PyObject **slots[n] = {&f_take, &f_stage, &f_stage_grad};
+    for (int i = 0; i < TAIL_METHODS; i++) slots[3 + i] = &f_tail[i];
+    for (Py_ssize_t i = 0; i < n; i++) Py_XSETREF(*slots[i], Py_NewRef(PyTuple_GET_ITEM(args, i)));
     Py_RETURN_NONE;
 }
 
@@ -990,7 +1097,7 @@ PyMethodDef methods[] = {
     {"hook_weight", hook_weight, METH_VARARGS, "hook_weight(capsule, w): w's hook's handle"},
     {"unhook", unhook, METH_VARARGS, "unhook(w, handle)"},
     {"setup", setup, METH_VARARGS, "setup(addresses of the C readers)"},
-    {"own", own, METH_VARARGS, "own(take, stage, stage_grad): the classes' own methods"},
+    {"own", own, METH_VARARGS, "own(take, stage, stage_grad, *tail): the classes' own methods"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef definition = {PyModuleDef_HEAD_INIT, "normwatch_lane", nullptr, -1, methods};
@@ -1015,7 +1122,12 @@ PyMODINIT_FUNC PyInit_normwatch_lane() {
                  {&s_weight_grad, "_weight_grad"}, {&s_tail, "_tail"}, {&s_free, "_free"},
                  {&s_lent, "_lent"}, {&s_staged_calls, "_staged"},
                  {&s_staged_grads, "_staged_grads"}, {&s_staged_tokens, "_staged_tokens"},
-                 {&s_max_staged, "max_staged_tokens"}, {&s_commit, "commit"}};
+                 {&s_max_staged, "max_staged_tokens"}, {&s_commit, "commit"},
+                 {&s_grads, "grads"}, {&s_grad_lane, "_lane"}, {&s_computed, "_computed"},
+                 {&s_hooked_weight, "_weight"}, {&s_weight, "weight"},
+                 {&s_signature, "_signature"}, {&s_record_dtypes, "record_dtypes"},
+                 {&s_watch_grads, "_watch_grads"}, {&s_watch_call, "watch_call"},
+                 {&s_computes, "computes"}, {&s_watch_weight, "watch_weight"}};
     for (auto &n : names)
         if ((*n.slot = PyUnicode_InternFromString(n.name)) == nullptr) return nullptr;
     PyObject *m = PyModule_Create(&definition);

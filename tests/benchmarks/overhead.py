@@ -195,7 +195,7 @@ SWEPT = ("normwatch (defaults)", "normwatch + optimizer", "normwatch stats_every
 
 
 ENTRY_POINTS = (
-    ("normwatch.measure.hooks", "LayerHook", ("__call__", "_tail")),
+    ("normwatch.measure.hooks", "LayerHook", ("__call__",)),
     ("normwatch.measure.traced", "CompiledPath", ("pre",)),
     ("normwatch.measure.gradients", "GradHooks",
      ("_out", "_in", "_hidden", "_node", "_both", "_weight_grad")),
@@ -208,8 +208,9 @@ ENTRY_POINTS = (
 )
 """Everything normwatch runs during a training step: its hooks, ``watch.step``, and what
 it records of the loop's ``clip_grad_norm_`` (``None``: a module's function). The C++
-hooks' own time is not in it, only the Python they call (``LayerHook._tail``, the
-fallbacks)."""
+hooks' own time is not in it, nor the Python they call (``LayerHook._tail`` on an
+interval's first call, the fallbacks): the lane runs the common case of a method only
+where it is still the class's own, which a timer around it is not."""
 
 
 @contextlib.contextmanager

@@ -216,12 +216,16 @@ def test_the_lanes_borrow_and_stage_with_no_python_frame(built: object) -> None:
     """Past each layer's first call of an interval, the C++ lanes (the forward's, the
     gradients') run the lender's and the accumulator's common case themselves (a free
     buffer lent: from the second interval on, the calls' buffers given back at the first
-    one's fold): no frame of ``RowBuffers.take``, ``Accumulator.stage`` or
-    ``.stage_grad`` in three steps of both tiers, yet every call and gradient is staged
-    (what they stage, against the general path:
+    one's fold), and the forward's lane hooks a full-tier call's gradients and checks its
+    dtypes itself: no frame of ``RowBuffers.take``, ``Accumulator.stage``,
+    ``.stage_grad``, ``LayerHook._tail`` or what it calls (:data:`hooks.TAIL`, the walk
+    over a norm's nodes) in three steps of both tiers, yet every call and gradient is
+    staged (what they stage, against the general path:
     tests/measure/test_hooks.py::test_the_lane_measures_as_the_general_path; a replaced
-    method is called: tests/measure/test_native.py)."""
+    method is called: tests/measure/test_native.py, and below)."""
     from normwatch.measure.accumulator import STAGES
+    from normwatch.measure.gradients import through_nodes
+    from normwatch.measure.hooks import TAIL
     from normwatch.measure.native import TAKE
 
     torch.manual_seed(0)
@@ -233,7 +237,7 @@ def test_the_lanes_borrow_and_stage_with_no_python_frame(built: object) -> None:
         train_step(model, opt, tokens, w)
     w.flush()
     train_step(model, opt, tokens, w)  # (the interval's first calls: the Python lane's)
-    codes = {f.__code__: f.__qualname__ for f in (TAKE, *STAGES)}
+    codes = {f.__code__: f.__qualname__ for f in (TAKE, *STAGES, *TAIL, through_nodes)}
     seen: list[str] = []
     committed = [0]
     accumulator = w._measure._rt.accumulator
@@ -262,6 +266,68 @@ def test_the_lanes_borrow_and_stage_with_no_python_frame(built: object) -> None:
     snapshot = w.flush()
     assert all(s.calls == 4 and s.grad_out_rms for s in snapshot.layers.values())
     w.close()
+
+
+class _TwoDtypes(torch.nn.Module):
+    """One RMS norm called twice a step: on a bfloat16 input (the Python tail's), then on
+    a float32 one (the C++ lane's full-tier tail)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.RMSNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return self.norm(self.norm(h.bfloat16()).float() + h)
+
+
+def _dtypes_run(monkeypatch: pytest.MonkeyPatch, cpp: bool) -> tuple[list[str], int]:
+    """The norm's host counts after each step of a full-tier loop, and how many of its
+    calls the Python ``_tail`` took past each interval's first."""
+    real_state, real_tail = fastlane.state, LayerHook._tail
+    tails = [0]
+
+    def tail(self: LayerHook, *args: object) -> None:
+        tails[0] += self.counts.calls > 1
+        real_tail(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fastlane, "state", lambda *a: real_state(*a) if cpp else None)
+    torch.manual_seed(0)
+    model = _TwoDtypes()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    w = normwatch.watch(model, opt, stats_every=1, flush_every=100, report_dir=None)
+    (hook,) = w._measure._hooks
+    counts = []
+    for step in range(6):
+        if step == 3:  # from here the Python tail is counted (a replaced _tail is called)
+            monkeypatch.setattr(LayerHook, "_tail", tail)
+        with torch.autocast("cpu", torch.bfloat16, enabled=step >= 4):
+            loss = model(torch.randn(4, 8)).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        w.step()
+        counts.append(repr(hook.counts))
+    w.close()
+    monkeypatch.undo()
+    return counts, tails[0]
+
+
+def test_the_lane_notes_a_full_tier_calls_dtypes_where_they_changed(
+        built: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C++ lane notes a full-tier call's dtypes (LayerHook.record_dtypes) where they
+    differ from the last it noted, or the layer's Python noted others since (a bfloat16
+    call of the same norm between), or autocast was turned on: step by step, the host
+    counts are the Python hook's (whose last call of a step is the float32 one); its own
+    ``_tail`` replaced, the lane calls it."""
+    cpp, _ = _dtypes_run(monkeypatch, True)
+    python, _ = _dtypes_run(monkeypatch, False)
+    assert cpp == python
+    assert all("input_dtype='float32'" in c for c in cpp)
+    assert "cpu:bfloat16" in cpp[-1] and "cpu:bfloat16" not in cpp[3]
+    _, tails = _dtypes_run(monkeypatch, True)
+    assert tails == 3 * 2  # (steps 3-5, both calls: the replaced _tail called)
 
 
 def test_compiled_autograd_traces_the_python_hooks_in_their_place(built: object) -> None:
