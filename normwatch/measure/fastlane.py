@@ -87,10 +87,19 @@ def module() -> ModuleType | None:
             torch._C._dynamo.eval_frame.get_eval_frame_callback)
         built.setup_sampler(ctypes.cast(lib.normwatch_sample, ctypes.c_void_p).value)
         _stand_in(built.hook)
+        _stand_in_pre(built.pre)
     except Exception as exc:  # no C++ compiler, no headers, a failed build: Python's lane
         log.debug("normwatch: the C++ lane is not built (%s)", exc)
         return None
     return built
+
+
+def pre_hook_for(pre: Callable[..., Any]) -> Callable[..., Any]:
+    """What torch is to call as a layer's forward pre-hook ``pre`` (``CompiledPath.pre``,
+    which acts only in compiled code) where the layer has a lane: the lane's, which
+    returns at once in eager code."""
+    built = module()
+    return pre if built is None else functools.partial(built.pre, pre)
 
 
 def hook_for(layer: Any, lane: State | None) -> Callable[..., Any]:
@@ -211,6 +220,16 @@ def _stand_in(lane_hook: Callable[..., Any]) -> None:
     def hook(layer: Callable[..., Any], module: torch.nn.Module, args: Any, kwargs: Any,
              output: Any) -> Any:
         return layer(module, args, kwargs, output)
+
+
+@functools.cache
+def _stand_in_pre(lane_pre: Callable[..., Any]) -> None:
+    """While Dynamo traces, the Python pre-hook in the lane's place (as :func:`_stand_in`)."""
+
+    @torch._dynamo.substitute_in_graph(lane_pre, skip_signature_check=True)
+    def pre(path_pre: Callable[..., Any], module: torch.nn.Module, args: Any, kwargs: Any
+            ) -> Any:
+        return path_pre(module, args, kwargs)
 
 
 def _built() -> Path:

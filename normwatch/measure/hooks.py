@@ -187,8 +187,10 @@ class LayerHook:
                                    self._fail, through, layer.token_size,
                                    native=native, take=take, formula=formula, lane=lane)
             self.grads.watch_weight(weight)
-            self._pre_handle = module.register_forward_pre_hook(self.compiled.pre,
-                                                                with_kwargs=True)
+            self._pre_handle = module.register_forward_pre_hook(
+                self.compiled.pre if self._lane_state is None else
+                fastlane.pre_hook_for(self.compiled.pre),
+                with_kwargs=True)
 
     def home(self, device: torch.device) -> None:
         """Place this layer's row on ``device`` (outside any graph): compiled calls name

@@ -448,6 +448,23 @@ PyObject *hook(PyObject *, PyObject *const *a, Py_ssize_t n) {
     return PyObject_Vectorcall(layer, a + 1, 4, nullptr);  // the Python hook
 }
 
+// pre(path_pre, module, args, kwargs): a layer's forward pre-hook, registered as
+// functools.partial(pre, CompiledPath.pre), which does something only in compiled code
+// (it hooks a compiled call's hidden state): in eager code it returns here, with no Python
+// frame; where Dynamo compiles the frames run (an eager stretch of a compiled function)
+// it calls the Python pre-hook, whose frame Dynamo compiles as before. While Dynamo
+// traces, a Python stand-in calls it (fastlane._stand_in).
+PyObject *pre(PyObject *, PyObject *const *a, Py_ssize_t n) {
+    if (n != 4) {
+        PyErr_SetString(PyExc_TypeError, "pre(path_pre, module, args, kwargs)");
+        return nullptr;
+    }
+    int dynamo = compiling_frames();
+    if (dynamo < 0) PyErr_Clear();  // (never seen: then the Python pre-hook decides)
+    if (dynamo != 0) return PyObject_Vectorcall(a[0], a + 1, 3, nullptr);
+    Py_RETURN_NONE;
+}
+
 // lane(runtime, counts, take, planner (native.row_plan), CallRows, row, width, eps, centred,
 // key_stride, moments (the full tier's, native.MOMENTS' name)):
 // one layer's lane, as a capsule for LayerHook's `_lane_state`
@@ -990,7 +1007,7 @@ int full_tail(Lane *lane, PyObject *layer, PyObject *module, PyObject *args, PyO
         gradlane(hooked.p ? PyObject_GetAttr(grads.p, s_grad_lane) : nullptr);
     if (gradlane.p == nullptr) return -1;
     if (computed.p == Py_None || gradlane.p == Py_None ||
-        (weight.p != Py_None && weight.p != hooked.p))  // (GradHooks.watch_weight's to do)
+        (w.defined() && w.requires_grad() && weight.p != hooked.p))  // (watch_weight's to do)
         return 0;
     Owned capsule(PyObject_GetAttr(gradlane.p, s_capsule));
     Shared *held = capsule.p ? held_grads(capsule.p) : nullptr;
@@ -1088,6 +1105,8 @@ PyObject *own(PyObject *, PyObject *args) {
 PyMethodDef methods[] = {
     {"hook", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(hook)),
      METH_FASTCALL, "hook(layer, module, args, kwargs, output): the forward hook"},
+    {"pre", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(pre)),
+     METH_FASTCALL, "pre(path_pre, module, args, kwargs): the forward pre-hook"},
     {"lane", lane, METH_VARARGS, "one layer's lane (a capsule)"},
     {"grads", grads, METH_VARARGS, "one layer's gradient hooks (a capsule)"},
     {"close", close, METH_O, "close(capsule): its hooks do nothing from now on"},

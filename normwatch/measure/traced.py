@@ -41,7 +41,10 @@ class CompiledPath:
         state's gradient, :meth:`GradHooks.watch_hidden`). Nothing is put between the
         input and the norm: eager calls hook their gradients from the forward hook
         (:meth:`GradHooks.watch_call`), compiled ones from the output's tap. An eager
-        call returns at once (before the guard's frame: every norm call pays it)."""
+        call returns at once (before the guard's frame: every norm call pays it); where
+        the C++ lane is built, its pre-hook returns in eager code without this frame and
+        calls this where Dynamo traces or compiles the frames run
+        (:func:`~normwatch.measure.fastlane.pre_hook_for`)."""
         if torch.compiler.is_compiling():
             self._pre(module, args, kwargs)
 

@@ -20,6 +20,7 @@ import torch
 import normwatch
 from normwatch.measure import fastlane
 from normwatch.measure.hooks import LayerHook
+from normwatch.measure.traced import CompiledPath
 from tests.benchmarks.overhead import tiny_llama, train_step
 
 
@@ -57,25 +58,40 @@ def _registered(model: torch.nn.Module) -> list[object]:
                                             and isinstance(h.args[0], LayerHook))]
 
 
+def _pre_registered(model: torch.nn.Module) -> list[object]:
+    """The layers' pre-hooks: ``CompiledPath.pre``, or the lane's bound to it."""
+    return [h for m in model.modules() for h in m._forward_pre_hooks.values()
+            if getattr(h, "__func__", None) is CompiledPath.pre or (
+                isinstance(h, functools.partial)
+                and getattr(h.args[0], "__func__", None) is CompiledPath.pre)]
+
+
 def test_the_lane_is_registered_where_it_is_built_and_the_python_hook_elsewhere(
         rebuilt: None, built: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forward hooks and the pre-hooks alike: the lane's where it is built and the
+    C reader is used, else the Python ones."""
     model = tiny_llama(32, 1)
     w = normwatch.watch(model, report_dir=None)
-    hooks = _registered(model)
+    hooks, pres = _registered(model), _pre_registered(model)
     assert len(hooks) == 3 and all(isinstance(h, functools.partial) and h.func is built.hook  # type: ignore[attr-defined]
                                    for h in hooks)
+    assert len(pres) == 3 and all(isinstance(h, functools.partial) and h.func is built.pre  # type: ignore[attr-defined]
+                                  for h in pres)
     w.close()
-    assert not _registered(model)
+    assert not _registered(model) and not _pre_registered(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         w = normwatch.watch(model, report_dir=None, kernel="torch")  # (no C reader)
     assert [type(h) for h in _registered(model)] == [LayerHook] * 3
+    assert not any(isinstance(h, functools.partial) for h in _pre_registered(model))
     w.close()
     monkeypatch.setenv("NORMWATCH_LANE", "0")
     fastlane.module.cache_clear()
     assert fastlane.module() is None
     w = normwatch.watch(model, report_dir=None)
     assert [type(h) for h in _registered(model)] == [LayerHook] * 3
+    pres = _pre_registered(model)
+    assert len(pres) == 3 and not any(isinstance(h, functools.partial) for h in pres)
     w.close()
 
 
@@ -219,7 +235,8 @@ def test_the_lanes_borrow_and_stage_with_no_python_frame(built: object) -> None:
     one's fold), and the forward's lane hooks a full-tier call's gradients and checks its
     dtypes itself: no frame of ``RowBuffers.take``, ``Accumulator.stage``,
     ``.stage_grad``, ``LayerHook._tail`` or what it calls (:data:`hooks.TAIL`, the walk
-    over a norm's nodes) in three steps of both tiers, yet every call and gradient is
+    over a norm's nodes), nor of the pre-hook ``CompiledPath.pre`` (the lane's returns in
+    eager code) in three steps of both tiers, yet every call and gradient is
     staged (what they stage, against the general path:
     tests/measure/test_hooks.py::test_the_lane_measures_as_the_general_path; a replaced
     method is called: tests/measure/test_native.py, and below)."""
@@ -237,7 +254,8 @@ def test_the_lanes_borrow_and_stage_with_no_python_frame(built: object) -> None:
         train_step(model, opt, tokens, w)
     w.flush()
     train_step(model, opt, tokens, w)  # (the interval's first calls: the Python lane's)
-    codes = {f.__code__: f.__qualname__ for f in (TAKE, *STAGES, *TAIL, through_nodes)}
+    codes = {f.__code__: f.__qualname__
+             for f in (TAKE, *STAGES, *TAIL, through_nodes, CompiledPath.pre)}
     seen: list[str] = []
     committed = [0]
     accumulator = w._measure._rt.accumulator
