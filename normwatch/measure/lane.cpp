@@ -1098,7 +1098,8 @@ PyObject *own(PyObject *, PyObject *args) {
         return PyErr_Format(PyExc_TypeError, "own: %zd functions", n);
     PyObject **slots[n] = {&f_take, &f_stage, &f_stage_grad};
     for (int i = 0; i < TAIL_METHODS; i++) slots[3 + i] = &f_tail[i];
-    for (Py_ssize_t i = 0; i < n; i++) Py_XSETREF(*slots[i], Py_NewRef(PyTuple_GET_ITEM(args, i)));
+    for (Py_ssize_t i = 0; i < n; i++)
+        Py_XSETREF(*slots[i], Py_NewRef(PyTuple_GET_ITEM(args, i)));
     Py_RETURN_NONE;
 }
 
