@@ -15,10 +15,10 @@ gradients and notes its dtypes, and on a full-tier call the lane does that itsel
 it is the common case: its only argument a float32 input with an autograd node, the
 gradient through the norm computed, the weight already hooked; the dtypes are noted
 where they changed, and a replaced method of the tail's is called) and hands every
-other call to the Python hook. Its
-sources are compiled at first use against torch's headers, side by side (~25 s, once
-per machine and torch: into :func:`~normwatch.measure.native.cache_dir`, named by a
-hash of the sources, the compiler, Python and torch).
+other call to the Python hook. Its sources are compiled at first use against torch's
+headers, side by side (~25 s, once per machine and torch: into
+:func:`~normwatch.measure.native.cache_dir`, named by a hash of the sources, the
+compiler, Python and torch).
 
 The gradients' hooks (a node's pre-hook per site, the output node's that also computes
 the gradient through the norm, the weight's tensor hook) are C++ objects torch calls
@@ -87,18 +87,18 @@ def module() -> ModuleType | None:
             torch._C._dynamo.eval_frame.get_eval_frame_callback)
         built.setup_sampler(ctypes.cast(lib.normwatch_sample, ctypes.c_void_p).value)
         _stand_in(built.hook)
-        _stand_in_pre(built.pre)
+        _stand_in(built.pre)
     except Exception as exc:  # no C++ compiler, no headers, a failed build: Python's lane
         log.debug("normwatch: the C++ lane is not built (%s)", exc)
         return None
     return built
 
 
-def pre_hook_for(pre: Callable[..., Any]) -> Callable[..., Any]:
+def pre_hook_for(pre: Callable[..., Any], lane: State | None) -> Callable[..., Any]:
     """What torch is to call as a layer's forward pre-hook ``pre`` (``CompiledPath.pre``,
-    which acts only in compiled code) where the layer has a lane: the lane's, which
-    returns at once in eager code."""
-    built = module()
+    which acts only in compiled code): the lane's, which returns at once in eager code,
+    where the layer has a lane state (:func:`state`), else ``pre`` itself."""
+    built = None if lane is None else module()  # (a state means it is built)
     return pre if built is None else functools.partial(built.pre, pre)
 
 
@@ -213,23 +213,14 @@ def _no_plan(g: torch.Tensor) -> None:
 
 @functools.cache
 def _stand_in(lane_hook: Callable[..., Any]) -> None:
-    """While Dynamo traces, the Python hook in the lane's place (Dynamo cannot trace a
-    builtin; once per builtin: a module loaded again from its file has the same)."""
+    """While Dynamo traces, the Python hook in the place of the lane's (``hook`` or
+    ``pre``, registered bound to it as ``functools.partial(lane_hook, python_hook)``):
+    Dynamo cannot trace a builtin. Once per builtin: a module loaded again from its file
+    has the same."""
 
     @torch._dynamo.substitute_in_graph(lane_hook, skip_signature_check=True)
-    def hook(layer: Callable[..., Any], module: torch.nn.Module, args: Any, kwargs: Any,
-             output: Any) -> Any:
-        return layer(module, args, kwargs, output)
-
-
-@functools.cache
-def _stand_in_pre(lane_pre: Callable[..., Any]) -> None:
-    """While Dynamo traces, the Python pre-hook in the lane's place (as :func:`_stand_in`)."""
-
-    @torch._dynamo.substitute_in_graph(lane_pre, skip_signature_check=True)
-    def pre(path_pre: Callable[..., Any], module: torch.nn.Module, args: Any, kwargs: Any
-            ) -> Any:
-        return path_pre(module, args, kwargs)
+    def hook(python_hook: Callable[..., Any], *args: Any) -> Any:
+        return python_hook(*args)
 
 
 def _built() -> Path:

@@ -188,9 +188,7 @@ class LayerHook:
                                    native=native, take=take, formula=formula, lane=lane)
             self.grads.watch_weight(weight)
             self._pre_handle = module.register_forward_pre_hook(
-                self.compiled.pre if self._lane_state is None else
-                fastlane.pre_hook_for(self.compiled.pre),
-                with_kwargs=True)
+                fastlane.pre_hook_for(self.compiled.pre, self._lane_state), with_kwargs=True)
 
     def home(self, device: torch.device) -> None:
         """Place this layer's row on ``device`` (outside any graph): compiled calls name
