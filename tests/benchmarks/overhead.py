@@ -1,6 +1,7 @@
 """Step-time overhead of normwatch on a tiny ``transformers`` Llama training step (CPU).
 
-Run: ``python tests/benchmarks/overhead.py [--rounds N] [--steps K]``.
+Run: ``python tests/benchmarks/overhead.py [--rounds N] [--steps K]`` (or ``--sweep``,
+``--turns``, ``--parts`` STEPS).
 
 Every mode trains its own copy of the same model. Modes are interleaved round by round
 in one process, in a shuffled order, and each round's step time is divided by the
@@ -11,6 +12,9 @@ for one flush interval (10 steps), so every sample includes exactly one flush.
 Compiled modes (``torch.compile`` of the whole model, inductor) are divided by the
 compiled unmonitored step of the same round; their rows also give the graphs compiled,
 the graph breaks, and the graphs compiled after the warm-up round (recompiles).
+
+``--sweep STEPS`` (the size sweep: :data:`SWEEP` x :data:`SWEPT`), ``--turns STEPS`` and
+``--parts STEPS`` pair finer: the modes step in turn, one step each (:func:`in_turn`).
 """
 
 from __future__ import annotations
@@ -252,53 +256,22 @@ def timed_entry_points(total: list[float], package: str = "normwatch") -> Iterat
             setattr(cls, name, real)
 
 
-def direct(hidden: int, layers: int, batch: int, seq: int, steps: int, mode: str,
-           clip: bool = False) -> tuple[float, float]:
-    """``(ms per step inside normwatch, ms per step of the whole watched step)`` for a
-    :data:`SWEPT` ``mode``, timed around normwatch's own code (not noisy like a ratio of
-    two step times: it does not depend on the other process's luck)."""
-    attach = {m.name: m.attach for m in modes()}[mode]
-    torch.manual_seed(0)
-    model = tiny_llama(hidden, layers)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tokens = torch.randint(0, 1024, (batch, seq), generator=torch.Generator().manual_seed(0))
-    total = [0.0]
-    with timed_entry_points(total):
-        watcher = attach(model, opt)
-        assert isinstance(watcher, normwatch.Watch)
-        for i in range(steps + 10):  # 10 warm-up steps
-            if i == 10:
-                total[0], start = 0.0, time.perf_counter()
-            train_step(model, opt, tokens, watcher, clip)
-        elapsed = time.perf_counter() - start
-        watcher.close()
-    return total[0] / steps * 1e3, elapsed / steps * 1e3
-
-
-def sweep(rounds: int, steps: int, sizes: tuple[tuple[int, int, int, int], ...] = SWEEP,
+def sweep(steps: int, sizes: tuple[tuple[int, int, int, int], ...] = SWEEP,
           clip: bool = False) -> str:
-    """Per model size, the paired ratio of each :data:`SWEPT` mode and what it adds per
-    norm per step (µs): a Llama has ``2 * layers + 1`` norms."""
+    """Per model size, each :data:`SWEPT` mode stepping in turn with the unmonitored loop
+    (:func:`in_turn`): the median ratio of 10-step blocks, and what the mode spends inside
+    normwatch per norm per step (µs; a Llama has ``2 * layers + 1`` norms) and as a share
+    of the unmonitored step."""
     head = " | ".join(f"{m.removeprefix('normwatch ')}" for m in SWEPT)
     lines = [f"| model | unmonitored step (ms) | {head} |",
              "|---|---:|" + "---:|" * len(SWEPT)]
     for hidden, layers, batch, seq in sizes:
-        rows = {r[0]: r for r in run(rounds, steps, hidden, layers, batch, seq, list(SWEPT),
-                                     clip)}
+        got = in_turn(hidden, layers, batch, seq, steps, SWEPT, (clip,))
+        plain = got["unmonitored", clip].step
         norms = 2 * layers + 1
-        cells = [f"{rows[m][2]:.3f}x ({rows[m][4] * 1e3 / norms:.0f} µs)" for m in SWEPT]
-        lines.append(f"| d={hidden}, {layers} layers, {batch}x{seq} tokens | "
-                     f"{rows['unmonitored'][1]:.1f} | {' | '.join(cells)} |")
-    lines += ["", "Timed inside normwatch (its hooks and `watch.step`, flushes included; "
-              f"{4 * steps} steps per mode): share of the rest of the step, and µs per norm "
-              "per step", "", f"| model | {head} |", "|---|" + "---:|" * len(SWEPT)]
-    for hidden, layers, batch, seq in sizes:
-        cells = []
-        for mode in SWEPT:
-            inside, whole = direct(hidden, layers, batch, seq, 4 * steps, mode, clip)
-            cells.append(f"{inside / (whole - inside):.2%} ({inside * 1e3 / (2 * layers + 1):.0f}"
-                         " µs)")
-        lines.append(f"| d={hidden}, {layers} layers, {batch}x{seq} tokens | "
+        cells = [f"{got[m, clip].ratio:.3f}x ({got[m, clip].inside * 1e3 / norms:.0f} µs, "
+                 f"{got[m, clip].inside / plain:.2%})" for m in SWEPT]
+        lines.append(f"| d={hidden}, {layers} layers, {batch}x{seq} tokens | {plain:.1f} | "
                      f"{' | '.join(cells)} |")
     return "\n".join(lines)
 
@@ -312,52 +285,85 @@ PARTS = ("normwatch sentinel only", "normwatch (defaults)", "normwatch gradients
 then the full tier's gradients, the optimizer, the full tier's cadence)."""
 
 
-def turns(hidden: int, layers: int, batch: int, seq: int, steps: int,
-          names: tuple[str, ...] = TURNED, loops: tuple[bool, ...] = (False, True)) -> str:
+@dataclass(frozen=True)
+class Turned:
+    """A mode's medians over the 10-step blocks of :func:`in_turn`."""
+
+    ratio: float
+    """Its block's time over the unmonitored loop's of the same kind and block."""
+    inside: float
+    """ms per step inside normwatch (:data:`ENTRY_POINTS`)."""
+    step: float
+    """ms per step."""
+
+
+def in_turn(hidden: int, layers: int, batch: int, seq: int, steps: int,
+            names: tuple[str, ...], loops: tuple[bool, ...] = (False, True)
+            ) -> dict[tuple[str, bool], Turned]:
     """Every mode of ``names`` with the loop plain and clipping (``clip_grad_norm_``; or
     as ``loops`` says), and the unmonitored loops, in one process, stepping in turn one
-    step each (the same machine state for all: the pairing is per step, not per 10-step
-    block). Per mode, over 10-step blocks (one flush each): the median time inside
-    normwatch per step, and the median ratio to the unmonitored loop of the same kind
-    (which calls torch's own ``clip_grad_norm_``, not the wrapper the watches
-    installed)."""
+    step each on the same batch (a new one each step), in an order reversed every other
+    step (the same machine state for all: the pairing is per step, not per block).
+
+    Each kind runs on a copy of one model, and the kinds rotate over the copies: in
+    phase ``p`` kind ``j`` is attached to copy ``(j + p) % n`` (watches closed and
+    attached again), so that every kind steps every copy for about as many 10-step
+    blocks. Two copies of one model differ by up to ~1 % for a whole run on this
+    machine (where their memory lies), as much as what is measured; rotated, that is
+    spread over every kind alike. Per mode and loop: the medians over 10-step blocks
+    (one flush each; ``steps``: a multiple of 10), each phase after 10 warm-up steps."""
     kinds = [*(("unmonitored", clip) for clip in loops),
              *((name, clip) for clip in loops for name in names)]
+    n = len(kinds)
     attach = {m.name: m.attach for m in modes()}
     torch.manual_seed(0)
     base = tiny_llama(hidden, layers)
-    tokens = torch.randint(0, 1024, (batch, seq), generator=torch.Generator().manual_seed(0))
+    models = [copy.deepcopy(base) for _ in kinds]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-4) for m in models]
+    gen = torch.Generator().manual_seed(0)
     total = [0.0]
     inside: dict[tuple[str, bool], list[float]] = {k: [] for k in kinds}
     whole: dict[tuple[str, bool], list[float]] = {k: [] for k in kinds}
+    blocks = steps // 10
     with timed_entry_points(total):
-        runs = []
-        for name, clip in kinds:
-            model = copy.deepcopy(base)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            runs.append(((name, clip), model, opt, attach[name](model, opt)))
-        for i in range(steps + 10):  # 10 warm-up steps each (the first interval)
-            for key, model, opt, watcher in runs:
-                before, start = total[0], time.perf_counter()
-                train_step(model, opt, tokens, watcher, key[1])
-                if i >= 10:
-                    inside[key].append(total[0] - before)
-                    whole[key].append(time.perf_counter() - start)
-        for _, _, _, watcher in runs:
-            if isinstance(watcher, normwatch.Watch):
-                watcher.close()
-    blocks = [slice(j, j + 10) for j in range(0, steps, 10)]
+        for phase in range(min(n, blocks)):
+            runs = []
+            for j, key in enumerate(kinds):
+                c = (j + phase) % n
+                runs.append((key, models[c], opts[c], attach[key[0]](models[c], opts[c])))
+            taken = 10 * (blocks // n + (phase < blocks % n))
+            for i in range(taken + 10):  # 10 warm-up steps (the first interval)
+                tokens = torch.randint(0, 1024, (batch, seq), generator=gen)
+                for key, model, opt, watcher in runs if i % 2 else runs[::-1]:
+                    before, start = total[0], time.perf_counter()
+                    train_step(model, opt, tokens, watcher, key[1])
+                    if i >= 10:
+                        inside[key].append(total[0] - before)
+                        whole[key].append(time.perf_counter() - start)
+            for _, _, _, watcher in runs:
+                if isinstance(watcher, normwatch.Watch):
+                    watcher.close()
+    spans = [slice(j, j + 10) for j in range(0, 10 * blocks, 10)]
+    return {key: Turned(
+        statistics.median(sum(whole[key][b]) / sum(whole["unmonitored", key[1]][b])
+                          for b in spans),
+        statistics.median(sum(inside[key][b]) / len(inside[key][b]) * 1e3 for b in spans),
+        statistics.median(whole[key]) * 1e3) for key in kinds}
+
+
+def turns(hidden: int, layers: int, batch: int, seq: int, steps: int,
+          names: tuple[str, ...] = TURNED, loops: tuple[bool, ...] = (False, True)) -> str:
+    """:func:`in_turn`'s table: per mode and loop, the median time inside normwatch per
+    step, and the median ratio to the unmonitored loop of the same kind (which calls
+    torch's own ``clip_grad_norm_``, not the wrapper the watches installed)."""
+    got = in_turn(hidden, layers, batch, seq, steps, names, loops)
     lines = [f"tiny Llama (hidden {hidden}, {layers} layers, batch {batch} x {seq} tokens), "
              f"{steps} steps per mode taken in turn, torch {torch.__version__}, "
              f"{torch.get_num_threads()} threads", "",
              "| mode | loop | inside normwatch (ms/step) | ratio | step (ms) |",
              "|---|---|---:|---:|---:|"]
-    for key in kinds:
-        ratio = statistics.median(sum(whole[key][b]) / sum(whole["unmonitored", key[1]][b])
-                                  for b in blocks)
-        ms = statistics.median(sum(inside[key][b]) / len(inside[key][b]) * 1e3 for b in blocks)
-        lines.append(f"| {key[0]} | {'clips' if key[1] else 'plain'} | {ms:.2f} | "
-                     f"{ratio:.3f}x | {statistics.median(whole[key]) * 1e3:.1f} |")
+    lines += [f"| {name} | {'clips' if clip else 'plain'} | {t.inside:.2f} | {t.ratio:.3f}x | "
+              f"{t.step:.1f} |" for (name, clip), t in got.items()]
     return "\n".join(lines)
 
 
@@ -387,9 +393,10 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--clip", action="store_true",
                         help="every loop clips its gradients (clip_grad_norm_, max norm 1) "
                              "before the step, as most training loops do")
-    parser.add_argument("--sweep", action="store_true",
+    parser.add_argument("--sweep", type=int, metavar="STEPS",
                         help="the size sweep: ratios and µs per norm per step of "
-                             "defaults, the optimizer watched and stats_every=1")
+                             "defaults, the optimizer watched and stats_every=1, stepping "
+                             "in turn for STEPS steps (a multiple of 10)")
     parser.add_argument("--turns", type=int, metavar="STEPS",
                         help="defaults, optimizer and guard, each plain and clipping, "
                              "stepping in turn for STEPS steps (a multiple of 10)")
@@ -404,10 +411,11 @@ def main(argv: list[str] | None = None) -> str:
         print(text)
         return text
     if args.sweep:
-        text = (f"size sweep, {args.rounds} rounds x {args.steps} steps, torch "
-                f"{torch.__version__}, {torch.get_num_threads()} threads; in brackets what "
-                f"a mode adds per norm per step{'; every loop clips' if args.clip else ''}\n\n"
-                f"{sweep(args.rounds, args.steps, clip=args.clip)}")
+        text = (f"size sweep, {args.sweep} steps per mode taken in turn, torch "
+                f"{torch.__version__}, {torch.get_num_threads()} threads; in brackets the "
+                "time inside normwatch per norm per step and as a share of the unmonitored "
+                f"step{'; every loop clips' if args.clip else ''}\n\n"
+                f"{sweep(args.sweep, clip=args.clip)}")
         print(text)
         return text
     rows = run(args.rounds, args.steps, args.hidden, args.layers, args.batch, args.seq,

@@ -21,9 +21,10 @@ def test_overhead_benchmark_runs() -> None:
 
 
 def test_size_sweep_runs() -> None:
-    text = overhead.sweep(1, 1, ((32, 1, 2, 8),))
-    assert text.count("| d=32, 1 layers, 2x8 tokens |") == 2 and text.count("µs)") == 6
-    assert "Timed inside normwatch" in text
+    text = overhead.sweep(40, ((32, 1, 2, 8),))  # 4 phases: each kind on each copy
+    row = text.splitlines()[-1]
+    assert row.startswith("| d=32, 1 layers, 2x8 tokens |") and row.count("x (") == 3
+    assert row.count(" µs, ") == 3 and row.count("%)") == 3
 
 
 def test_turns_run() -> None:
