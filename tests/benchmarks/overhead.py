@@ -32,9 +32,8 @@ import torch
 
 import normwatch
 
-Row = tuple[str, float, float, "tuple[int, int, int] | None", float]
-"""``(mode, median step ms, median paired ratio, compiled: (graphs, breaks, recompiles),
-median paired difference in ms)``"""
+Row = tuple[str, float, float, "tuple[int, int, int] | None"]
+"""``(mode, median step ms, median paired ratio, compiled: (graphs, breaks, recompiles))``"""
 
 
 @dataclass
@@ -177,10 +176,9 @@ def run(rounds: int, steps: int, hidden: int, layers: int, batch: int, seq: int,
     for mode, *_ in runs:
         base = baselines[mode.compiled]
         ratios = [t / b for t, b in zip(mode.times, base, strict=True)]
-        diffs = [t - b for t, b in zip(mode.times, base, strict=True)]
         counts = (mode.graphs, mode.breaks, mode.recompiles) if mode.compiled else None
         rows.append((mode.name, statistics.median(mode.times) * 1e3, statistics.median(ratios),
-                     counts, statistics.median(diffs) * 1e3))
+                     counts))
     return rows
 
 
@@ -189,7 +187,7 @@ def table(rows: list[Row]) -> str:
              "|---|---:|---:|---:|"]
     lines += [f"| {name} | {ms:.1f} | {ratio:.3f}x | "
               f"{'' if counts is None else ' / '.join(map(str, counts))} |"
-              for name, ms, ratio, counts, _ in rows]
+              for name, ms, ratio, counts in rows]
     return "\n".join(lines)
 
 
