@@ -34,10 +34,10 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from normwatch.config import WatchConfig, options_from_env
-from normwatch.measure import clipping
-from normwatch.measure.compiling import eager_frame
-from normwatch.measure.discovery import iter_norm_modules
-from normwatch.measure.isolation import internal
+from normwatch.measure.layer.compiling import eager_frame
+from normwatch.measure.model.discovery import iter_norm_modules
+from normwatch.measure.model.isolation import internal
+from normwatch.measure.optimizer import clipping
 from normwatch.watching import Watch
 
 from .common import watch_optimizers

@@ -18,7 +18,7 @@ from normwatch._version import __version__
 if TYPE_CHECKING:
     from normwatch.config import WatchConfig
     from normwatch.errors import ConfigError, NumericalHealthError
-    from normwatch.measure.discovery import find_norm_layers, register_norm, unregister_norm
+    from normwatch.measure.model.discovery import find_norm_layers, register_norm, unregister_norm
     from normwatch.records import (
         Alarm,
         FirstNonfinite,
@@ -38,8 +38,8 @@ logging.getLogger("normwatch").addHandler(logging.NullHandler())
 # script, never imports torch.
 _WHERE = {
     "WatchConfig": "config", "ConfigError": "errors", "NumericalHealthError": "errors",
-    "find_norm_layers": "measure.discovery", "register_norm": "measure.discovery",
-    "unregister_norm": "measure.discovery", "Alarm": "records", "FirstNonfinite": "records",
+    "find_norm_layers": "measure.model.discovery", "register_norm": "measure.model.discovery",
+    "unregister_norm": "measure.model.discovery", "Alarm": "records", "FirstNonfinite": "records",
     "LayerStats": "records", "Limits": "records", "NormLayer": "records",
     "Snapshot": "records", "Verdict": "records", "ReportError": "report.document",
     "load_report": "report.document", "Watch": "watching", "watch": "watching",

@@ -159,7 +159,7 @@ TABLE: tuple[Stat, ...] = (
 )
 
 
-# -- gradients through each norm (see normwatch.measure.gradients) ---------------------------
+# -- gradients through each norm (see normwatch.measure.layer.gradients) ---------------------------
 
 GRAD_SITES = {
     "grad_out": ("the gradient arriving at the output (dL/dy)", "output"),

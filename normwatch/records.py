@@ -74,7 +74,7 @@ class ReplayPoint:
     step: int
     fingerprint: str | None
     """``dtype[shape]:hash`` of each integer input of the step's batch or first forward (see
-    :mod:`normwatch.measure.replay`); ``None``: it had none, or the model is compiled."""
+    :mod:`normwatch.measure.step.replay`); ``None``: it had none, or the model is compiled."""
     position: dict[str, int | float | str]
     """What the framework knew of the data position (Lightning: ``epoch``, ``batch_idx``;
     Hugging Face: ``global_step``, ``epoch``); empty in plain loops."""

@@ -34,16 +34,16 @@ from normwatch.judge.dedup import Dedup, fatal
 from normwatch.judge.depth import DepthProfile, depth_profile
 from normwatch.judge.guarding import guard_alarms
 from normwatch.judge.history import Trends
-from normwatch.measure import clipping
-from normwatch.measure.compiling import compiled_code, guard_hooks, keep_traced_writes
-from normwatch.measure.discovery import iter_norm_modules
-from normwatch.measure.gradients import unscale
-from normwatch.measure.guard import StepGuard
-from normwatch.measure.losses import LossBuffer, ride_along
+from normwatch.measure.backends.triton_kernel import available as triton_available
+from normwatch.measure.backends.triton_kernel import usable as triton_usable
+from normwatch.measure.layer.compiling import compiled_code, guard_hooks, keep_traced_writes
 from normwatch.measure.measurement import Measurement
-from normwatch.measure.triton_kernel import available as triton_available
-from normwatch.measure.triton_kernel import usable as triton_usable
-from normwatch.measure.updates import UpdateMonitor
+from normwatch.measure.model.discovery import iter_norm_modules
+from normwatch.measure.optimizer import clipping
+from normwatch.measure.optimizer.guard import StepGuard
+from normwatch.measure.optimizer.updates import UpdateMonitor
+from normwatch.measure.state.grad_fold import unscale
+from normwatch.measure.step.losses import LossBuffer, ride_along
 from normwatch.pipeline import Flush, Sink, Sinks
 from normwatch.records import Alarm, GuardEvent, NormLayer, ReplayPoint, Snapshot, Verdict
 from normwatch.report.dispatch import AlarmLog
@@ -53,7 +53,7 @@ from normwatch.report.postmortem import ReportWriter
 
 if TYPE_CHECKING:
     from normwatch.export.prometheus import MetricsEndpoint, NormwatchCollector
-    from normwatch.measure.early import EarlyWarning
+    from normwatch.measure.step.early import EarlyWarning
     from normwatch.report.live import ConsoleView
 
 HISTORY_POINTS = 16
@@ -151,7 +151,7 @@ class Watch:
         self._updates = UpdateMonitor(
             lambda: self.step_count + 1, full=lambda: self._measure.full_stats,
             exact=clipping.sumsq if self.guard is None else self.guard.grad_sumsq,
-            native=c.kernel == "auto")
+            kernel=c.kernel)
         self._clipping: clipping.Handle | None = None
         """The loop's ``clip_grad_norm_`` norms, read while an optimizer is watched."""
         self.step_count = 0
@@ -221,7 +221,7 @@ class Watch:
         if not blocks:
             return False
         if self._early is None:
-            from normwatch.measure.early import EarlyWarning
+            from normwatch.measure.step.early import EarlyWarning
 
             self._early = EarlyWarning(self.config.limits.fp16_limit)
         trouble = self._early.poll()

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import normwatch
-from tests.measure.test_guard import BAD, OPTIMIZERS, batches, mlp
+from tests.measure.optimizer.test_guard import BAD, OPTIMIZERS, batches, mlp
 
 
 def worker(rank: int, out: Path, port: int) -> None:

@@ -142,3 +142,50 @@ def test_the_launcher_and_the_package_load_no_torch_until_used() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=False)
     assert done.returncode == 0, done.stderr
+
+
+ROOMS = {"state": 0, "backends": 1, "model": 2, "step": 2, "optimizer": 3, "layer": 3}
+"""``normwatch.measure``'s rooms, in the order imports flow (a room imports its own and the
+rooms below it; ``normwatch.measure.measurement`` sits above them all)."""
+
+
+def _room(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[2] if len(parts) > 3 and parts[:2] == ["normwatch", "measure"] else None
+
+
+def test_the_measure_rooms_import_one_way() -> None:
+    """The hot path's rooms: what is recorded (state) under how it is computed (backends)
+    under the model and step sides, the optimizer side and the layer's ways in; TYPE_CHECKING
+    imports too (a cycle there is still one to read)."""
+    rooms = {n for n in MODULES if n.startswith("normwatch.measure.")}
+    assert {_room(n) for n in rooms} == {*ROOMS, None}
+    wrong = []
+    for name in rooms:
+        room = _room(name)
+        tree = ast.parse(MODULES[name].read_text())
+        targets = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                   and n.module} | {a.name for n in ast.walk(tree)
+                                    if isinstance(n, ast.Import) for a in n.names}
+        for target in targets:
+            other = _room(target)
+            if other is None:
+                if target == "normwatch.measure.measurement" and name != target:
+                    wrong.append((name, target))
+                continue
+            if room is None or other == room:
+                continue
+            if ROOMS[other] >= ROOMS[room]:
+                wrong.append((name, target))
+    assert wrong == []
+
+
+def test_the_measure_rooms_say_what_they_own_and_stay_small() -> None:
+    """Each room's ``__init__`` says what it owns; no source file of the hot path is over
+    ~500 lines (Python, C, C++)."""
+    base = ROOT / "normwatch" / "measure"
+    for room in ROOMS:
+        assert ast.get_docstring(ast.parse((base / room / "__init__.py").read_text())), room
+    sizes = {str(p.relative_to(base)): len(p.read_text().splitlines())
+             for p in base.rglob("*") if p.suffix in (".py", ".c", ".cpp", ".h")}
+    assert {p: n for p, n in sizes.items() if n > 520} == {}

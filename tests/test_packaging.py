@@ -7,7 +7,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from normwatch.measure import fastlane
+from normwatch.measure.backends.native import build
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,9 +20,11 @@ def test_wheel_layout(tmp_path: Path) -> None:
     assert "normwatch/integrations/__init__.py" in names
     assert "normwatch/py.typed" in names
     assert "normwatch/_boot/sitecustomize.py" in names  # what `normwatch run` starts
-    assert "normwatch/measure/native_rows.c" in names  # the CPU sentinel, compiled at first use
-    for source in fastlane.SOURCES:  # the C++ hooks, the same
-        assert f"normwatch/measure/{source.name}" in names
+    for source in (*build.C_SOURCES, *build.C_HEADERS, *build.CPP_SOURCES,
+                   *build.CPP_HEADERS):  # the native backend's, compiled at first use
+        assert f"normwatch/measure/backends/native/{source.name}" in names
+    packages = {str(p.parent.relative_to(ROOT)) for p in (ROOT / "normwatch").rglob("*.py")}
+    assert packages <= {n.rsplit("/", 1)[0] for n in names}  # every sub-package
     assert not [n for n in names if n.startswith("integrations/")]
     assert not [n for n in names if n.startswith("tests/")]
     meta = next(n for n in names if n.endswith("entry_points.txt"))

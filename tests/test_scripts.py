@@ -103,10 +103,14 @@ def test_torchrun_two_ranks_speak_once(tmp_path: Path, fault: bool) -> None:
                  "--nproc-per-node", "2")
     if fault:
         check_blow_up(result, tmp_path)
-        # both ranks judge and write reports; only rank 0 prints its verdicts
+        # both ranks judge alike and write their reports (where the run went non-finite:
+        # a finite spike gets its verdict and no post-mortem, on either rank); only rank 0
+        # prints its verdicts
         found = reports(tmp_path)
-        assert {r["rank"] for r in found} == {0, 1}
+        assert {r["rank"] for r in found} in ({0, 1}, set())
+        assert len([r for r in found if r["rank"] == 0]) == \
+            len([r for r in found if r["rank"] == 1])
         assert len(re.findall(r"^normwatch VERDICT", result.stderr, re.M)) == \
-            len([r for r in found if r["rank"] == 0])
+            max(1, len([r for r in found if r["rank"] == 0]))
     else:
         check_healthy(result, tmp_path)

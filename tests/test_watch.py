@@ -190,21 +190,21 @@ def test_set_step_continues_the_numbering_of_events() -> None:
 
 def test_a_failing_fold_drops_its_measurements_with_one_warning(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import normwatch.measure.accumulator as accumulator
+    from normwatch.measure.backends.native.backend import NativeBackend
 
     model = TinyLM(dim=32, depth=1)
     w = normwatch.watch(model, flush_every=2, report_dir=None)
-    real = accumulator.fold_calls
+    real = NativeBackend.fold  # (the backend of CPU tensors: what folds the step's calls)
 
     def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise RuntimeError("fold exploded")
 
-    monkeypatch.setattr(accumulator, "fold_calls", broken)
+    monkeypatch.setattr(NativeBackend, "fold", broken)
     with pytest.warns(RuntimeWarning, match="folding the step's statistics failed") as record:
         train(model, w, steps=4)  # two flushes, two failed folds
     assert sum("folding" in str(r.message) for r in record) == 1
     assert w.flushes == 2 and w.disabled == {}
-    monkeypatch.setattr(accumulator, "fold_calls", real)
+    monkeypatch.setattr(NativeBackend, "fold", real)
     train(model, w, steps=2)
     snap = w.last_snapshot
     assert snap is not None and snap.layers["norm"].finite_tokens == 2 * 4 * 16

@@ -17,6 +17,7 @@ import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -24,12 +25,14 @@ from torch import nn
 
 from normwatch.catalog import PUBLIC, decode_score, values
 from normwatch.guarded import Part
-from normwatch.measure.accumulator import Accumulator
-from normwatch.measure.compiling import eager_frame
-from normwatch.measure.hooks import HostCounts, LayerHook, Runtime, module_device
-from normwatch.measure.probe import ProbeCache, ProbeTarget
-from normwatch.measure.replay import ReplayLog
-from normwatch.measure.sharding import unsharded_params
+from normwatch.measure.backends import choose
+from normwatch.measure.layer.compiling import eager_frame
+from normwatch.measure.layer.hooks import LayerHook, module_device
+from normwatch.measure.layer.recorder import HostCounts, Runtime
+from normwatch.measure.model.probe import ProbeCache, ProbeTarget
+from normwatch.measure.model.sharding import unsharded_params
+from normwatch.measure.state.accumulator import Accumulator
+from normwatch.measure.step.replay import ReplayLog
 from normwatch.records import (
     FirstNonfinite,
     LayerStats,
@@ -43,7 +46,7 @@ from normwatch.records import (
 
 class Measurement:
     """Hooks on ``pairs`` (``(NormLayer, module)``, e.g. from
-    :func:`~normwatch.measure.discovery.iter_norm_modules`); see the module docstring."""
+    :func:`~normwatch.measure.model.discovery.iter_norm_modules`); see the module docstring."""
 
     def __init__(self, pairs: Iterable[tuple[NormLayer, nn.Module]], limits: Limits,
                  *, count_eval: bool = False, kernel: str = "auto",
@@ -53,12 +56,12 @@ class Measurement:
         pairs = list(pairs)
         self.layers: tuple[NormLayer, ...] = tuple(layer for layer, _ in pairs)
         self.limits = limits
-        self._rt = Runtime(Accumulator(len(pairs), limits), count_eval=count_eval,
+        backend = partial(choose, kernel=kernel)
+        self._rt = Runtime(Accumulator(len(pairs), backend, limits), count_eval=count_eval,
                            kernel=kernel, output_checks=output_checks, gradients=gradients)
         self._rt.accumulator.watch_poison = poison
-        self._rt.accumulator.native = kernel == "auto"
         self.replay = ReplayLog()
-        """Each step's batch fingerprint and RNG states (:mod:`~normwatch.measure.replay`)."""
+        """Each step's batch fingerprint and RNG states (:mod:`~normwatch.measure.step.replay`)."""
         self.replay.begin_step(1)
         fallback = None if root is None else module_device(root)
         self._hooks = [LayerHook(layer, module, i, self._rt, module_device(module) or fallback)

@@ -2,7 +2,7 @@
 //
 // A forward hook written in C++ (a builtin function, called by torch's module hook loop
 // without a Python frame) reads each norm call's rows with normwatch's own C kernels
-// (their addresses handed over from `normwatch.measure.native`), into a ring buffer. On a
+// (their addresses handed over from `normwatch.measure.backends.native.readers`), into a ring buffer. On a
 // measured step it also adds C++ pre-hooks to the autograd nodes (no Python in the
 // backward, no RemovableHandle): on the output's node, the output's gradient and the
 // gradient through the norm computed from it (`normwatch_through`); on the input's node,

@@ -35,6 +35,7 @@ from types import ModuleType
 
 import torch
 
+from normwatch.measure.backends.native import build as native_build
 from tests.benchmarks import overhead
 
 SOURCE = Path(__file__).with_name("floor.cpp")
@@ -141,9 +142,8 @@ def run(floor: ModuleType, mode: str, hidden: int, layers: int, batch: int, seq:
 
 def setup(floor: ModuleType) -> torch.Tensor:
     """Hand ``floor`` normwatch's kernels and a ring to write into (returned: keep it)."""
-    from normwatch.measure import native
 
-    lib = native.library()
+    lib = native_build.library()
     if lib is None:
         raise RuntimeError("floor: normwatch's C kernels are not built here (no C compiler)")
     ring = torch.empty(1 << 22)

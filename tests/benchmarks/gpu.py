@@ -21,11 +21,12 @@ from __future__ import annotations
 import copy
 import statistics
 import sys
+import traceback
 
 import torch
 
 import normwatch
-from normwatch.measure.triton_kernel import row_stats_triton
+from normwatch.measure.backends.triton_kernel import row_stats_triton
 
 
 def time_cuda(fn, repeat: int = 50) -> float:  # type: ignore[no-untyped-def]
@@ -60,14 +61,17 @@ def bandwidth() -> str:
 
 def per_call_statistics(x: torch.Tensor) -> str:
     """One norm call's statistics, reductions and fold: fused kernel vs inductor."""
-    from normwatch.measure.reductions import fold_calls, fold_plan, fused_call, reduce_call
-    from normwatch.records import Limits
+    from normwatch.measure.backends.torchops import reduce_call
+    from normwatch.measure.backends.triton_kernel import TRITON
+    from normwatch.measure.state.fold import fold_calls, fold_plan
+    from normwatch.measure.state.rows import LayerRows
+    from normwatch.records import Limits, NormLayer
 
     plan = fold_plan([reduce_call(x, x, "rmsnorm", 1e-6, True, 0, 0.0)], Limits())
+    rows = LayerRows.of(NormLayer("norm", "rmsnorm", 1e-6, (x.shape[1],), "w", "RMSNorm"), 0)
 
     def fused() -> torch.Tensor:
-        call = fused_call(row_stats_triton(x, x), "rmsnorm", 1e-6, x.shape[1], True, 0, 0.0)
-        return fold_calls([call], plan)
+        return fold_calls([TRITON.call_rows(rows, x, x, 0.0, True)], plan)
 
     def torch_path(x: torch.Tensor) -> torch.Tensor:
         return fold_calls([reduce_call(x, x, "rmsnorm", 1e-6, True, 0, 0.0)], plan)
@@ -216,11 +220,11 @@ def main() -> int:
     parts = (bandwidth, overhead, lambda: overhead("default", rounds=10),
              lambda: overhead("reduce-overhead", rounds=10), sync_free,
              lambda: sync_free(compiled=True), optimizer_watch)
-    for part in parts:
-        print(part(), flush=True)
+    for part in parts:  # each on its own: one failure does not lose the others
+        try:
+            print(part(), flush=True)
+        except Exception:  # (printed, then the next part)
+            traceback.print_exc()
+            sys.stdout.flush()
         print(flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,7 +5,7 @@ Run: ``python -m tests.benchmarks.lane [--hidden 128 --layers 4 --batch 8 --seq 
 alone, no gradients).
 
 Three copies of one tiny Llama take the same batches, one step each in turn, in rotating
-order: unwatched, watched with the C++ lane (:mod:`normwatch.measure.fastlane`), watched
+order: unwatched, watched with the C++ lane (:mod:`normwatch.measure.backends.native.lane`), watched
 with the Python hook alone. Per 10-step block, each step time over the unwatched one's,
 and the lane's over the Python hook's; medians over blocks.
 """
@@ -19,7 +19,7 @@ import time
 import torch
 
 import normwatch
-from normwatch.measure import fastlane
+from normwatch.measure.backends.native import lane as fastlane
 from tests.benchmarks import overhead
 
 

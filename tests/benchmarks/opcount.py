@@ -26,13 +26,14 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import normwatch
-from normwatch.measure.accumulator import Accumulator
-from normwatch.measure.gradients import HIDDEN, IN, OUT
-from normwatch.measure.reductions import CallRows
+from normwatch.measure.backends import triton_kernel
+from normwatch.measure.state.accumulator import Accumulator
+from normwatch.measure.state.rows import HIDDEN, IN, OUT
 
 LAUNCH = "triton launch"
 NATIVE = "native call"
-"""One call of the CPU kernel (:mod:`normwatch.measure.native`): one pass per tensor."""
+"""One call of the CPU kernel (:mod:`normwatch.measure.backends.native.readers`): one pass
+per tensor."""
 
 
 class OpCounter(TorchDispatchMode):
@@ -77,20 +78,19 @@ def _one_launch() -> Iterator[None]:
     CPU's compiled kernel (one pass per tensor), which no dispatch mode sees."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from normwatch.measure import hooks, native
+    from normwatch.measure.backends.native import readers as native
 
-    real = hooks.row_stats_triton
+    real = triton_kernel.row_stats_triton
 
-    def counted(tokens: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def counted(tokens: torch.Tensor, out: torch.Tensor | None = None, full: bool = True,
+                centred: bool = True) -> torch.Tensor:
         mode = torch.utils._python_dispatch._get_current_dispatch_mode()
         with _disable_current_modes():
-            rows = real(tokens, out)
+            rows = real(tokens, out, full, centred)
         if isinstance(mode, OpCounter):
             mode.kernels[LAUNCH] += 1
             mode.kernels["empty"] += 1  # its output
         return rows
-
-    read: set[int] = set()  # the rows the Python lane read (by id, while counted)
 
     def native_call(plan: native.RowPlan, x: torch.Tensor, out: torch.Tensor | None,
                     rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -98,17 +98,8 @@ def _one_launch() -> Iterator[None]:
         mode = torch.utils._python_dispatch._get_current_dispatch_mode()
         if isinstance(mode, OpCounter):
             mode.kernels[NATIVE] += 1
-            read.add(id(rows))
+            _READ.add(id(rows))
         return rows
-
-    def staged(self: Accumulator, call: CallRows) -> None:
-        """A call the C++ lane read (into a lent buffer the Python lane did not read
-        into): one C call."""
-        mode = torch.utils._python_dispatch._get_current_dispatch_mode()
-        if isinstance(mode, OpCounter) and id(call.v) not in read and \
-                any(rows is call.v for rows in self.buffers._lent):
-            mode.kernels[NATIVE] += 1
-        return real_stage(self, call)
 
     def native_grad(plan: Any, a: torch.Tensor, b: torch.Tensor | None,
                     rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -127,26 +118,35 @@ def _one_launch() -> Iterator[None]:
 
     real_native, real_grad = native.read_rows, native.read_grad
     real_through = native.ThroughReader.__call__
-    real_stage = Accumulator.stage
-    hooks.row_stats_triton = counted  # type: ignore[assignment]
+    triton_kernel.row_stats_triton = counted  # type: ignore[assignment]
     native.read_rows = native_call
-    Accumulator.stage = staged  # type: ignore[method-assign]
     native.read_grad = native_grad
     native.ThroughReader.__call__ = native_through  # type: ignore[method-assign]
     try:
         yield
     finally:
-        hooks.row_stats_triton = real  # type: ignore[assignment]
+        triton_kernel.row_stats_triton = real  # type: ignore[assignment]
         native.read_rows = real_native
-        Accumulator.stage = real_stage  # type: ignore[method-assign]
         native.read_grad = real_grad
         native.ThroughReader.__call__ = real_through  # type: ignore[method-assign]
 
 
-def count(fn: Callable[[], object]) -> Count:
-    """The ops ``fn()`` dispatches."""
+_READ: set[int] = set()
+"""The rows the recorder had the C reader read (by id, while counted)."""
+
+
+def count(fn: Callable[[], object], accumulator: Accumulator | None = None) -> Count:
+    """The ops ``fn()`` dispatches; with ``accumulator``, each call the C++ lane read into
+    it (into a lent buffer the recorder did not read into) as one C call, which no
+    dispatch mode sees."""
+    _READ.clear()
+    staged = 0 if accumulator is None else len(accumulator._staged)
     with _one_launch(), OpCounter() as c:
         fn()
+    if accumulator is not None:
+        c.kernels[NATIVE] += sum(id(call.v) not in _READ and any(
+            rows is call.v for rows in accumulator.buffers._lent)
+            for call in accumulator._staged[staged:])
     return Count(c.kernels, c.views)
 
 
@@ -174,7 +174,7 @@ def forward_call(kind: str = "rmsnorm", full: bool = False, dtype: torch.dtype =
         hook.rt.update(full_stats=full, check_outputs=False)
         norm(x)  # the first call records names once
         hook.rt.update(calls_this_step=0)
-        return count(lambda: norm(x)) - plain
+        return count(lambda: norm(x), hook.rt.accumulator) - plain
 
 
 def gradient(site: str, kind: str = "rmsnorm", dtype: torch.dtype = torch.float32,
@@ -195,7 +195,7 @@ def gradient(site: str, kind: str = "rmsnorm", dtype: torch.dtype = torch.float3
 
 def computed(kind: str = "rmsnorm", d: int = 256, tokens: int = 512) -> Count:
     """The ops of the output gradient's hook that also computes the gradient through the
-    norm (an eager float32 CPU call, :meth:`~normwatch.measure.gradients.GradHooks.
+    norm (an eager float32 CPU call, :meth:`~normwatch.measure.layer.gradients.GradHooks.
     computes`), on one gradient."""
     norm = _norm(kind, d)
     x = torch.randn(tokens // 8, 8, d)
@@ -244,7 +244,7 @@ def compiled_grad(through: bool, kind: str = "rmsnorm", d: int = 256,
 
 def rows() -> list[tuple[str, Count]]:
     """The table's rows (the fused kernel's where Triton can run here)."""
-    from normwatch.measure.triton_kernel import usable
+    from normwatch.measure.backends.triton_kernel import usable
 
     out = [
         ("eager forward, sentinel (RMSNorm fp32)", forward_call()),

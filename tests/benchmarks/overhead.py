@@ -197,16 +197,16 @@ SWEPT = ("normwatch (defaults)", "normwatch + optimizer", "normwatch stats_every
 
 
 ENTRY_POINTS = (
-    ("normwatch.measure.hooks", "LayerHook", ("__call__",)),
-    ("normwatch.measure.traced", "CompiledPath", ("pre",)),
-    ("normwatch.measure.gradients", "GradHooks",
+    ("normwatch.measure.layer.hooks", "LayerHook", ("__call__",)),
+    ("normwatch.measure.layer.compiled", "CompiledPath", ("pre",)),
+    ("normwatch.measure.layer.gradients", "GradHooks",
      ("_out", "_in", "_hidden", "_node", "_both", "_weight_grad")),
-    ("normwatch.measure.gradients", "_Through", ("_part",)),
+    ("normwatch.measure.layer.gradients", "_Through", ("_part",)),
     ("normwatch.measure.measurement", "Measurement", ("_forward_begins", "_forward_ends")),
-    ("normwatch.measure.updates", "UpdateMonitor", ("_pre", "_post")),
-    ("normwatch.measure.guard", "StepGuard", ("_flags", "_decide_on_host")),
+    ("normwatch.measure.optimizer.updates", "UpdateMonitor", ("_pre", "_post")),
+    ("normwatch.measure.optimizer.guard", "StepGuard", ("_flags", "_decide_on_host")),
     ("normwatch.watching", "Watch", ("step",)),
-    ("normwatch.measure.clipping", None, ("_record",)),
+    ("normwatch.measure.optimizer.clipping", None, ("_record",)),
 )
 """Everything normwatch runs during a training step: its hooks, ``watch.step``, and what
 it records of the loop's ``clip_grad_norm_`` (``None``: a module's function). The C++

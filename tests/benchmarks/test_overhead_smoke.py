@@ -12,7 +12,7 @@ from tests.benchmarks import overhead
 
 def test_overhead_benchmark_runs() -> None:
     # no compiled mode: compiling takes 20 s of the suite's 15 minutes (the compiled
-    # paths are tested in tests/measure/test_compile.py and tests/test_scripts.py)
+    # paths are tested in tests/measure/layer/test_compile.py and tests/test_scripts.py)
     modes = ("normwatch (defaults)", "DebugUnderflowOverflow", "detect_anomaly")
     text = overhead.main(["--rounds", "1", "--steps", "1", "--hidden", "64", "--layers", "1",
                           "--batch", "2", "--seq", "16", "--only", *modes])
@@ -53,10 +53,10 @@ def test_comparison_with_a_commit_runs() -> None:
 
 def test_the_floor_benchmark_builds_compiles_and_runs(tmp_path: Path) -> None:
     # its C++ hooks against torch's headers (~20 s to build): skipped without a compiler
-    from normwatch.measure import native
+    from normwatch.measure.backends.native import build
     from tests.benchmarks import floor
 
-    if shutil.which("c++") is None or native.library() is None:
+    if shutil.which("c++") is None or build.library() is None:
         pytest.skip("no C++ compiler, or normwatch's C kernels not built")
     module = floor.build(tmp_path)
     ring = floor.setup(module)
@@ -70,7 +70,7 @@ def test_the_floor_benchmark_builds_compiles_and_runs(tmp_path: Path) -> None:
 
 
 def test_the_lane_benchmark_runs() -> None:
-    from normwatch.measure import fastlane
+    from normwatch.measure.backends.native import lane as fastlane
     from tests.benchmarks import lane
 
     if fastlane.module() is None:

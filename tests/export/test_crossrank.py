@@ -21,8 +21,8 @@ from torch import nn
 import normwatch
 from normwatch.catalog import PUBLIC, RAW, combine
 from normwatch.export.crossrank import VerdictExchange, combine_ranks
-from normwatch.measure.discovery import iter_norm_modules
 from normwatch.measure.measurement import Measurement
+from normwatch.measure.model.discovery import iter_norm_modules
 from normwatch.records import Limits, Verdict
 from tests.factory import two_ranks
 

@@ -14,8 +14,8 @@ import normwatch
 from normwatch.demos.demo import DemoResult, run_demo
 from normwatch.demos.toymodel import NaiveRMSNorm, TinyLM, lm_loss, synthetic_batch
 from normwatch.judge.alarms import dtype_alarms
-from normwatch.measure import autocasting
-from normwatch.measure.autocasting import autocast_made
+from normwatch.measure.layer import autocasting
+from normwatch.measure.layer.autocasting import autocast_made
 from normwatch.records import SEVERITY_RANK, Alarm, NormLayer
 from tests import factory
 from tests.conftest import tiny_hf

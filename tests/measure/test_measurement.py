@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from normwatch.catalog import RAW
-from normwatch.measure.discovery import iter_norm_modules
 from normwatch.measure.measurement import Measurement
+from normwatch.measure.model.discovery import iter_norm_modules
 from normwatch.records import Limits
 
 
@@ -60,7 +60,7 @@ def test_extras_ride_along_the_flush_copy() -> None:
 
 def test_paused_hooks_stand_aside_and_probes_are_cached(monkeypatch: pytest.MonkeyPatch
                                                         ) -> None:
-    import normwatch.measure.probe as probe
+    import normwatch.measure.model.probe as probe
 
     model = nn.Sequential(nn.Linear(8, 8), nn.RMSNorm(8)).half()
     m = Measurement(iter_norm_modules(model), Limits())

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import normwatch
-import normwatch.measure.hooks
+import normwatch.measure.layer.hooks
 from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
-from normwatch.measure.reductions import CallRows
+from normwatch.measure.state.rows import CallRows
 
 PACKAGE = str(Path(normwatch.__file__).parent)
 METHODS = ["item", "cpu", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__",
@@ -126,7 +126,9 @@ def test_the_guard_reads_nothing_on_the_fused_path_and_one_element_otherwise(
 
 
 def test_the_trap_catches_a_sync_in_the_hook(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = normwatch.measure.hooks.LayerHook._reduce  # (whichever kernel reads the call)
+    from normwatch.measure.backends.native import backend
+
+    real = backend.NativeBackend.call_rows  # (the backend of CPU tensors: what reads a call)
 
     def leaky(*args: Any, **kwargs: Any) -> CallRows:
         call = real(*args, **kwargs)
@@ -134,11 +136,11 @@ def test_the_trap_catches_a_sync_in_the_hook(monkeypatch: pytest.MonkeyPatch) ->
             pass
         return call
 
-    leaky.__code__ = leaky.__code__.replace(co_filename=normwatch.measure.hooks.__file__)
-    monkeypatch.setattr(normwatch.measure.hooks.LayerHook, "_reduce", leaky)
+    leaky.__code__ = leaky.__code__.replace(co_filename=backend.__file__)
+    monkeypatch.setattr(backend.NativeBackend, "call_rows", leaky)
     with sync_trap(monkeypatch) as trap:
         run(steps=2)
-    assert trap.violations and trap.violations[0] == "__float__ from hooks.py"
+    assert trap.violations and trap.violations[0] == "__float__ from backend.py"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

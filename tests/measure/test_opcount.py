@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from normwatch.measure.native import library, threaded
-from normwatch.measure.triton_kernel import usable
+from normwatch.measure.backends.native.build import library, threaded
+from normwatch.measure.backends.triton_kernel import usable
 from tests.benchmarks import opcount
 
 NATIVE = library() is not None
@@ -66,7 +66,8 @@ def test_each_path_stays_within_its_op_budget(path: str) -> None:
 @pytest.mark.skipif(not NATIVE, reason="no C compiler: the sentinel runs torch's reductions")
 def test_the_cpu_sentinel_full_tier_and_gradients_are_one_call_into_one_buffer() -> None:
     """16-bit activations, and float32 ones below torch's grain size, or past it where
-    the kernel shares torch's threads (see :data:`normwatch.measure.native.GRAIN`)."""
+    the kernel shares torch's threads (see
+    :data:`normwatch.measure.backends.native.readers.GRAIN`)."""
     cases = [("rmsnorm", torch.float32, 64), ("layernorm", torch.bfloat16, 512),
              ("layernorm", torch.float16, 512)] + [("rmsnorm", torch.float32, 512),
                                                    ("layernorm", torch.float32, 512)] * THREADED

@@ -13,8 +13,8 @@ from torch import nn
 
 import normwatch
 from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
-from normwatch.measure.early import EarlyWarning
-from normwatch.measure.reductions import CHUNK_ELEMENTS, reduce_call
+from normwatch.measure.backends.torchops import CHUNK_ELEMENTS, reduce_call
+from normwatch.measure.step.early import EarlyWarning
 
 
 def test_sentinel_steps_still_catch_overflow_and_nan() -> None:

@@ -1,0 +1,166 @@
+// The lanes' shared helpers (lane.h declares them): the attribute names by role, taken
+// from contract.NAMES at setup; reading and writing Python attributes; lending a buffer
+// and staging rows as RowBuffers.take and Accumulator.stage do; handing an error to a
+// layer's _fail.
+#include "lane.h"
+
+namespace normwatch {
+
+Names names;
+RowsFn rows_planned = nullptr, grad_rows_planned = nullptr;
+ThroughFn through = nullptr;
+
+int set_names(PyObject *dict) {
+    struct {
+        PyObject **slot;
+        const char *role;
+    } roles[] = {
+        {&names.paused, "paused"}, {&names.full_stats, "full_stats"},
+        {&names.check_outputs, "check_outputs"}, {&names.gradients, "gradients"},
+        {&names.step, "step"}, {&names.calls_this_step, "calls_this_step"},
+        {&names.accumulator, "accumulator"}, {&names.calls, "calls"},
+        {&names.tokens, "tokens"}, {&names.input_shape, "input_shape"},
+        {&names.output_checked, "output_checked"}, {&names.training, "training"},
+        {&names.weight, "weight"}, {&names.staged_calls, "staged_calls"},
+        {&names.staged_grads, "staged_grads"}, {&names.staged_tokens, "staged_tokens"},
+        {&names.max_staged, "max_staged"}, {&names.commit, "commit"}, {&names.free, "free"},
+        {&names.lent, "lent"}, {&names.take, "take"}, {&names.lane_state, "lane_state"},
+        {&names.capsule, "capsule"}, {&names.tail, "tail"}, {&names.fail, "fail"},
+        {&names.recorder, "recorder"}, {&names.grads, "grads"},
+        {&names.signature, "signature"}, {&names.record_dtypes, "record_dtypes"},
+        {&names.computed, "computed"}, {&names.hooked_weight, "hooked_weight"},
+        {&names.grad_lane, "grad_lane"}, {&names.node, "node"}, {&names.both, "both"},
+        {&names.weight_grad, "weight_grad"}, {&names.pack_kind, "pack_kind"},
+        {&names.pack_kept, "pack_kept"}, {&names.pack_split, "pack_split"},
+        {&names.pack_blocks, "pack_blocks"}, {&names.pack_width, "pack_width"},
+        {&names.pack_stride, "pack_stride"}, {&names.pack_scale, "pack_scale"},
+        {&names.pack_params, "pack_params"}};
+    if (!PyDict_Check(dict)) {
+        PyErr_SetString(PyExc_TypeError, "names: a dict of role -> name");
+        return -1;
+    }
+    for (auto &r : roles) {
+        PyObject *name = PyDict_GetItemString(dict, r.role);  // (borrowed)
+        if (name == nullptr || !PyUnicode_Check(name)) {
+            PyErr_Format(PyExc_KeyError, "names: no name for the role %s", r.role);
+            return -1;
+        }
+        Py_INCREF(name);
+        PyUnicode_InternInPlace(&name);
+        Py_XSETREF(*r.slot, name);
+    }
+    return 0;
+}
+
+template <class T>
+T attribute(PyObject *owner, PyObject *name, T (*read)(PyObject *), T bad) {
+    PyObject *v = PyObject_GetAttr(owner, name);
+    if (v == nullptr) return bad;
+    T got = read(v);
+    Py_DECREF(v);
+    return got;
+}
+
+int truth(PyObject *owner, PyObject *name) {
+    return attribute<int>(owner, name, PyObject_IsTrue, -1);
+}
+
+int64_t integer(PyObject *owner, PyObject *name) {
+    return attribute<long long>(owner, name, PyLong_AsLongLong, -1);
+}
+
+int add(PyObject *owner, PyObject *name, int64_t by) {
+    int64_t i = integer(owner, name);
+    if (i == -1 && PyErr_Occurred()) return -1;
+    PyObject *v = PyLong_FromLongLong(i + by);
+    if (v == nullptr) return -1;
+    int r = PyObject_SetAttr(owner, name, v);
+    Py_DECREF(v);
+    return r;
+}
+
+// vmap's and grad's wrappers (functorch's: no data pointer)
+const c10::DispatchKeySet WRAPPERS({c10::DispatchKey::FuncTorchGradWrapper,
+                                    c10::DispatchKey::FuncTorchBatched,
+                                    c10::DispatchKey::BatchedNestedTensor});
+
+bool readable(const at::Tensor &t) {
+    return t.is_cpu() && t.layout() == at::kStrided && t.is_contiguous() &&
+           !t.key_set().has_any(WRAPPERS);
+}
+
+bool plain(const at::Tensor &t) {
+    return t.defined() && readable(t) && !t.key_set().has(c10::DispatchKey::Python);
+}
+
+PyObject *lend(PyObject *lender, PyObject *shape) {
+    Owned free(PyObject_GetAttr(lender, names.free));
+    PyObject *kept = free.p == nullptr || !PyDict_Check(free.p)
+                         ? nullptr : PyDict_GetItemWithError(free.p, shape);  // (borrowed)
+    if (PyErr_Occurred()) return nullptr;
+    if (kept != nullptr && PyList_Check(kept) && PyList_GET_SIZE(kept) > 0) {
+        Py_ssize_t n = PyList_GET_SIZE(kept);
+        PyObject *rows = Py_NewRef(PyList_GET_ITEM(kept, n - 1));
+        Owned lent(PyList_SetSlice(kept, n - 1, n, nullptr) == 0
+                       ? PyObject_GetAttr(lender, names.lent) : nullptr);
+        if (lent.p == nullptr || !PyList_Check(lent.p) || PyList_Append(lent.p, rows) < 0) {
+            if (lent.p != nullptr && !PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "lane: the lender's loans are no list");
+            Py_DECREF(rows);
+            return nullptr;
+        }
+        return rows;
+    }
+    PyObject *rows = PyObject_CallMethodOneArg(lender, names.take, shape);  // none free
+    if (rows != nullptr && !THPVariable_Check(rows)) {
+        Py_DECREF(rows);
+        PyErr_SetString(PyExc_TypeError, "lane: the lender gave no tensor");
+        return nullptr;
+    }
+    return rows;
+}
+
+int stage(PyObject *runtime, PyObject *queue, PyObject *rows, int64_t n) {
+    Owned accumulator(PyObject_GetAttr(runtime, names.accumulator));
+    if (accumulator.p == nullptr) return -1;
+    Owned list(PyObject_GetAttr(accumulator.p, queue));
+    if (list.p == nullptr) return -1;
+    if (!PyList_Check(list.p)) {
+        PyErr_SetString(PyExc_TypeError, "lane: the accumulator's queue is no list");
+        return -1;
+    }
+    int64_t tokens, cap;
+    if (PyList_Append(list.p, rows) < 0 ||
+        ((tokens = integer(accumulator.p, names.staged_tokens)) == -1 && PyErr_Occurred()) ||
+        ((cap = integer(accumulator.p, names.max_staged)) == -1 && PyErr_Occurred()) ||
+        add(accumulator.p, names.staged_tokens, n) < 0)
+        return -1;
+    if (tokens + n < cap) return 0;
+    Owned done(PyObject_CallMethodNoArgs(accumulator.p, names.commit));
+    return done.p == nullptr ? -1 : 0;
+}
+
+int hand_to_fail(PyObject *owner) {
+    PyObject *type, *value, *trace;
+    PyErr_Fetch(&type, &value, &trace);
+    PyErr_NormalizeException(&type, &value, &trace);
+    if (trace != nullptr && value != nullptr) PyException_SetTraceback(value, trace);
+    PyObject *r = owner != nullptr && value != nullptr
+                      ? PyObject_CallMethodOneArg(owner, names.fail, value) : Py_NewRef(Py_None);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(trace);
+    if (r == nullptr) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+int grads_now(PyObject *rt) {
+    int t;
+    if ((t = truth(rt, names.gradients)) != 1 || (t = truth(rt, names.full_stats)) != 1)
+        return t;
+    t = truth(rt, names.paused);
+    return t < 0 ? -1 : !t;
+}
+
+}  // namespace normwatch

@@ -1,0 +1,162 @@
+// The gradient hooks' reading, lending, staging and Python fallbacks (grads.h), shared
+// by the hooks (grads.cpp).
+#include "grads.h"
+
+#include <ATen/Parallel.h>
+
+namespace normwatch::grads {
+
+void drop_grads(PyObject *capsule) {
+    auto *held = static_cast<Shared *>(PyCapsule_GetPointer(capsule, "normwatch.grads"));
+    if (held == nullptr) return;
+    (*held)->close();
+    delete held;
+}
+
+Shared *held_grads(PyObject *capsule) {
+    return static_cast<Shared *>(PyCapsule_GetPointer(capsule, "normwatch.grads"));
+}
+
+// `g`'s plan (planner(g) on a new layout; `whole`: the planner's whole-tensor flag, -1:
+// none to pass): 1 planned (plan.args), 0 not covered, -1 an error
+int grad_plan(GradPlan &plan, PyObject *planner, const at::Tensor &g, int whole) {
+    int threads = at::get_num_threads();
+    if (plan.threads == threads && plan.dtype == g.scalar_type() &&
+        g.sizes().equals(plan.sizes))
+        return plan.planned;
+    plan.threads = -1;
+    PyObject *go = THPVariable_Wrap(g);
+    if (go == nullptr) return -1;
+    PyObject *got = whole < 0 ? PyObject_CallOneArg(planner, go)
+                              : PyObject_CallFunctionObjArgs(planner, go, Py_None,
+                                                             whole ? Py_True : Py_False,
+                                                             nullptr);
+    Py_DECREF(go);
+    if (got == nullptr) return -1;
+    plan.args.clear();
+    if (got != Py_None) {  // a ctypes array of int64
+        Py_ssize_t n = PySequence_Size(got);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *v = PySequence_GetItem(got, i);
+            int64_t a = v == nullptr ? -1 : PyLong_AsLongLong(v);
+            Py_XDECREF(v);
+            if (a == -1 && PyErr_Occurred()) {
+                Py_DECREF(got);
+                return -1;
+            }
+            plan.args.push_back(a);
+        }
+        if (n < 0) {
+            Py_DECREF(got);
+            return -1;
+        }
+    }
+    plan.planned = got != Py_None;
+    Py_DECREF(got);
+    plan.sizes.assign(g.sizes().begin(), g.sizes().end());
+    plan.dtype = g.scalar_type();
+    plan.threads = threads;
+    return plan.planned;
+}
+
+// A buffer of `count` float32 from the lender (a new reference), or nullptr
+PyObject *lent(Grads &gr, int64_t count) {
+    PyObject *shape = Py_BuildValue("(L)", (long long)count);
+    if (shape == nullptr) return nullptr;
+    PyObject *buffer = lend(gr.lender, shape);
+    Py_DECREF(shape);
+    return buffer;
+}
+
+// Stage GradRows(buffer, None, None, row, site, width); takes `buffer`'s reference: 0 or -1
+int stage(Grads &gr, PyObject *buffer, int site, int64_t width) {
+    int64_t count = THPVariable_Unpack(buffer).numel();  // (GradRows.norms' tokens)
+    auto *type = reinterpret_cast<PyTypeObject *>(gr.rows_type);
+    PyObject *s = PyLong_FromLong(site), *w = PyLong_FromLongLong(width);
+    PyObject *rows = s && w ? type->tp_alloc(type, GRAD_ROWS_FIELDS) : nullptr;
+    if (rows == nullptr) {
+        for (PyObject *o : {s, w, buffer}) Py_XDECREF(o);
+        return -1;
+    }
+    PyObject *items[GRAD_ROWS_FIELDS] = {buffer, Py_None, Py_None, gr.row, s, w};
+    for (int i = 0; i < GRAD_ROWS_FIELDS; i++) {
+        if (i == 1 || i == 2 || i == 3) Py_INCREF(items[i]);
+        PyTuple_SET_ITEM(rows, i, items[i]);
+    }
+    int r = normwatch::stage(gr.runtime, names.staged_grads, rows, count);
+    Py_DECREF(rows);
+    return r;
+}
+
+// The GradHooks (a new reference; nullptr: gone, no error)
+PyObject *owner(Grads &gr) {
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *o = nullptr;
+    if (PyWeakref_GetRef(gr.owner, &o) < 0) PyErr_Clear();
+    return o;
+#else
+    PyObject *o = PyWeakref_GetObject(gr.owner);  // (borrowed)
+    if (o == nullptr || o == Py_None) return nullptr;
+    Py_INCREF(o);
+    return o;
+#endif
+}
+
+// Disable the layer as its Python hook would (GradHooks._fail), the error cleared
+void grad_failed(Grads &gr) {
+    if (!PyErr_Occurred()) return;
+    PyObject *hooks = PyErr_ExceptionMatches(PyExc_Exception) && gr.open ? owner(gr) : nullptr;
+    hand_to_fail(hooks);
+    Py_XDECREF(hooks);
+    PyErr_Clear();  // (never into the autograd engine)
+}
+
+// GradHooks.<name> (a new reference; nullptr: the layer is gone or closed, no error)
+PyObject *method_of(Grads &gr, PyObject *name) {
+    PyObject *hooks = gr.open ? owner(gr) : nullptr;
+    PyObject *method = hooks ? PyObject_GetAttr(hooks, name) : nullptr;
+    Py_XDECREF(hooks);
+    return method;
+}
+
+// Call GradHooks.<name>(*args) (a fallback: the Python hook's own method): 0 or -1
+int fallback(Grads &gr, PyObject *name, PyObject *args) {
+    PyObject *method = method_of(gr, name);
+    if (method == nullptr) return PyErr_Occurred() ? -1 : 0;
+    PyObject *r = PyObject_CallObject(method, args);
+    Py_DECREF(method);
+    if (r == nullptr) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+PyObject *wrapped(const at::Tensor &t) {  // (None for an undefined tensor)
+    if (!t.defined()) Py_RETURN_NONE;
+    return THPVariable_Wrap(t);
+}
+
+// `g`'s rows (GradReader's read: `whole`, one row) staged at `site` with `width`: 1 read
+// here, 0 not planned, -1 an error
+int read_rows(Grads &gr, int site, const at::Tensor &g, int whole, int64_t width) {
+    GradPlan &plan = gr.plans[site];
+    int t = grad_plan(plan, gr.site_planner, g, whole);
+    if (t != 1) return t;
+    PyObject *buffer = lent(gr, plan.args[1] + 2);
+    if (buffer == nullptr) return -1;
+    if (grad_rows_planned(g.const_data_ptr(), nullptr,
+                          THPVariable_Unpack(buffer).mutable_data_ptr<float>(),
+                          plan.args.data())) {
+        Py_DECREF(buffer);
+        PyErr_SetString(PyExc_RuntimeError, "grads: the C reader refused the gradient");
+        return -1;
+    }
+    return stage(gr, buffer, site, width) < 0 ? -1 : 1;
+}
+
+// A gradient `g` at `site` (not the weight): 1 read here, 0 not the plain case, -1 an error
+int read_site(Grads &gr, int site, const at::Tensor &g) {
+    if (!plain(g) || g.dim() == 0 || g.size(-1) != gr.width) return 0;
+    return read_rows(gr, site, g, 0, g.size(-1));
+}
+
+}  // namespace normwatch::grads

@@ -1,0 +1,356 @@
+// The gradients' hooks in C++ (built into the lanes' module with lane.cpp; contract.py
+// states what they read and write of Python's, and gives the names).
+//
+// On a full-tier step the CPU hooks of GradHooks (normwatch.measure.layer.gradients): a
+// node's pre-hook per site (hook_site, the hidden state's or the output's gradient), the
+// output node's pre-hook that also computes the gradient through the norm (hook_out), the
+// weight's tensor hook (hook_weight). Each reads as the Python hook does with the native
+// backend (the same C readers, plans, lender and GradRows staged) with no Python frame of
+// its own; any case that is not the plain one calls the Python hook's method
+// (GradHooks._node, ._both, ._weight_grad), which measures it as before. An error
+// disables the layer through GradHooks._fail. Registered with no RemovableHandle (a
+// node's hooks go with its graph).
+#include "grads.h"
+
+#include <ATen/Parallel.h>
+#include <torch/csrc/PyInterpreter.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/dynamo/compiled_autograd.h>
+
+#include <algorithm>
+
+namespace {
+
+using namespace normwatch;
+using namespace normwatch::grads;
+
+// The GIL held for a hook's body, the layer's gradients measured this step
+struct Firing {
+    PyGILState_STATE gil;
+    Shared gr;
+    int now = 0;  // 1: measured, 0: nothing to do, -1: an error (handled)
+    explicit Firing(Shared g) : gil(PyGILState_Ensure()), gr(std::move(g)) {
+        if (!gr->open) return;
+        now = grads_now(gr->runtime);
+        if (now < 0) grad_failed(*gr);
+    }
+    ~Firing() { PyGILState_Release(gil); }
+};
+
+// Run a hook's body (1 done, -1 an error): an error, a C++ exception too, disables the
+// layer (nothing reaches the autograd engine)
+template <class Body>
+void guarded(Grads &gr, Body body) {
+    int t;
+    try {
+        t = body();
+    } catch (const std::exception &e) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, e.what());
+        t = -1;
+    }
+    if (t < 0) grad_failed(gr);
+}
+
+// Compiled autograd traces a node's hooks as Python: hand it the Python hook this one
+// stands for, GradHooks.<name>(*bound(), grads) (nothing where the layer is gone)
+template <class Bound>
+void python_twin(const Shared &gr, PyObject *name, Bound bound,
+                 torch::dynamo::autograd::CompiledNodeArgs &compiled) {
+    PyGILState_STATE gil = PyGILState_Ensure();
+    PyObject *method = method_of(*gr, name);
+    PyObject *args = method ? bound() : nullptr;
+    PyObject *partial = nullptr;
+    if (method != nullptr && args != nullptr) {
+        PyObject *functools = PyImport_ImportModule("functools");
+        PyObject *make = functools ? PyObject_GetAttrString(functools, "partial") : nullptr;
+        PyObject *first = make ? PyTuple_Pack(1, method) : nullptr;
+        PyObject *all = first ? PySequence_Concat(first, args) : nullptr;
+        partial = all ? PyObject_CallObject(make, all) : nullptr;
+        for (PyObject *o : {functools, make, first, all}) Py_XDECREF(o);
+    }
+    for (PyObject *o : {method, args}) Py_XDECREF(o);
+    if (partial == nullptr) {
+        PyErr_Clear();
+        PyGILState_Release(gil);
+        return;
+    }
+    compiled.add_pre_hook(c10::SafePyObject(partial, getPyInterpreter()));
+    PyGILState_Release(gil);
+}
+
+// A node's pre-hook: its output k's gradient at `site` (GradHooks._node's C++ twin)
+struct SiteHook : torch::autograd::FunctionPreHook {
+    Shared gr;
+    int site;
+    size_t k;
+    SiteHook(Shared g, int s, size_t i) : gr(std::move(g)), site(s), k(i) {}
+    void compiled_args(torch::dynamo::autograd::CompiledNodeArgs &args) const override {
+        python_twin(gr, names.node, [&] { return Py_BuildValue("(in)", site, (Py_ssize_t)k); },
+                    args);
+    }
+    torch::autograd::variable_list operator()(
+        const torch::autograd::variable_list &grads) override {
+        if (k >= grads.size() || !grads[k].defined()) return grads;
+        Firing f(gr);
+        if (f.now != 1) return grads;
+        guarded(*gr, [&] {
+            const at::Tensor &g = grads[k];
+            int t = g.numel() ? read_site(*gr, site, g) : 1;
+            if (t != 0) return t;
+            PyObject *go = wrapped(g);  // the Python hook's way
+            PyObject *args = go ? Py_BuildValue("(iiN)", site, 0, Py_BuildValue("(N)", go))
+                                : nullptr;
+            t = args && fallback(*gr, names.node, args) == 0 ? 1 : -1;
+            Py_XDECREF(args);
+            return t;
+        });
+        return grads;
+    }
+};
+
+// The output node's pre-hook: its output k's gradient and, from it, the norm's input x
+// and weight w, the gradient through the norm (GradHooks._both's C++ twin)
+struct OutHook : torch::autograd::FunctionPreHook {
+    Shared gr;
+    size_t k;
+    at::Tensor x, w;
+    uint32_t version;
+    OutHook(Shared g, size_t i, at::Tensor x_, at::Tensor w_)
+        : gr(std::move(g)), k(i), x(std::move(x_)), w(std::move(w_)), version(x._version()) {}
+    void compiled_args(torch::dynamo::autograd::CompiledNodeArgs &args) const override {
+        python_twin(gr, names.both, [&] {
+            PyObject *xo = wrapped(x), *wo = wrapped(w);
+            PyObject *bound = xo && wo
+                ? Py_BuildValue("(n[OOI])", (Py_ssize_t)k, xo, wo, version) : nullptr;
+            Py_XDECREF(xo);
+            Py_XDECREF(wo);
+            return bound;
+        }, args);
+    }
+    torch::autograd::variable_list operator()(
+        const torch::autograd::variable_list &grads) override {
+        if (k >= grads.size() || !grads[k].defined() || !x.defined()) return grads;
+        at::Tensor xs = std::move(x), ws = std::move(w);  // (let go here, as _both does)
+        x.reset();
+        w.reset();
+        Firing f(gr);
+        if (f.now != 1) return grads;
+        guarded(*gr, [&] {
+            const at::Tensor &g = grads[k];
+            int t = g.numel() ? read(g, xs, ws) : 1;
+            if (t != 0) return t;
+            // the Python hook's way (its version check, torch's ops)
+            PyObject *xo = wrapped(xs), *wo = wrapped(ws), *go = wrapped(g);
+            PyObject *args = xo && wo && go
+                ? Py_BuildValue("(iNN)", 0, Py_BuildValue("[OOI]", xo, wo, version),
+                                Py_BuildValue("(O)", go))
+                : nullptr;
+            for (PyObject *o : {xo, wo, go}) Py_XDECREF(o);
+            t = args && fallback(*gr, names.both, args) == 0 ? 1 : -1;
+            Py_XDECREF(args);
+            return t;
+        });
+        return grads;
+    }
+    // 1 read here, 0 not the plain case, -1 an error
+    int read(const at::Tensor &g, const at::Tensor &xs, const at::Tensor &ws) {
+        Grads &r = *gr;
+        if (xs._version() != version || !plain(g) || g.scalar_type() != at::kFloat ||
+            !g.sizes().equals(xs.sizes()) ||
+            (ws.defined() && ws.storage().nbytes() == 0))  // (FSDP2's, resharded)
+            return 0;
+        int t = grad_plan(r.through_plan, r.through_planner, g, -1);
+        if (t != 1) return t;
+        const int64_t *args = r.through_plan.args.data();
+        PyObject *dg = lent(r, args[0] + 2);
+        PyObject *din = dg ? lent(r, args[0] + 2) : nullptr;
+        if (din == nullptr) {
+            Py_XDECREF(dg);
+            return -1;
+        }
+        if (through(g.const_data_ptr<float>(), xs.const_data_ptr<float>(),
+                    ws.defined() ? ws.const_data_ptr<float>() : nullptr,
+                    THPVariable_Unpack(dg).mutable_data_ptr<float>(),
+                    THPVariable_Unpack(din).mutable_data_ptr<float>(), args, r.eps)) {
+            Py_DECREF(dg);
+            Py_DECREF(din);
+            PyErr_SetString(PyExc_RuntimeError, "grads: the C kernel refused the gradient");
+            return -1;
+        }
+        int64_t width = g.size(-1);
+        if (stage(r, dg, SITE_OUT, width) < 0) {
+            Py_DECREF(din);
+            return -1;
+        }
+        return stage(r, din, SITE_IN, width) < 0 ? -1 : 1;
+    }
+};
+
+int weight_read(Grads &r, const at::Tensor &g);
+
+// The weight's tensor pre-hook: its gradient (GradHooks._weight_grad's C++ twin)
+struct WeightHook : torch::autograd::FunctionPreHook {
+    Shared gr;
+    explicit WeightHook(Shared g) : gr(std::move(g)) {}
+    torch::autograd::variable_list operator()(
+        const torch::autograd::variable_list &grads) override {
+        if (grads.empty() || !grads[0].defined()) return grads;
+        Firing f(gr);
+        if (f.now == 1) guarded(*gr, [&] { return weight_read(*gr, grads[0]); });
+        return grads;
+    }
+    // compiled autograd: GradHooks._weight_grad, as a tensor hook (called with the grad)
+    void compiled_args(torch::dynamo::autograd::CompiledNodeArgs &args) const override {
+        PyGILState_STATE gil = PyGILState_Ensure();
+        PyObject *method = method_of(*gr, names.weight_grad);
+        PyErr_Clear();
+        if (method != nullptr)
+            args.add_tensor_pre_hook(c10::SafePyObject(method, getPyInterpreter()), 0);
+        PyGILState_Release(gil);
+    }
+};
+
+// The weight's gradient read: 1 (here or by the Python hook's method) or -1 an error
+int weight_read(Grads &r, const at::Tensor &g) {
+    int t = plain(g) && g.numel() ? read_rows(r, SITE_WEIGHT, g, 1, 1) : 0;
+    if (t == 0) {
+        PyObject *go = wrapped(g);
+        PyObject *args = go ? Py_BuildValue("(N)", go) : nullptr;
+        t = args && fallback(r, names.weight_grad, args) == 0 ? 1 : -1;
+        Py_XDECREF(args);
+    }
+    return t;
+}
+
+// grads(owner weakref, runtime, lender, GradRows, row, width, eps, site planner
+// (readers.grad_read_plan), through planner (ThroughReader.plan)): a layer's capsule
+PyObject *make_grads(PyObject *, PyObject *args) {
+    PyObject *o[7];
+    long long width;
+    double eps;
+    if (!PyArg_ParseTuple(args, "OOOOOLdOO", &o[0], &o[1], &o[2], &o[3], &o[4], &width, &eps,
+                          &o[5], &o[6]))
+        return nullptr;
+    if (!PyWeakref_CheckRef(o[0])) return PyErr_Format(PyExc_TypeError, "grads: a weakref");
+    if (!PyType_Check(o[3]) ||
+        !PyType_IsSubtype(reinterpret_cast<PyTypeObject *>(o[3]), &PyTuple_Type))
+        return PyErr_Format(PyExc_TypeError, "grads: rows type: a tuple's subclass");
+    auto shared = std::make_shared<Grads>();
+    PyObject **slots[7] = {&shared->owner, &shared->runtime, &shared->lender, &shared->rows_type,
+                           &shared->row, &shared->site_planner, &shared->through_planner};
+    for (int i = 0; i < 7; i++) {
+        Py_INCREF(o[i]);
+        *slots[i] = o[i];
+    }
+    shared->width = width;
+    shared->eps = eps;
+    auto *held = new Shared(std::move(shared));
+    PyObject *capsule = PyCapsule_New(held, "normwatch.grads", drop_grads);
+    if (capsule == nullptr) {
+        (*held)->close();
+        delete held;
+    }
+    return capsule;
+}
+
+PyObject *close(PyObject *, PyObject *capsule) {
+    Shared *held = held_grads(capsule);
+    if (held == nullptr) return nullptr;
+    (*held)->close();
+    Py_RETURN_NONE;
+}
+
+// The capsule's gradients and a tensor argument's node (or nullptr with an error set)
+Shared *unpack(PyObject *capsule, PyObject *t, at::Tensor &out) {
+    Shared *held = held_grads(capsule);
+    if (held == nullptr) return nullptr;
+    if (!THPVariable_Check(t)) {
+        PyErr_SetString(PyExc_TypeError, "grads: a tensor");
+        return nullptr;
+    }
+    out = THPVariable_Unpack(t);
+    return held;
+}
+
+}  // namespace
+
+// The gradient hooks of a full-tier call's common case (lane.cpp's full_tail): the hidden
+// state's on x's node, then the output's with the one through the norm on y's, as
+// GradHooks.watch_call places them
+int normwatch::hook_call_gradients(PyObject *capsule, const at::Tensor &x,
+                                   const at::Tensor &y, const at::Tensor &w) {
+    Shared *held = held_grads(capsule);
+    if (held == nullptr) return -1;
+    x.grad_fn()->add_pre_hook(std::make_unique<SiteHook>(*held, SITE_HIDDEN, x.output_nr()));
+    y.grad_fn()->add_pre_hook(std::make_unique<OutHook>(*held, y.output_nr(), x, w));
+    return 0;
+}
+
+namespace {
+
+PyObject *hook_site(PyObject *, PyObject *args) {
+    PyObject *capsule, *to;
+    int site;
+    if (!PyArg_ParseTuple(args, "OOi", &capsule, &to, &site)) return nullptr;
+    at::Tensor t;
+    Shared *held = unpack(capsule, to, t);
+    if (held == nullptr) return nullptr;
+    const auto &node = t.grad_fn();
+    if (!node) return PyErr_Format(PyExc_ValueError, "hook_site: a tensor with a node");
+    node->add_pre_hook(std::make_unique<SiteHook>(*held, site, t.output_nr()));
+    Py_RETURN_NONE;
+}
+
+PyObject *hook_out(PyObject *, PyObject *args) {
+    PyObject *capsule, *yo, *xo, *wo;
+    if (!PyArg_ParseTuple(args, "OOOO", &capsule, &yo, &xo, &wo)) return nullptr;
+    at::Tensor y, x, w;
+    Shared *held = unpack(capsule, yo, y);
+    if (held == nullptr || unpack(capsule, xo, x) == nullptr) return nullptr;
+    if (wo != Py_None && unpack(capsule, wo, w) == nullptr) return nullptr;
+    const auto &node = y.grad_fn();
+    if (!node) return PyErr_Format(PyExc_ValueError, "hook_out: a tensor with a node");
+    node->add_pre_hook(std::make_unique<OutHook>(*held, y.output_nr(), x, w));
+    Py_RETURN_NONE;
+}
+
+PyObject *hook_weight(PyObject *, PyObject *args) {
+    PyObject *capsule, *wo;
+    if (!PyArg_ParseTuple(args, "OO", &capsule, &wo)) return nullptr;
+    at::Tensor w;
+    Shared *held = unpack(capsule, wo, w);
+    if (held == nullptr) return nullptr;
+    if (!w.requires_grad()) return PyErr_Format(PyExc_ValueError, "hook_weight: no grad");
+    auto hook = std::make_unique<WeightHook>(*held);
+    void *handle = hook.get();
+    torch::autograd::impl::add_hook(w, std::move(hook));
+    return PyLong_FromVoidPtr(handle);
+}
+
+// Remove w's hook `handle` (hook_weight's; harmless where it is gone)
+PyObject *unhook(PyObject *, PyObject *args) {
+    PyObject *wo, *handle;
+    if (!PyArg_ParseTuple(args, "OO", &wo, &handle)) return nullptr;
+    if (!THPVariable_Check(wo)) return PyErr_Format(PyExc_TypeError, "unhook: a tensor");
+    void *p = PyLong_AsVoidPtr(handle);
+    if (p == nullptr && PyErr_Occurred()) return nullptr;
+    auto &hooks = torch::autograd::impl::hooks(THPVariable_Unpack(wo));
+    hooks.erase(std::remove_if(hooks.begin(), hooks.end(),
+                               [p](const auto &h) { return h.get() == p; }),
+                hooks.end());
+    Py_RETURN_NONE;
+}
+
+}  // namespace
+
+PyMethodDef normwatch_grads_methods[] = {
+    {"grads", make_grads, METH_VARARGS, "one layer's gradient hooks (a capsule)"},
+    {"close", close, METH_O, "close(capsule): its hooks do nothing from now on"},
+    {"hook_site", hook_site, METH_VARARGS, "hook_site(capsule, t, site): t's node's pre-hook"},
+    {"hook_out", hook_out, METH_VARARGS,
+     "hook_out(capsule, y, x, weight): y's node's pre-hook, with the gradient through"},
+    {"hook_weight", hook_weight, METH_VARARGS, "hook_weight(capsule, w): w's hook's handle"},
+    {"unhook", unhook, METH_VARARGS, "unhook(w, handle)"},
+    {nullptr, nullptr, 0, nullptr}};

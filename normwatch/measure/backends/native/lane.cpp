@@ -1,0 +1,399 @@
+// The forward lane in C++ (normwatch.measure.backends.native.lane builds and loads the
+// module; contract.py states what it reads and writes of Python's, and gives the names).
+//
+// hook(layer, module, args, kwargs, output) is registered with torch as
+// functools.partial(hook, layer): torch's hook loop calls it with no Python frame. A
+// training call of the common CPU case is recorded here as Recorder.record records it
+// with the native backend: the same C reader (normwatch_rows_planned), a buffer from the
+// same lender, the same CallRows staged, the same counts; in the full tier, with the
+// layer's moments; then on the interval's first call and a full-tier call that is not the
+// common case the layer's _tail (Recorder.after); the common full-tier call's rest here
+// (full_tail). Any other call, every call while Dynamo traces (a Python stand-in) and
+// every call where Dynamo compiles the frames run (see hook) goes to the Python hook. An
+// error here disables the layer as the Python hook's would (its _fail): training goes on.
+#include "lane.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/SavedTensorHooks.h>
+#include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace normwatch;
+
+PyObject *dynamo_callback = nullptr;  // torch._C._dynamo.eval_frame.get_eval_frame_callback
+PyObject *s_shape = nullptr;  // "shape": a tensor's, torch's name
+
+constexpr int PLAN_SIZE = 9;   // normwatch_rows_planned's plan (readers.row_plan's args)
+constexpr int ROWS_FIELDS = 10;  // CallRows' (contract.ROWS_FIELDS)
+
+// A tier's plan of the last layout met
+struct Planned {
+    std::vector<int64_t> sizes;  // the last layout: x's sizes, dtypes, torch's threads
+    at::ScalarType dx = at::ScalarType::Undefined, dy = at::ScalarType::Undefined;
+    int threads = -1;
+    bool planned = false;  // the planner covered that layout
+    PyObject *shape = nullptr;  // the rows' shape (a tuple), where planned
+    int64_t plan[PLAN_SIZE] = {0};
+};
+
+// One layer's lane: what LayerHook hands over once (owned references), and per tier
+// (sentinel, full) its plan
+struct Lane {
+    PyObject *runtime, *recorder, *counts, *lender, *planner, *call_type, *row, *eps,
+        *centred, *moments;
+    int64_t width, key_stride;
+    Planned tiers[2];
+    // The dtypes the recorder's record_dtypes last noted from here (full_tail): its
+    // signature then (owned), and what that signature is made of
+    PyObject *signature = nullptr;
+    int64_t dtypes[4] = {-1, -1, -1, -1};
+    std::string op;
+};
+
+void drop(PyObject *capsule) {
+    auto *lane = static_cast<Lane *>(PyCapsule_GetPointer(capsule, "normwatch.lane"));
+    if (lane == nullptr) return;
+    for (PyObject *o : {lane->runtime, lane->recorder, lane->counts, lane->lender,
+                        lane->planner, lane->call_type, lane->row, lane->eps, lane->centred,
+                        lane->moments, lane->tiers[0].shape, lane->tiers[1].shape,
+                        lane->signature})
+        Py_XDECREF(o);
+    delete lane;
+}
+
+// The tier's plan for x and y's layout (asked of the planner on a new one, with the
+// layer's moments in the full tier), copied into `plan` and `shape` (a new reference)
+// where planned: 1 planned, 0 not covered, -1 an error. (Copied while the GIL is held
+// throughout: the lender's Python after it may let another thread in, whose call of this
+// layer may plan another layout.)
+int planned(Lane *lane, bool full, PyObject *xo, PyObject *yo, const at::Tensor &x,
+            const at::Tensor &y, int64_t *plan, PyObject **shape) {
+    Planned *tier = &lane->tiers[full];
+    int threads = at::get_num_threads();
+    auto sizes = x.sizes();
+    if (tier->threads != threads || tier->dx != x.scalar_type() ||
+        tier->dy != y.scalar_type() || !sizes.equals(tier->sizes)) {
+        tier->threads = -1;  // (until the new plan is read whole)
+        Owned got(PyObject_CallFunctionObjArgs(lane->planner, xo, yo,
+                                               full ? lane->moments : Py_None, nullptr));
+        if (got.p == nullptr) return -1;
+        bool covered = got.p != Py_None;
+        if (covered) {  // a readers.RowPlan: (shape, args: a ctypes array of int64)
+            PyObject *args = PyTuple_Check(got.p) ? PyTuple_GetItem(got.p, 1) : nullptr;
+            if (args == nullptr || PySequence_Size(args) != PLAN_SIZE) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "lane: a plan of 9");
+                return -1;
+            }
+            for (int i = 0; i < PLAN_SIZE; i++) {
+                Owned v(PySequence_GetItem(args, i));
+                tier->plan[i] = v.p == nullptr ? -1 : PyLong_AsLongLong(v.p);
+                if (tier->plan[i] == -1 && PyErr_Occurred()) return -1;
+            }
+            PyObject *rows_shape = PyTuple_GetItem(got.p, 0);
+            Py_XINCREF(rows_shape);
+            Py_XSETREF(tier->shape, rows_shape);
+        }
+        tier->sizes.assign(sizes.begin(), sizes.end());
+        tier->dx = x.scalar_type();
+        tier->dy = y.scalar_type();
+        tier->planned = covered;
+        tier->threads = threads;
+    }
+    if (!tier->planned) return 0;
+    std::copy(tier->plan, tier->plan + PLAN_SIZE, plan);
+    Py_INCREF(*shape = tier->shape);
+    return 1;
+}
+
+int full_tail(Lane *lane, PyObject *module, PyObject *args, PyObject *kwargs, PyObject *xo,
+              PyObject *yo, const at::Tensor &x, const at::Tensor &y);
+
+// The lane: 1 measured, 0 not taken (the Python hook measures it), -1 an error
+int measured(Lane *lane, PyObject *layer, PyObject *module, PyObject *args, PyObject *kwargs,
+             PyObject *output) {
+    if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) < 1) return 0;
+    PyObject *xo = PyTuple_GET_ITEM(args, 0);
+    if (!THPVariable_CheckExact(xo) || !THPVariable_CheckExact(output)) return 0;
+    PyObject *rt = lane->runtime, *c = lane->counts;
+    int t;
+    if ((t = truth(rt, names.paused)) != 0) return t < 0 ? -1 : 0;
+    int full = truth(rt, names.full_stats);
+    if (full < 0) return -1;
+    int64_t calls = integer(c, names.calls);
+    if (calls < 0) return calls == -1 && PyErr_Occurred() ? -1 : 0;
+    if ((t = truth(rt, names.check_outputs)) != 0) {  // the interval's output check pending
+        if (t < 0) return -1;
+        if ((t = truth(c, names.output_checked)) != 1) return t;
+    }
+    if ((t = truth(module, names.training)) != 1) return t;
+    if (!at::GradMode::is_enabled() || torch::autograd::get_current_graph_task_id() != -1)
+        return 0;
+    const at::Tensor &x = THPVariable_Unpack(xo);
+    const at::Tensor &y = THPVariable_Unpack(output);
+    if (x.dim() == 0 || x.size(-1) != lane->width || y.numel() == 0 || !readable(x) ||
+        !readable(y) || !x.sizes().equals(y.sizes()))
+        return 0;
+    int64_t plan[PLAN_SIZE];
+    PyObject *shape;
+    if ((t = planned(lane, full, xo, output, x, y, plan, &shape)) != 1) return t;
+    PyObject *buffer = lend(lane->lender, shape);
+    Py_DECREF(shape);
+    if (buffer == nullptr) return -1;
+    if (rows_planned(x.const_data_ptr(), y.const_data_ptr(),
+                     THPVariable_Unpack(buffer).mutable_data_ptr<float>(), plan) != 0) {
+        Py_DECREF(buffer);
+        PyErr_SetString(PyExc_RuntimeError, "lane: the C reader refused the call");
+        return -1;
+    }
+    int64_t step = integer(rt, names.step), at = step == -1 && PyErr_Occurred()
+                                                     ? -1 : integer(rt, names.calls_this_step);
+    if (at == -1 && PyErr_Occurred()) {
+        Py_DECREF(buffer);
+        return -1;
+    }
+    int64_t tokens = x.numel() / lane->width;
+    PyObject *key = PyFloat_FromDouble((double)(step * lane->key_stride + at));
+    PyObject *width = PyLong_FromLongLong(lane->width), *count = PyLong_FromLongLong(tokens);
+    auto *type = reinterpret_cast<PyTypeObject *>(lane->call_type);
+    PyObject *call = key && width && count ? type->tp_alloc(type, ROWS_FIELDS) : nullptr;
+    if (call == nullptr) {
+        for (PyObject *o : {key, width, count, buffer}) Py_XDECREF(o);
+        return -1;
+    }
+    // CallRows(row, key, width, eps, v, n, lined_up, full, centred, out)
+    PyObject *borrowed[ROWS_FIELDS] = {lane->row, nullptr, nullptr, lane->eps, nullptr,
+                                       nullptr, Py_True, full ? Py_True : Py_False,
+                                       lane->centred, Py_None};
+    PyObject *owned[ROWS_FIELDS] = {nullptr, key, width, nullptr, buffer, count};
+    for (int i = 0; i < ROWS_FIELDS; i++) {
+        PyObject *v = owned[i] ? owned[i] : borrowed[i];
+        if (!owned[i]) Py_INCREF(v);
+        PyTuple_SET_ITEM(call, i, v);
+    }
+    int r = stage(rt, names.staged_calls, call, tokens);
+    Py_DECREF(call);
+    if (r < 0) return -1;
+    Owned size(PyObject_GetAttr(xo, s_shape));  // (torch's Tensor.shape)
+    if (size.p == nullptr || add(rt, names.calls_this_step, 1) < 0 ||
+        add(c, names.calls, 1) < 0 || add(c, names.tokens, tokens) < 0 ||
+        PyObject_SetAttr(c, names.input_shape, size.p) < 0)
+        return -1;
+    if (!full && calls > 0) return 1;
+    if (full && calls > 0 && (t = full_tail(lane, module, args, kwargs, xo, output, x, y)) != 0)
+        return t;
+    // the rest of a full-tier or first call: the gradients hooked (full), the dtypes and
+    // the place in the forward order noted (the layer's _tail: Recorder.after)
+    PyObject *rest[6] = {layer, module, args, kwargs, output, full ? Py_True : Py_False};
+    Owned done(PyObject_VectorcallMethod(names.tail, rest, 6, nullptr));
+    return done.p == nullptr ? -1 : 1;
+}
+
+// Disable `layer` as its own hook does (an Exception; anything else goes on up)
+PyObject *failed(PyObject *layer) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) return nullptr;
+    if (hand_to_fail(layer) < 0) return nullptr;
+    Py_RETURN_NONE;
+}
+
+// Whether Dynamo compiles the Python frames run now (an eager stretch of a compiled
+// function, after a graph break): 1, 0, or -1 an error
+int compiling_frames() {
+    PyObject *callback = PyObject_CallNoArgs(dynamo_callback);
+    if (callback == nullptr) return -1;
+    int on = callback != Py_None && callback != Py_False;  // (False: cached code only)
+    Py_DECREF(callback);
+    return on;
+}
+
+PyObject *hook(PyObject *, PyObject *const *a, Py_ssize_t n) {
+    if (n != 5) {
+        PyErr_SetString(PyExc_TypeError, "hook(layer, module, args, kwargs, output)");
+        return nullptr;
+    }
+    PyObject *layer = a[0];
+    // There the Python hook is traced as in a compiled graph, not run here: the Python
+    // this lane calls (the lender, the accumulator, _tail) would each be compiled apart.
+    int dynamo = compiling_frames();
+    if (dynamo < 0) return failed(layer);
+    if (dynamo) return PyObject_Vectorcall(layer, a + 1, 4, nullptr);
+    PyObject *state = PyObject_GetAttr(layer, names.lane_state);  // a lane.State, or None
+    if (state == nullptr) return failed(layer);
+    PyObject *capsule = state;  // (None: the reference moves)
+    if (state != Py_None) {
+        capsule = PyObject_GetAttr(state, names.capsule);
+        Py_DECREF(state);
+    }
+    if (capsule == nullptr) return failed(layer);
+    Lane *lane = capsule == Py_None ? nullptr
+                 : static_cast<Lane *>(PyCapsule_GetPointer(capsule, "normwatch.lane"));
+    int r = 0;
+    if (lane != nullptr) {
+        try {
+            r = measured(lane, layer, a[1], a[2], a[3], a[4]);
+        } catch (const std::exception &e) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, e.what());
+            r = -1;
+        }
+    } else if (PyErr_Occurred()) {
+        r = -1;
+    }
+    Py_DECREF(capsule);
+    if (r == 1) Py_RETURN_NONE;
+    if (r < 0) return failed(layer);
+    return PyObject_Vectorcall(layer, a + 1, 4, nullptr);  // the Python hook
+}
+
+// pre(path_pre, module, args, kwargs): a layer's forward pre-hook, registered as
+// functools.partial(pre, CompiledPath.pre), which does something only in compiled code
+// (it hooks a compiled call's hidden state): in eager code it returns here, with no Python
+// frame; where Dynamo compiles the frames run (an eager stretch of a compiled function)
+// it calls the Python pre-hook, whose frame Dynamo compiles as before. While Dynamo
+// traces, a Python stand-in calls it (lane._stand_in).
+PyObject *pre(PyObject *, PyObject *const *a, Py_ssize_t n) {
+    if (n != 4) {
+        PyErr_SetString(PyExc_TypeError, "pre(path_pre, module, args, kwargs)");
+        return nullptr;
+    }
+    int dynamo = compiling_frames();
+    if (dynamo < 0) PyErr_Clear();  // (never seen: then the Python pre-hook decides)
+    if (dynamo != 0) return PyObject_Vectorcall(a[0], a + 1, 3, nullptr);
+    Py_RETURN_NONE;
+}
+
+// The rest of a full-tier call that is not the interval's first (Recorder.after's work),
+// its common case here: x the call's only argument, both float32 with autograd nodes, the
+// gradient through the norm computed (GradHooks.computes: no saved-tensor hooks, a
+// float32 weight of one element per x's, or none, already hooked), the layer's C++
+// gradient hooks placed as GradHooks.watch_call places them, then the dtypes noted where
+// they changed since this lane last noted them (the recorder's record_dtypes, called).
+// 1 done, 0 not that case (nothing done: the Python _tail does it), -1 an error.
+int full_tail(Lane *lane, PyObject *module, PyObject *args, PyObject *kwargs, PyObject *xo,
+              PyObject *yo, const at::Tensor &x, const at::Tensor &y) {
+    if (PyTuple_GET_SIZE(args) != 1 ||
+        (kwargs != nullptr && kwargs != Py_None &&
+         (!PyDict_Check(kwargs) || PyDict_GET_SIZE(kwargs) != 0)))
+        return 0;
+    if (through == nullptr || x.scalar_type() != at::kFloat || y.scalar_type() != at::kFloat ||
+        !x.requires_grad() || !y.requires_grad() || !x.grad_fn() || !y.grad_fn() ||
+        at::SavedTensorDefaultHooks::get_hooks(false).has_value())
+        return 0;
+    int t = grads_now(lane->runtime);
+    if (t != 1) return t;
+    Owned weight(PyObject_GetAttr(module, names.weight));  // getattr(module, "weight", None)
+    if (weight.p == nullptr) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
+        PyErr_Clear();
+        weight.p = Py_NewRef(Py_None);
+    }
+    at::Tensor w;
+    if (weight.p != Py_None) {
+        if (!THPVariable_Check(weight.p)) return 0;
+        w = THPVariable_Unpack(weight.p);
+        if (w.scalar_type() != at::kFloat || !plain(w) || w.numel() != x.size(-1)) return 0;
+    }
+    PyObject *recorder = lane->recorder;
+    Owned grads(PyObject_GetAttr(recorder, names.grads));
+    if (grads.p == nullptr) return -1;
+    if (grads.p == Py_None) return 0;
+    Owned computed(PyObject_GetAttr(grads.p, names.computed)),
+        hooked(computed.p ? PyObject_GetAttr(grads.p, names.hooked_weight) : nullptr),
+        gradlane(hooked.p ? PyObject_GetAttr(grads.p, names.grad_lane) : nullptr);
+    if (gradlane.p == nullptr) return -1;
+    if ((t = PyObject_IsTrue(computed.p)) != 1 || gradlane.p == Py_None ||
+        (w.defined() && w.requires_grad() && weight.p != hooked.p))  // (watch_weight's to do)
+        return t < 0 ? -1 : 0;
+    Owned capsule(PyObject_GetAttr(gradlane.p, names.capsule));
+    if (capsule.p == nullptr || hook_call_gradients(capsule.p, x, y, w) < 0) return -1;
+    // the recorder's record_dtypes where anything its signature is made of changed
+    int64_t dtypes[4] = {(int64_t)x.scalar_type(), w.defined() ? (int64_t)w.scalar_type() : -1,
+                         (int64_t)y.scalar_type(),
+                         at::autocast::is_autocast_enabled(at::kCPU)
+                             ? (int64_t)at::autocast::get_autocast_dtype(at::kCPU) : -1};
+    std::string op = y.grad_fn()->name();
+    Owned signature(PyObject_GetAttr(recorder, names.signature));
+    if (signature.p == nullptr) return -1;
+    if (signature.p == lane->signature && std::equal(dtypes, dtypes + 4, lane->dtypes) &&
+        op == lane->op)
+        return 1;
+    PyObject *call[4] = {recorder, module, xo, yo};
+    Owned done(PyObject_VectorcallMethod(names.record_dtypes, call, 4, nullptr));
+    Owned noted(done.p ? PyObject_GetAttr(recorder, names.signature) : nullptr);
+    if (noted.p == nullptr) return -1;
+    Py_XSETREF(lane->signature, Py_NewRef(noted.p));
+    std::copy(dtypes, dtypes + 4, lane->dtypes);
+    lane->op = std::move(op);
+    return 1;
+}
+
+// lane(runtime, recorder, counts, lender, planner (readers.row_plan), CallRows, row, width,
+// eps, centred, key_stride, moments (the full tier's, readers.MOMENTS' name)): one
+// layer's lane, as a capsule for its LayerHook's lane state
+PyObject *lane(PyObject *, PyObject *args) {
+    PyObject *o[10];
+    long long width, key_stride;
+    if (!PyArg_ParseTuple(args, "OOOOOOOLOOLO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5],
+                          &o[6], &width, &o[7], &o[8], &key_stride, &o[9]))
+        return nullptr;
+    if (!PyType_Check(o[5]) ||
+        !PyType_IsSubtype(reinterpret_cast<PyTypeObject *>(o[5]), &PyTuple_Type))
+        return PyErr_Format(PyExc_TypeError, "lane: call type: a tuple's subclass");
+    auto *state = new Lane{o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8], o[9],
+                           width, key_stride};
+    for (PyObject *p : o) Py_INCREF(p);
+    PyObject *capsule = PyCapsule_New(state, "normwatch.lane", drop);
+    if (capsule == nullptr) {  // (its references with it)
+        for (PyObject *p : o) Py_DECREF(p);
+        delete state;
+    }
+    return capsule;
+}
+
+// setup(names (contract.NAMES), addresses of normwatch_rows_planned,
+// normwatch_grad_rows_planned, normwatch_through, torch._C._dynamo.eval_frame.
+// get_eval_frame_callback)
+PyObject *setup(PyObject *, PyObject *args) {
+    PyObject *dict, *a, *b, *c, *callback;
+    if (!PyArg_ParseTuple(args, "OOOOO", &dict, &a, &b, &c, &callback)) return nullptr;
+    if (!PyCallable_Check(callback)) return PyErr_Format(PyExc_TypeError, "setup: callable");
+    if (set_names(dict) < 0) return nullptr;
+    void *p[3] = {PyLong_AsVoidPtr(a), PyLong_AsVoidPtr(b), PyLong_AsVoidPtr(c)};
+    for (void *q : p)
+        if (q == nullptr) return PyErr_Occurred() ? nullptr
+                                                  : PyErr_Format(PyExc_ValueError, "setup: null");
+    rows_planned = reinterpret_cast<RowsFn>(p[0]);
+    grad_rows_planned = reinterpret_cast<RowsFn>(p[1]);
+    through = reinterpret_cast<ThroughFn>(p[2]);
+    Py_INCREF(callback);
+    Py_XSETREF(dynamo_callback, callback);
+    Py_RETURN_NONE;
+}
+
+PyMethodDef methods[] = {
+    {"hook", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(hook)),
+     METH_FASTCALL, "hook(layer, module, args, kwargs, output): the forward hook"},
+    {"pre", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(pre)),
+     METH_FASTCALL, "pre(path_pre, module, args, kwargs): the forward pre-hook"},
+    {"lane", lane, METH_VARARGS, "one layer's lane (a capsule)"},
+    {"setup", setup, METH_VARARGS, "setup(names, addresses of the C readers, callback)"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef definition = {PyModuleDef_HEAD_INIT, "normwatch_lane", nullptr, -1, methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit_normwatch_lane() {
+    if ((s_shape = PyUnicode_InternFromString("shape")) == nullptr) return nullptr;
+    PyObject *m = PyModule_Create(&definition);
+    if (m != nullptr && (PyModule_AddFunctions(m, normwatch_grads_methods) < 0 ||
+                         PyModule_AddFunctions(m, normwatch_sampler_methods) < 0))
+        Py_CLEAR(m);
+    return m;
+}

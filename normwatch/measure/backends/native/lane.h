@@ -1,0 +1,84 @@
+// What the C++ lanes share (lane.cpp: the forward lane; grads.cpp: the gradient hooks):
+// the names of the Python attributes they touch (given at setup by contract.NAMES, by
+// role: none is written here), reading and writing those attributes, lending a buffer
+// and staging rows as RowBuffers and Accumulator do, handing an error to a layer's _fail.
+#pragma once
+
+#include <Python.h>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cstdint>
+
+namespace normwatch {
+
+// The attribute names, by role (contract.NAMES' keys; interned strings)
+struct Names {
+    PyObject *paused, *full_stats, *check_outputs, *gradients, *step, *calls_this_step,
+        *accumulator, *calls, *tokens, *input_shape, *output_checked, *training, *weight,
+        *staged_calls, *staged_grads, *staged_tokens, *max_staged, *commit, *free, *lent,
+        *take, *lane_state, *capsule, *tail, *fail, *recorder, *grads, *signature,
+        *record_dtypes, *computed, *hooked_weight, *grad_lane, *node, *both, *weight_grad,
+        *pack_kind, *pack_kept, *pack_split, *pack_blocks, *pack_width, *pack_stride,
+        *pack_scale, *pack_params;
+};
+extern Names names;
+
+// Fill `names` from a dict of role -> attribute name: 0, or -1 with an error
+int set_names(PyObject *dict);
+
+// The holder of a new reference (or nullptr)
+struct Owned {
+    PyObject *p;
+    explicit Owned(PyObject *o) : p(o) {}
+    Owned(const Owned &) = delete;
+    Owned &operator=(const Owned &) = delete;
+    ~Owned() { Py_XDECREF(p); }
+};
+
+// An attribute's truth (-1: an error)
+int truth(PyObject *owner, PyObject *name);
+// An integer attribute (-1 with an error set: an error)
+int64_t integer(PyObject *owner, PyObject *name);
+// Add `by` to an integer attribute (-1: an error)
+int add(PyObject *owner, PyObject *name, int64_t by);
+
+// What the C readers take: a contiguous strided CPU tensor, no vmap or grad wrapper
+bool readable(const at::Tensor &t);
+// ... and no tensor subclass (a DTensor's gradient is Python's)
+bool plain(const at::Tensor &t);
+
+// A buffer of `shape` (a tuple) from `lender` (a RowBuffers), as its take lends it: a new
+// reference, or nullptr with an error
+PyObject *lend(PyObject *lender, PyObject *shape);
+
+// Stage `rows` (of `n` tokens) in `runtime`'s accumulator's queue `queue` (a role's
+// name), as Accumulator.stage and .stage_grad do: 0, or -1 with an error
+int stage(PyObject *runtime, PyObject *queue, PyObject *rows, int64_t n);
+
+// Hand the pending error to owner._fail (the error taken; `owner` null: dropped): 0, or
+// -1 with _fail's own error set
+int hand_to_fail(PyObject *owner);
+
+// Whether this step's backward is measured (Runtime.grads_now, read as its parts): 1, 0,
+// -1 an error
+int grads_now(PyObject *runtime);
+
+// The gradient hooks of a full-tier call's common case (grads.cpp): the hidden state's
+// on x's node, the output's with the gradient through the norm on y's, from the layer's
+// gradient capsule `capsule`: 0, or -1 with an error
+int hook_call_gradients(PyObject *capsule, const at::Tensor &x, const at::Tensor &y,
+                        const at::Tensor &w);
+
+// The C readers' entry points (native_rows.c), set at setup
+using RowsFn = int (*)(const void *, const void *, float *, const int64_t *);
+using ThroughFn = int (*)(const float *, const float *, const float *, float *, float *,
+                          const int64_t *, double);
+extern RowsFn rows_planned, grad_rows_planned;
+extern ThroughFn through;
+
+}  // namespace normwatch
+
+extern PyMethodDef normwatch_grads_methods[];    // grads.cpp's
+extern PyMethodDef normwatch_sampler_methods[];  // sampler.cpp's

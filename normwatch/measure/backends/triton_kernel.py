@@ -1,0 +1,188 @@
+"""The Triton backend: one fused pass per norm call (CUDA; anywhere in Triton's
+interpreter, ``TRITON_INTERPRET=1``), torch's ops for the rest.
+
+    >>> rows = row_stats_triton(tokens, out_tokens, full=True)   # (7, tokens) float32
+    >>> call = TRITON.call_rows(layer, x, y, key, full=True)
+
+Each program reads one token of the input (and of the output, when given) exactly once,
+in chunks of ``BLOCK_D`` elements, and writes the rows every backend writes
+(:class:`~normwatch.measure.state.rows.CallRows`): max |x| for both the max and the min
+(NaN where the token holds a NaN or an inf), the output's the same, then (``full``) the
+sum, the L2 norm and the spread over the token (Chan's parallel merge of per-chunk
+two-pass moments: stable at |mean|/std = 1e3). So a fused call is folded as any other.
+:func:`row_stats_torch` is the float64 reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+
+from normwatch.measure.backends.torchops import TorchBackend, out_rows
+from normwatch.measure.state.rows import CallRows, LayerRows
+
+MAX_BLOCK_D = 2048
+
+
+@functools.cache
+def available() -> bool:
+    """Whether Triton imports (the kernel then runs on CUDA, or anywhere when interpreted)."""
+    try:
+        import triton  # noqa: F401
+    except Exception:  # ImportError, or a broken install
+        return False
+    return True
+
+
+def usable() -> bool:
+    """Whether the kernel can run here: Triton imports and a GPU driver is up, or Triton's
+    CPU interpreter is on (``TRITON_INTERPRET=1``)."""
+    interpreted = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+    return available() and (interpreted or torch.cuda.is_available())
+
+
+def row_count(has_out: bool, full: bool) -> int:
+    """Rows per token: max and min, the output's, then sum, L2 norm and spread."""
+    return 2 + 2 * has_out + 3 * full
+
+
+def row_stats_torch(tokens: torch.Tensor, out: torch.Tensor | None = None, full: bool = True,
+                    centred: bool = True) -> torch.Tensor:
+    """The reference: the kernel's rows computed with torch, in float64."""
+    x = tokens.double()
+    finite = torch.isfinite(x)
+    bad = ~finite.all(1)
+    nan = torch.tensor(float("nan"), dtype=torch.float64, device=x.device)
+    absmax = torch.where(bad, nan, x.abs().amax(1) if x.shape[1] else x.new_zeros(len(x)))
+    rows = [absmax, absmax]
+    if out is not None:
+        y = out.double()
+        out_absmax = torch.where(~torch.isfinite(y).all(1), nan,
+                                 y.abs().amax(1) if y.shape[1] else y.new_zeros(len(y)))
+        rows += [out_absmax, out_absmax]
+    if full:
+        total = x.sum(1)
+        l2 = x.square().sum(1).sqrt()
+        spread = (x - total[:, None] / max(x.shape[1], 1)).square().sum(1).sqrt() \
+            if centred else l2
+        rows += [torch.where(bad, nan, r) for r in (total, l2, spread)]
+    return torch.stack(rows)
+
+
+def row_stats_triton(tokens: torch.Tensor, out: torch.Tensor | None = None, full: bool = True,
+                     centred: bool = True) -> torch.Tensor:
+    """Run the kernel on ``(tokens, elements)`` views (any strides); ``out`` must have the
+    same shape as ``tokens``. Returns ``(k, tokens)`` float32 rows on their device (see
+    the module docstring)."""
+    if tokens.dim() != 2:
+        raise ValueError(f"'tokens' must be 2-D (tokens, elements): got shape "
+                         f"{tuple(tokens.shape)}")
+    if out is not None and out.shape != tokens.shape:
+        raise ValueError(f"'out' must have the shape of 'tokens' {tuple(tokens.shape)}: got "
+                         f"{tuple(out.shape)}")
+    n_tokens, width = tokens.shape
+    rows = torch.empty(row_count(out is not None, full), n_tokens, dtype=torch.float32,
+                       device=tokens.device)
+    if n_tokens == 0:
+        return rows
+    import triton
+
+    block = min(MAX_BLOCK_D, triton.next_power_of_2(max(width, 1)))
+    y = out if out is not None else tokens
+    _kernel()[(n_tokens,)](
+        tokens, y, rows, n_tokens, width, tokens.stride(0), tokens.stride(1), y.stride(0),
+        y.stride(1), HAS_OUT=out is not None, FULL=full, CENTRED=centred, BLOCK_D=block,
+    )
+    return rows
+
+
+@functools.cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def row_stats_kernel(x_ptr, y_ptr, rows_ptr, n_tokens, width, sxt, sxd, syt, syd,
+                         HAS_OUT: tl.constexpr, FULL: tl.constexpr, CENTRED: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_D)
+        inf = float("inf")
+        hi = tl.zeros((), tl.float32)
+        n = tl.zeros((), tl.float32)
+        mean = tl.zeros((), tl.float32)
+        m2 = tl.zeros((), tl.float32)
+        sumsq = tl.zeros((), tl.float32)
+        bad = tl.zeros((), tl.float32)
+        for start in range(0, width, BLOCK_D):
+            idx = start + offs
+            inside = idx < width
+            x = tl.load(x_ptr + row * sxt + idx * sxd, mask=inside, other=0.0).to(tl.float32)
+            ok = inside & (x == x) & (tl.abs(x) < inf)
+            bad += tl.sum((inside & ~ok).to(tl.float32), 0)
+            xz = tl.where(ok, x, 0.0)
+            hi = tl.maximum(hi, tl.max(tl.abs(xz), 0))
+            if FULL:
+                c_n = tl.sum(ok.to(tl.float32), 0)
+                c_mean = tl.sum(xz, 0) / tl.maximum(c_n, 1.0)
+                dev = tl.where(ok, x - c_mean, 0.0)
+                c_m2 = tl.sum(dev * dev, 0)
+                sumsq += tl.sum(xz * xz, 0)
+                total = n + c_n
+                delta = c_mean - mean
+                mean += delta * c_n / tl.maximum(total, 1.0)
+                m2 += c_m2 + delta * delta * n * c_n / tl.maximum(total, 1.0)
+                n = total
+        nan = float("nan")
+        absmax = tl.where(bad > 0, nan, hi)
+        tl.store(rows_ptr + row, absmax)
+        tl.store(rows_ptr + n_tokens + row, absmax)
+        at = 2
+        if HAS_OUT:
+            out_hi = tl.zeros((), tl.float32)
+            out_bad = tl.zeros((), tl.float32)
+            for start in range(0, width, BLOCK_D):
+                idx = start + offs
+                inside = idx < width
+                y = tl.load(y_ptr + row * syt + idx * syd, mask=inside, other=0.0)
+                y = y.to(tl.float32)
+                ok = inside & (y == y) & (tl.abs(y) < inf)
+                out_bad += tl.sum((inside & ~ok).to(tl.float32), 0)
+                out_hi = tl.maximum(out_hi, tl.max(tl.where(ok, tl.abs(y), 0.0), 0))
+            out_absmax = tl.where(out_bad > 0, nan, out_hi)
+            tl.store(rows_ptr + 2 * n_tokens + row, out_absmax)
+            tl.store(rows_ptr + 3 * n_tokens + row, out_absmax)
+            at = 4
+        if FULL:
+            l2 = tl.sqrt(sumsq)
+            spread = tl.sqrt(m2) if CENTRED else l2
+            tl.store(rows_ptr + at * n_tokens + row, tl.where(bad > 0, nan, mean * n))
+            tl.store(rows_ptr + (at + 1) * n_tokens + row, tl.where(bad > 0, nan, l2))
+            tl.store(rows_ptr + (at + 2) * n_tokens + row, tl.where(bad > 0, nan, spread))
+
+    return row_stats_kernel
+
+
+class TritonBackend(TorchBackend):
+    """A call's rows by the fused kernel (one launch); the rest by torch's ops."""
+
+    name = "triton"
+
+    def call_rows(self, layer: LayerRows, x: torch.Tensor, out: torch.Tensor | None,
+                  key: float | torch.Tensor, full: bool) -> CallRows:
+        tokens, out_tokens = layer.token_pair(x, out)
+        tokens = tokens.reshape(-1, tokens.shape[-1])
+        same = out_tokens is not None and out is not None and out.shape == x.shape
+        if same:
+            out_tokens = out_tokens.reshape(tokens.shape)  # type: ignore[union-attr]
+        v = row_stats_triton(tokens, out_tokens if same else None, full, layer.centred)
+        spare = out_rows(out_tokens) if out_tokens is not None and not same and \
+            out_tokens.numel() else None
+        return CallRows(layer.row, key, tokens.shape[1], layer.eps, v, tokens.shape[0], same,
+                        full, layer.centred, spare)
+
+
+TRITON = TritonBackend()

@@ -1,0 +1,170 @@
+"""The hooks of one norm layer: what torch calls, wired to the layer's recorder.
+
+    >>> hook = LayerHook(layer, module, row, runtime)   # registers its hooks on ``module``
+    >>> hook.remove()                                    # the module as it was
+
+The forward hook reads a call's arguments (:mod:`~normwatch.measure.layer.calls`), asks
+the recorder whether it counts and has it recorded
+(:class:`~normwatch.measure.layer.recorder.Recorder`); where ``torch.compile`` traces it,
+the compiled path does (:mod:`~normwatch.measure.layer.compiled`); where the native
+backend serves the layer, a C++ lane takes the common call with no Python frame and hands
+every other call to this hook (:mod:`~normwatch.measure.backends.native.lane`). Any
+exception disables the layer with one warning; training goes on (:mod:`normwatch.guarded`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from normwatch.measure.backends import choose
+from normwatch.measure.backends.native import lane as native_lane
+from normwatch.measure.backends.native.backend import through_reader
+from normwatch.measure.layer.calls import input_of, other_tensor, output_of
+from normwatch.measure.layer.compiled import CompiledPath
+from normwatch.measure.layer.gradients import GradHooks, through_formula
+from normwatch.measure.layer.operators import disown, own
+from normwatch.measure.layer.recorder import Recorder, Runtime
+from normwatch.records import NormLayer
+
+
+class LayerHook:
+    """The hooks on one layer; see the module docstring."""
+
+    def __init__(self, layer: NormLayer, module: nn.Module, row: int, runtime: Runtime,
+                 home: torch.device | None = None) -> None:
+        self.layer = layer
+        self.module = module
+        self.row = row
+        self.rt = runtime
+        self.recorder = Recorder(layer, module, row, runtime, off=self.remove)
+        self.counts = self.recorder.counts
+        self.compiled = CompiledPath(self.recorder)
+        home = home or module_device(module)
+        if home is not None and home.type != "meta":  # meta: placed at its first real call
+            self.home(home)
+        native = choose("cpu", runtime.kernel).name == "native"
+        self._lane_state = native_lane.state(runtime, self.recorder, row, layer.token_size)\
+            if native and home is not None and home.type == "cpu" else None
+        """The C++ lane's state (``None``: every call is this object's; a layer not on the
+        CPU builds nothing): see :mod:`~normwatch.measure.backends.native.lane`."""
+        self.handle: RemovableHandle | None = module.register_forward_hook(
+            native_lane.hook_for(self, self._lane_state), with_kwargs=True)
+        self._pre_handle: RemovableHandle | None = None
+        if runtime.gradients:
+            self._hook_gradients(native)
+
+    def _hook_gradients(self, native: bool) -> None:
+        """The layer's gradient hooks (in C++ where the forward's lane is: the layer on
+        the CPU, tokens its last dim), and the pre-hook compiled code hooks the hidden
+        state's gradient from."""
+        layer, module, rows, rt = self.layer, self.module, self.recorder.rows, self.rt
+        through = None if layer.token_size is None else \
+            through_formula(layer.kind, rows.eps, rows.one_plus_w)
+        weight = getattr(module, "weight", None)
+        # the formula is the module's where its weight is `weight`, or it has none
+        computable = native and through is not None and (
+            isinstance(weight, torch.Tensor) or next(module.parameters(), None) is None)
+        lane = None if self._lane_state is None or layer.token_size is None else partial(
+            native_lane.grad_lane, runtime=rt, lender=rt.accumulator.grad_buffers,
+            row=self.row, width=layer.token_size, eps=rows.eps,
+            through_plan=through_reader(rows).plan if computable else None)
+        recorder = self.recorder
+        grads = recorder.grads = GradHooks(rows, rt.backend, recorder.grad_target,
+                                           recorder.stage_grad, recorder.fail, through,
+                                           computable, lane)
+        grads.watch_weight(weight)
+        self._pre_handle = module.register_forward_pre_hook(
+            native_lane.pre_hook_for(self.compiled.pre, self._lane_state), with_kwargs=True)
+
+    @property
+    def grads(self) -> GradHooks | None:
+        """The layer's gradient hooks (``None``: gradients are not measured)."""
+        return self.recorder.grads
+
+    @property
+    def state(self) -> torch.Tensor | None:
+        """This layer's accumulator row on its home device (``None``: not placed yet)."""
+        return self.recorder.state
+
+    @property
+    def pending_recompute(self) -> int:
+        return self.recorder.pending_recompute
+
+    @pending_recompute.setter
+    def pending_recompute(self, value: int) -> None:
+        self.recorder.pending_recompute = value
+
+    def home(self, device: torch.device) -> None:
+        """Place this layer's row on ``device`` (outside any graph): compiled calls name
+        the layer by it."""
+        recorder = self.recorder
+        if recorder.state is not None:
+            disown(recorder.state, self.compiled)
+        recorder.state = self.rt.accumulator.row_state(device, self.row)
+        own(recorder.state, self.compiled)
+
+    def remove(self) -> None:
+        """Detach from the module (harmless twice)."""
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+        if self._pre_handle is not None:
+            self._pre_handle.remove()
+            self._pre_handle = None
+        if self.recorder.grads is not None:
+            self.recorder.grads.close()
+        if self.recorder.state is not None:
+            disown(self.recorder.state, self.compiled)
+
+    @property
+    def disabled_reason(self) -> str | None:
+        """Why this hook failed and was removed (``None``: it works)."""
+        return self.recorder.failed
+
+    def _fail(self, exc: Exception) -> None:
+        self.recorder.fail(exc)
+
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any], output: Any
+    ) -> torch.Tensor | None:
+        # guarded as @guarded does, in place: the hottest hook, and a wrapper's frame
+        # costs a few µs a call inside a training step
+        try:
+            if torch.compiler.is_compiling():
+                return self.compiled.trace(module, args, kwargs, output)
+            if self.rt.paused:
+                return None
+            x = input_of(args, kwargs)
+            recorder = self.recorder
+            if x is None or not x.is_floating_point() or x.is_meta:
+                recorder.skip(x)
+            elif recorder.counts_call(module):
+                alone = not other_tensor(args, kwargs, x)
+                recorder.record(module, x, output_of(output), alone,
+                                alone and type(output) is torch.Tensor)
+        except Exception as exc:  # never take the training run down
+            self._fail(exc)
+        return None
+
+    def _tail(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+              output: torch.Tensor, full: bool) -> None:
+        """The rest of a call the C++ lane counted and staged, on full-tier steps and the
+        interval's first call (:meth:`Recorder.after`)."""
+        x = args[0]
+        self.recorder.after(module, x, output, (len(args) == 1 and not kwargs)
+                            or not other_tensor(args, kwargs, x))
+
+
+def module_device(module: nn.Module) -> torch.device | None:
+    """Where ``module``'s parameters or buffers live (``None``: it has none)."""
+    for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+        return t.device
+    for t in (*module.parameters(), *module.buffers()):
+        return t.device
+    return None

@@ -1,0 +1,302 @@
+"""Per-layer accumulators that live on the activations' device.
+
+State is declared once, by reduction, in :mod:`normwatch.catalog` (``SUM_COLUMNS``,
+``MAX_COLUMNS``, ``MIN_COLUMNS``); reset, placement and the host copy are written once
+over those declarations. Updates are in-place tensor ops with no host synchronisation;
+:meth:`Accumulator.read` is the only device→host copy (one per device).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable
+from itertools import repeat
+from typing import Any, TypeVar
+
+import torch
+
+from normwatch.catalog import COLUMNS, MAX_COLUMNS, SUM_COLUMNS, combine
+from normwatch.measure.state.backend import Backend
+from normwatch.measure.state.buffers import RowBuffers
+from normwatch.measure.state.fold import FoldPlan, fold_plan
+from normwatch.measure.state.grad_fold import GradPlan, grad_plan
+from normwatch.measure.state.rows import CallRows, GradRows
+from normwatch.records import Limits
+
+_N_SUM, _N_MAX = len(SUM_COLUMNS), len(MAX_COLUMNS)
+_Plan = TypeVar("_Plan", FoldPlan, GradPlan)
+_MAX_END = _N_SUM + _N_MAX
+MISMATCH_COLUMN = COLUMNS.index("output_mismatch")
+OUTPUT_EPS_COLUMN = COLUMNS.index("output_eps")
+assert OUTPUT_EPS_COLUMN == MISMATCH_COLUMN + 1  # an output check writes both at once
+
+
+class Accumulator:
+    """Sum/max/min state for ``n_layers`` layers: one ``(n_layers, columns)`` block per device.
+
+    Hooks :meth:`stage` each call's per-token rows (and :meth:`stage_grad` each gradient's);
+    :meth:`commit` folds them with each device's backend (``backend(device)``, the
+    :class:`~normwatch.measure.state.backend.Backend` of its tensors), at the flush (or
+    every step where early warnings peek at the state; the gradients,
+    :meth:`commit_grads`, at the end of each measured step): a few dozen ops per fold,
+    however many calls (the native backend: one call of the C library and a few ops).
+    Staging more than ``max_staged_tokens`` tokens commits at once, so the staged rows
+    stay small.
+    """
+
+    def __init__(self, n_layers: int, backend: Callable[[torch.device], Backend],
+                 limits: Limits | None = None, max_staged_tokens: int = 1 << 20) -> None:
+        self.n_layers = n_layers
+        self.backend = backend
+        """Each device's backend (what folds its rows)."""
+        self.limits = limits or Limits()
+        self.max_staged_tokens = max_staged_tokens
+        self._blocks: dict[torch.device, torch.Tensor] = {}
+        self._staged: list[CallRows] = []
+        self._staged_grads: list[GradRows] = []
+        self._staged_tokens = 0
+        self._commits = 0
+        self._plans: dict[tuple[Any, ...], FoldPlan | GradPlan] = {}
+        self.watch_poison = False
+        """Whether :meth:`poisoned` is asked (the guard): folds then note it first."""
+        self._poisoned: list[torch.Tensor] = []
+        self._step_from = 0
+        """Where this step's calls begin in the staged list."""
+        self._cuda = False
+        """Whether a block or a staged call was seen on a CUDA device (:meth:`on_cuda`)."""
+        self.buffers = RowBuffers()
+        """Where the C reader's calls put their rows (lent until :meth:`commit` folds them)."""
+        self.grad_buffers = RowBuffers()
+        """Where the C reader's gradients go (lent until :meth:`commit_grads` folds them)."""
+
+    def stage(self, call: CallRows) -> None:
+        """Queue one call's rows; no tensor op (the fold is a few dozen ops per step). The
+        C++ lanes stage as this does (:mod:`~normwatch.measure.backends.native.contract`)."""
+        self._staged.append(call)
+        self._staged_tokens += call.n
+        if self._staged_tokens >= self.max_staged_tokens:
+            self.commit()
+
+    def stage_grad(self, grad: GradRows) -> None:
+        """Queue one gradient's rows (backward hooks); no tensor op. The C++ hooks stage as
+        this does."""
+        self._staged_grads.append(grad)
+        self._staged_tokens += grad.norms.numel()
+        if self._staged_tokens >= self.max_staged_tokens:
+            self.commit()
+
+    @property
+    def has_staged_grads(self) -> bool:
+        """Whether gradients wait for :meth:`commit_grads`."""
+        return bool(self._staged_grads)
+
+    def drop_grads(self) -> None:
+        """Drop the staged gradients (not yet folded)."""
+        self._staged_grads = []
+        self.grad_buffers.give_back()
+        self._staged_tokens = sum(c.n for c in self._staged)
+
+    def mark(self) -> tuple[int, int]:
+        """Where staging stands now, for :meth:`drop_since`."""
+        return self._commits, len(self._staged)
+
+    def begin_step(self) -> None:
+        """A new step: :meth:`poisoned` forgets the last one's."""
+        self._poisoned = []
+        self._step_from = len(self._staged)
+
+    def poisoned(self) -> list[torch.Tensor]:
+        """Whether this step's calls or gradients held NaN/inf: 0-d bool tensors, per
+        device and per fold since the step began (no sync)."""
+        return self._poisoned + _nonfinite(self._staged[self._step_from:], self._staged_grads)
+
+    def drop_since(self, mark: tuple[int, int]) -> bool:
+        """Drop the calls staged since ``mark``; ``False`` if they were folded already."""
+        if mark[0] != self._commits:
+            return False
+        del self._staged[mark[1]:]
+        self._step_from = min(self._step_from, len(self._staged))
+        self._staged_tokens = sum(c.n for c in self._staged) + \
+            sum(g.norms.numel() for g in self._staged_grads)
+        return True
+
+    def on_cuda(self) -> bool:
+        """Whether any state or staged call lives on a CUDA device (once seen, for good:
+        asked every step)."""
+        if not self._cuda and self._staged:  # (a block made on CUDA says so: _block)
+            self._cuda = self._staged[0].v.is_cuda
+        return self._cuda
+
+    def commit(self) -> None:
+        """Fold every staged call into the state (in place, no host sync). Staged rows
+        are dropped even when the fold fails."""
+        if self.watch_poison:
+            self._poisoned += _nonfinite(self._staged[self._step_from:], [])
+        self._step_from = 0
+        groups: dict[tuple[torch.device, bool], list[CallRows]] = {}
+        for call in self._staged:  # one fold per device and tier
+            groups.setdefault((call.v.device, call.full), []).append(call)
+        self._staged = []
+        self._commits += 1
+        self.commit_grads()
+        self._staged_tokens = 0
+        try:
+            self._fold(groups)
+        finally:
+            self.buffers.give_back()  # (the rows were read: folded, or dropped)
+
+    def _fold(self, groups: dict[tuple[torch.device, bool], list[CallRows]]) -> None:
+        for (device, _), calls in groups.items():
+            plan = self._plan(device, calls)
+            backend = self.backend(device)
+            backend.accumulate(backend.fold(calls, plan), plan.rows, self._block(device))
+
+    def commit_grads(self) -> None:
+        """Fold the staged gradients only: at the end of each measured step (small tensors
+        kept from one step to the next slow the model's own allocations: 1.040x against
+        1.023x for folding each step, measured), and at every :meth:`commit`."""
+        staged, self._staged_grads = self._staged_grads, []
+        if not staged:
+            return self.grad_buffers.give_back()
+        if self.watch_poison:
+            self._poisoned += _nonfinite([], staged)
+        norms = list(map(_norms, staged))  # (over every gradient at once, in C)
+        self._staged_tokens -= sum(map(torch.Tensor.numel, norms))
+        devices = set(map(_device, norms))
+        grads: dict[torch.device, list[GradRows]] = {}
+        if len(devices) == 1:
+            grads[devices.pop()] = staged
+        else:
+            for grad, t in zip(staged, norms, strict=True):
+                grads.setdefault(t.device, []).append(grad)
+        try:
+            for device, group in grads.items():
+                self.backend(device).fold_grads(self._block(device), group,
+                                                self._grad_plan(device, group))
+        finally:
+            self.grad_buffers.give_back()  # (the rows were read: folded, or dropped)
+
+    def _plan(self, device: torch.device, calls: list[CallRows]) -> FoldPlan:
+        """The fold's constant vectors, cached: the same forward pass stages the same
+        sequence of calls every step."""
+        key0 = calls[0].key
+        signature = (device, calls[0].full, tuple(c.signature(key0) for c in calls))
+        plan = self._plans.get(signature)
+        if not isinstance(plan, FoldPlan):
+            plan = self._cache(signature, fold_plan(calls, self.limits))
+        return plan
+
+    def _grad_plan(self, device: torch.device, staged: list[GradRows]) -> GradPlan:
+        """:func:`~normwatch.measure.state.grad_fold.grad_plan`, cached like :meth:`_plan`."""
+        signature = (device, "grad", tuple(map(_where, staged)),
+                     tuple(map(torch.Tensor.numel, map(_norms, staged))),
+                     tuple(map(operator.is_, map(_lo, staged), repeat(None))))
+        plan = self._plans.get(signature)
+        if not isinstance(plan, GradPlan):
+            plan = self._cache(signature, grad_plan(staged, device))
+        return plan
+
+    def _cache(self, signature: tuple[Any, ...], plan: _Plan) -> _Plan:
+        if len(self._plans) >= 64:
+            self._plans.clear()
+        self._plans[signature] = plan
+        return plan
+
+    def _block(self, device: torch.device) -> torch.Tensor:
+        block = self._blocks.get(device)
+        if block is None:
+            block = self._blocks[device] = _new_state(self.n_layers, device)
+            self._cuda = self._cuda or device.type == "cuda"
+        return block
+
+    def row_state(self, device: torch.device, row: int) -> torch.Tensor:
+        """Layer ``row``'s state on ``device``: a view of the device block (made ahead of
+        the first call so that traced code only reads it: compiled calls name their layer
+        by it)."""
+        return self._block(device)[row]
+
+    def update_check(self, row: int, error: torch.Tensor, eps: torch.Tensor) -> None:
+        """Fold an output check (0-d tensors: the mismatch and the precision the output
+        carries) into layer ``row``; NaN never beats a value."""
+        block = self._block(error.device)
+        for column, value in ((MISMATCH_COLUMN, error), (OUTPUT_EPS_COLUMN, eps)):
+            cell = block[row, column : column + 1]
+            torch.fmax(cell, value.reshape(1).to(cell.dtype), out=cell)
+
+    def read(
+        self, extras: dict[torch.device, torch.Tensor] | None = None
+    ) -> tuple[list[dict[str, float]], dict[torch.device, list[float]]]:
+        """Copy everything to the host: one copy per device, ``extras`` riding along.
+
+        Returns per-layer ``{column: value}`` dicts (combined across devices) and each
+        extra as a list of floats. Does not reset.
+        """
+        self.commit()
+        extras = dict(extras or {})
+        per_device: list[list[dict[str, float]]] = []
+        out_extras: dict[torch.device, list[float]] = {}
+        for device in dict.fromkeys([*self._blocks, *extras]):
+            parts = []
+            block = self._blocks.get(device)
+            if block is not None:
+                parts.append(block.flatten().to(torch.float64))
+            extra = extras.get(device)
+            if extra is not None:
+                parts.append(extra.detach().flatten().to(torch.float64))
+            flat = torch.cat(parts).cpu().tolist()
+            width = len(COLUMNS)
+            if block is not None:
+                per_device.append([dict(zip(COLUMNS, flat[i * width : (i + 1) * width],
+                                            strict=True)) for i in range(self.n_layers)])
+            if extra is not None:
+                out_extras[device] = flat[len(flat) - extra.numel() :]
+        rows = [combine([d[i] for d in per_device], COLUMNS) for i in range(self.n_layers)]
+        return rows, out_extras
+
+    @property
+    def blocks(self) -> dict[torch.device, torch.Tensor]:
+        """The live ``(n_layers, columns)`` blocks, by device (read-only use)."""
+        return dict(self._blocks)
+
+    def reset(self) -> None:
+        """Return every device block to the reduction identities."""
+        self._staged, self._staged_grads = [], []
+        self._step_from = 0
+        self._staged_tokens = 0
+        for block in self._blocks.values():
+            _reset(block)
+
+
+_norms, _lo, _device = (operator.attrgetter(a) for a in ("norms", "lo", "device"))
+_where = operator.attrgetter("layer", "site", "width")
+
+
+def _nonfinite(calls: list[CallRows], grads: list[GradRows]) -> list[torch.Tensor]:
+    """Per device, whether any of the rows of ``calls`` and ``grads`` is NaN/inf (a 0-d
+    bool; a token holding NaN/inf has NaN/inf rows)."""
+    parts: dict[torch.device, list[torch.Tensor]] = {}
+    for call in calls:
+        parts.setdefault(call.v.device, []).append(call.v.reshape(-1))
+        if call.out is not None:
+            parts[call.v.device].append(call.out.reshape(-1))
+    for grad in grads:
+        parts.setdefault(grad.norms.device, []).append(grad.norms.reshape(-1))
+    return [~torch.cat(p).isfinite().all() for p in parts.values()]
+
+
+def _new_state(rows: int, device: torch.device) -> torch.Tensor:
+    """``rows`` rows of :data:`COLUMNS` at their identities, kept at a fixed address (the
+    compiler treats it as static: compiled calls name their layer by its rows)."""
+    dtype = torch.float32 if device.type == "mps" else torch.float64
+    state = torch.empty(rows, len(COLUMNS), dtype=dtype, device=device)
+    _reset(state)
+    torch._dynamo.mark_static_address(state)
+    return state
+
+
+def _reset(block: torch.Tensor) -> None:
+    block[:, :_N_SUM].zero_()
+    block[:, _N_SUM:_MAX_END].fill_(-math.inf)
+    block[:, _MAX_END:].fill_(math.inf)
+

@@ -1,0 +1,104 @@
+"""The seam between what is recorded and how it is computed: one protocol, one
+implementation per device (:mod:`normwatch.measure.backends` chooses, in one place).
+
+    >>> backend = choose(x.device, kernel="auto")        # normwatch.measure.backends
+    >>> call = backend.call_rows(layer, x, y, key, full)  # one norm call's rows
+    >>> norms, lo, hi = backend.grad_rows(layer, site, g, None)
+    >>> lines = backend.fold(calls, plan)                 # the step's calls, one line each
+    >>> backend.accumulate(lines, plan.rows, block)       # into the per-layer state
+
+Every backend reads the same things into the same layouts (:mod:`~normwatch.measure.state.
+rows`), and may decline nothing: where its fast way does not cover a tensor (a dtype, a
+layout, a device), it computes the statistic by torch's ops, the universal fallback.
+The recorder, the gradient hooks, the accumulator and the update monitor call only this
+protocol; what a backend adds of its own (the native backend's C++ lanes) plugs in
+behind it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from normwatch.measure.state.rows import CallRows, GradRows, LayerRows
+
+if TYPE_CHECKING:
+    from normwatch.measure.state.fold import FoldPlan
+    from normwatch.measure.state.grad_fold import GradPlan
+
+
+class Sample(Protocol):
+    """The update monitor's sample of one device and dtype, as a backend measures it
+    (torch's: :class:`~normwatch.measure.optimizer.updates.Pack`)."""
+
+    keep: bool
+    """Whether its buffers are kept between steps."""
+    device: torch.device
+
+    def store(self, values: list[torch.Tensor], unchanged: bool) -> None:
+        """Keep the samples' ``values`` before the step (``unchanged``: nothing wrote the
+        parameters since the last step's read)."""
+
+    def measure(self, after: list[torch.Tensor], grads: list[torch.Tensor] | None,
+                size: bool) -> torch.Tensor:
+        """``[|g|², |Δp|², |p|²]`` (float64, on the device): the change since
+        :meth:`store` to the samples' values ``after`` the step, ``|p|²`` with ``size``,
+        ``|g|²`` from ``grads`` (laid out like the parameters; ``None``: 0)."""
+
+
+class Backend(Protocol):
+    """How one device's statistics are computed. ``name``: ``"torch"``, ``"triton"`` or
+    ``"native"``."""
+
+    name: str
+
+    def call_rows(self, layer: LayerRows, x: torch.Tensor, out: torch.Tensor | None,
+                  key: float | torch.Tensor, full: bool) -> CallRows:
+        """One call's rows: input ``x`` (not empty), output ``out`` (a non-empty floating
+        tensor, or ``None``), the call's ``key``; ``full``: with the moments."""
+
+    def grad_rows(self, layer: LayerRows, site: int, g: torch.Tensor,
+                  part: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """One gradient's rows at ``site`` (``g`` as tokens, detached; ``part``: a second
+        part of it, laid out alike, added): ``(norms, lo, hi)`` as
+        :class:`~normwatch.measure.state.rows.GradRows` holds them."""
+
+    def weight_rows(self, layer: LayerRows, g: torch.Tensor) -> torch.Tensor:
+        """A weight gradient's norm (first of what is returned)."""
+
+    def covers_through(self, layer: LayerRows, x: torch.Tensor, weight: object) -> bool:
+        """Whether :meth:`through_rows` computes the gradient through the norm for its
+        input ``x`` and ``weight`` (asked in the forward)."""
+
+    def through_rows(self, layer: LayerRows, g: torch.Tensor, x: torch.Tensor,
+                     weight: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The output's gradient ``g`` and the gradient through the norm (from ``g``,
+        ``x`` and ``weight``) read in one pass, packed rows each; ``None``: not here
+        (the caller reads ``g`` and computes the other by torch's ops)."""
+
+    def fold(self, calls: Sequence[CallRows], plan: FoldPlan) -> torch.Tensor:
+        """The staged calls' lines (:func:`~normwatch.measure.state.fold.fold_calls`)."""
+
+    def accumulate(self, lines: torch.Tensor, rows: torch.Tensor, block: torch.Tensor
+                   ) -> None:
+        """Fold ``lines`` into ``block`` at ``rows``: sums added, maxima and minima kept
+        (a NaN never beats a value)."""
+
+    def fold_grads(self, block: torch.Tensor, staged: Sequence[GradRows], plan: GradPlan
+                   ) -> None:
+        """Fold staged gradients into ``block``
+        (:func:`~normwatch.measure.state.grad_fold.fold_grads`)."""
+
+    def sample(self, samples: list[torch.Tensor], scales: list[float]) -> Sample | None:
+        """The update monitor's sample of ``samples`` (one device and dtype) measured
+        here, or ``None``: torch's (:class:`~normwatch.measure.optimizer.updates.Pack`)."""
+
+    def sampler(self, params: list[torch.Tensor], packs: Sequence[tuple[list[int], Sample]]
+                ) -> object | None:
+        """The optimizer's step hooks' work for ``params`` in native code, where every
+        sample is this backend's (:class:`~normwatch.measure.backends.native.sampler.
+        NativeSampler`), or ``None``: the update monitor's Python."""

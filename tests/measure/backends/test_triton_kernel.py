@@ -1,0 +1,174 @@
+"""The fused Triton kernel against the torch float64 reference (Triton's interpreter on
+the CPU; the real kernel on a GPU): the rows every backend writes, folded as any other
+call's. Skips cleanly where Triton is absent."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("triton")
+
+import normwatch
+from normwatch.catalog import COLUMNS
+from normwatch.measure.backends.torchops import reduce_call
+from normwatch.measure.backends.triton_kernel import (
+    TRITON,
+    row_count,
+    row_stats_torch,
+    row_stats_triton,
+)
+from normwatch.measure.state.fold import fold_calls, fold_plan
+from normwatch.measure.state.rows import LayerRows
+from normwatch.records import Limits
+from tests.factory import layer
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def assert_rows_match(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape
+    for j in range(got.shape[0]):
+        g, w = got[j].double().cpu(), want[j].cpu()
+        finite = torch.isfinite(w)
+        scale = float(w[finite].abs().max()) if finite.any() else 1.0
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6 * max(1.0, scale),
+                                   equal_nan=True, msg=lambda m, j=j: f"row {j}: {m}")
+
+
+def hard(n: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(n, width, generator=g)
+    if n > 1:
+        x[1] = 1e3 + torch.randn(width, generator=g)  # |mean|/std = 1e3
+    if n > 2:
+        x[2] = 0.0  # all-zero token
+    if n > 3:
+        x[3, 0] = 300.0
+    if n > 4 and width > 1:
+        x[4, 1] = float("nan")
+        x[4, 0] = float("inf")
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", [1, 3, 100, 2048, 2050, 16384])
+@pytest.mark.parametrize("centred", [True, False])
+def test_kernel_matches_the_reference(dtype: torch.dtype, width: int, centred: bool) -> None:
+    x = hard(6, width, dtype).to(DEVICE)
+    y = (torch.randn(6, width) * 2).to(dtype).to(DEVICE)
+    y[0, 0] = float("nan")
+    rows = row_stats_triton(x, y, True, centred)
+    assert_rows_match(rows, row_stats_torch(x, y, True, centred))
+    if width > 1:  # a token holding NaN or inf: NaN in its rows, its output's apart
+        inputs = [0, 1, 4, 5, 6]
+        assert rows[inputs, 4].isnan().all() and not rows[2:4, 4].isnan().any()
+        assert rows[2:4, 0].isnan().all() and not rows[inputs, 0].isnan().any()
+
+
+def test_the_sentinel_tier_writes_the_extremes_only() -> None:
+    x = hard(5, 64, torch.float32).to(DEVICE)
+    for out in (None, x * 2):
+        rows = row_stats_triton(x, out, full=False)
+        assert rows.shape == (row_count(out is not None, False), 5)
+        assert_rows_match(rows, row_stats_torch(x, out, full=False))
+
+
+def test_zero_tokens_and_no_output() -> None:
+    empty = torch.empty(0, 64, device=DEVICE)
+    assert row_stats_triton(empty).shape == (5, 0)
+    x = hard(5, 64, torch.float32).to(DEVICE)
+    rows = row_stats_triton(x)
+    assert rows.shape == (5, 5)  # extremes, then the moments: no output's rows
+    assert_rows_match(rows, row_stats_torch(x))
+
+
+@pytest.mark.parametrize("view", ["strided", "transposed"])
+def test_non_contiguous_inputs(view: str) -> None:
+    base = torch.randn(8, 128, device=DEVICE)
+    x = base[:, ::2] if view == "strided" else base.t()
+    assert not x.is_contiguous()
+    assert_rows_match(row_stats_triton(x, x * 2), row_stats_torch(x, x * 2))
+
+
+def test_bad_shapes_are_rejected_clearly() -> None:
+    with pytest.raises(ValueError, match=r"'tokens' must be 2-D \(tokens, elements\): got "
+                       r"shape \(2, 3, 4\)"):
+        row_stats_triton(torch.zeros(2, 3, 4))
+    with pytest.raises(ValueError, match="'out' must have the shape of 'tokens'"):
+        row_stats_triton(torch.zeros(2, 4), torch.zeros(2, 5))
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_fused_and_torch_paths_fold_to_the_same_statistics(full: bool) -> None:
+    """The kernel's rows are folded as any call's: a layer norm's and an RMS norm's calls
+    folded together give what torch's row reductions give."""
+    calls: dict[str, list] = {"plain": [], "fused": []}  # type: ignore[type-arg]
+    for i, kind in enumerate(["rmsnorm", "layernorm", "rmsnorm"]):
+        x = hard(6, 256, torch.bfloat16).to(DEVICE) * (i + 1)
+        y = torch.randn(6, 256, device=DEVICE).to(torch.bfloat16)
+        y[5, 3] = float("inf")
+        key = 42.0 + i
+        calls["plain"].append(reduce_call(x, y, kind, 1e-5, full, i, key))  # type: ignore[arg-type]
+        rows = LayerRows.of(layer(kind=kind, eps=1e-5, width=256), i)  # type: ignore[arg-type]
+        calls["fused"].append(TRITON.call_rows(rows, x, y, key, full))
+    a, b = (fold_calls(c, fold_plan(c, Limits())) for c in calls.values())
+    for i in range(3):
+        for name, va, vb in zip(COLUMNS, a[i].tolist(), b[i].tolist(), strict=True):
+            if name in ("rms_min", "rms_max", "rms_sum", "sumsq_max", "eps_dominance"):
+                assert va == pytest.approx(vb, rel=1e-4, abs=1e-6), (i, name)
+            elif name != "common_mode_max":  # (max |x| for the min: extremes exact)
+                assert va == pytest.approx(vb, rel=1e-6, abs=1e-9), (i, name)
+
+
+def test_watch_with_the_fused_kernel_agrees_with_torch() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.Linear(64, 64), nn.RMSNorm(64))
+    model = model.to(DEVICE)
+    fused = normwatch.watch(model, kernel="triton", stats_every=1, report_dir=None)
+    inputs = [torch.randn(8, 16, device=DEVICE) * s for s in (1, 30, 1)]
+    for x in inputs:
+        model(x).sum().backward()
+    got = fused.flush()
+    fused.close()
+    plain = normwatch.watch(model, kernel="torch", stats_every=1, report_dir=None)
+    for x in inputs:
+        model(x).sum().backward()
+    want = plain.flush()
+    for name in ("1", "3"):
+        g, w = got.layers[name], want.layers[name]
+        for field in ("absmax", "sumsq_max", "rms_mean", "rms_min", "rms_max", "eps_dominance",
+                      "common_mode_max", "out_absmax"):
+            assert getattr(g, field) == pytest.approx(getattr(w, field), rel=1e-4), field
+        assert (g.tokens, g.nonfinite, g.out_nonfinite) == (w.tokens, w.nonfinite,
+                                                            w.out_nonfinite)
+
+
+class HalfOut(nn.Module):
+    """A norm with a wrong-shaped output (half the features): measured apart."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.eps = 1e-6
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return y[..., : x.shape[-1] // 2] * 3
+
+
+def test_fused_kernel_with_a_wrong_shaped_output_agrees_with_torch() -> None:
+    normwatch.register_norm(HalfOut, kind="rmsnorm")
+    model = nn.Sequential(nn.Linear(8, 32), HalfOut(32)).to(DEVICE)
+    x = torch.randn(6, 8, device=DEVICE)
+    got = {}
+    for kernel in ("triton", "torch"):
+        w = normwatch.watch(model, kernel=kernel, stats_every=1, report_dir=None)
+        model(x).sum().backward()
+        got[kernel] = w.flush().layers["1"]
+        w.close()
+    fused, plain = got["triton"], got["torch"]
+    assert fused.out_absmax == pytest.approx(plain.out_absmax, rel=1e-5)
+    assert fused.out_absmax is not None and fused.out_absmax > 0
+    assert (fused.finite_tokens, fused.out_nonfinite) == (plain.finite_tokens, 0) == (6, 0)
