@@ -189,3 +189,33 @@ def test_the_measure_rooms_say_what_they_own_and_stay_small() -> None:
     sizes = {str(p.relative_to(base)): len(p.read_text().splitlines())
              for p in base.rglob("*") if p.suffix in (".py", ".c", ".cpp", ".h")}
     assert {p: n for p, n in sizes.items() if n > 520} == {}
+
+
+def test_the_docstrings_cross_references_resolve() -> None:
+    """Every ``:mod:``/``:class:``/``:func:``/``:meth:``/``:data:``/``:attr:`` reference to
+    normwatch in the source names something that exists (a module moved or a function
+    renamed leaves none behind)."""
+    import importlib
+    import re
+
+    pattern = re.compile(r":(?:mod|class|func|meth|data|attr):`~?(normwatch[\w.]*"
+                         r"(?:\.\s*\n\s*[\w.]+)*)`")
+    refs = {(name, re.sub(r"\s+", "", m.group(1))) for name, path in MODULES.items()
+            for m in pattern.finditer(path.read_text())}
+    unresolved = []
+    for where, ref in sorted(refs):
+        parts = ref.split(".")
+        for i in range(len(parts), 0, -1):
+            try:
+                obj: object = importlib.import_module(".".join(parts[:i]))
+            except ImportError:
+                continue
+            try:
+                for attribute in parts[i:]:
+                    obj = getattr(obj, attribute)
+            except AttributeError:
+                unresolved.append((where, ref))
+            break
+        else:
+            unresolved.append((where, ref))
+    assert unresolved == []

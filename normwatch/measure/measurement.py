@@ -72,7 +72,7 @@ class Measurement:
         self._measured: bool | None = None
         """Whether the weights' hooks are armed for a measured backward (``None``: not yet
         set by :meth:`begin_step`)."""
-        self._unplaced = any(hook.state is None for hook in self._hooks)
+        self._unplaced = any(hook.recorder.state is None for hook in self._hooks)
         """Whether a hook waits for its module to leave the meta device."""
         self._folding = Part("folding the step's statistics", "those measurements are dropped")
         # A forward of ``root`` that raised leaves its calls behind: marked where it began,
@@ -113,10 +113,10 @@ class Measurement:
         self._measured, self._unplaced = measured, False
         rt.recomputing = False
         for hook in self._hooks:
-            hook.pending_recompute = 0
+            hook.recorder.pending_recompute = 0
             if hook.grads is not None:
                 hook.grads.arm(measured)
-            if hook.state is None:  # built on the meta device, materialised since?
+            if hook.recorder.state is None:  # built on the meta device, placed since?
                 device = module_device(hook.module)
                 if device is not None and device.type != "meta":
                     hook.home(device)  # compiled code traced without it recompiles once

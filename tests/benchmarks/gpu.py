@@ -228,3 +228,7 @@ def main() -> int:
             sys.stdout.flush()
         print(flush=True)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

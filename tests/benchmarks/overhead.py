@@ -197,22 +197,24 @@ SWEPT = ("normwatch (defaults)", "normwatch + optimizer", "normwatch stats_every
 
 
 ENTRY_POINTS = (
-    ("normwatch.measure.layer.hooks", "LayerHook", ("__call__",)),
-    ("normwatch.measure.layer.compiled", "CompiledPath", ("pre",)),
-    ("normwatch.measure.layer.gradients", "GradHooks",
+    ("normwatch.measure.layer.hooks|normwatch.measure.hooks", "LayerHook", ("__call__",)),
+    ("normwatch.measure.layer.compiled|normwatch.measure.traced", "CompiledPath", ("pre",)),
+    ("normwatch.measure.layer.gradients|normwatch.measure.gradients", "GradHooks",
      ("_out", "_in", "_hidden", "_node", "_both", "_weight_grad")),
-    ("normwatch.measure.layer.gradients", "_Through", ("_part",)),
+    ("normwatch.measure.layer.gradients|normwatch.measure.gradients", "_Through", ("_part",)),
     ("normwatch.measure.measurement", "Measurement", ("_forward_begins", "_forward_ends")),
-    ("normwatch.measure.optimizer.updates", "UpdateMonitor", ("_pre", "_post")),
-    ("normwatch.measure.optimizer.guard", "StepGuard", ("_flags", "_decide_on_host")),
+    ("normwatch.measure.optimizer.updates|normwatch.measure.updates", "UpdateMonitor",
+     ("_pre", "_post")),
+    ("normwatch.measure.optimizer.guard|normwatch.measure.guard", "StepGuard",
+     ("_flags", "_decide_on_host")),
     ("normwatch.watching", "Watch", ("step",)),
-    ("normwatch.measure.optimizer.clipping", None, ("_record",)),
+    ("normwatch.measure.optimizer.clipping|normwatch.measure.clipping", None, ("_record",)),
 )
 """Everything normwatch runs during a training step: its hooks, ``watch.step``, and what
-it records of the loop's ``clip_grad_norm_`` (``None``: a module's function). The C++
-hooks' own time is not in it, nor the Python they call (``LayerHook._tail`` on an
-interval's first call, the fallbacks): the lane runs the common case of a method only
-where it is still the class's own, which a timer around it is not."""
+it records of the loop's ``clip_grad_norm_`` (``None``: a module's function; ``a|b``: the
+module where it is now, then where an earlier commit had it). The C++ lanes' own time is
+not in it, nor the Python they call (``LayerHook._tail`` on an interval's first call, the
+fallbacks)."""
 
 
 @contextlib.contextmanager
@@ -225,10 +227,15 @@ def timed_entry_points(total: list[float], package: str = "normwatch") -> Iterat
 
     depth = [0]
     saved = []
-    for module, owner, names in ENTRY_POINTS:
-        try:
-            imported = importlib.import_module(module.replace("normwatch", package, 1))
-        except ImportError:
+    for modules, owner, names in ENTRY_POINTS:
+        imported = None
+        for module in modules.split("|"):
+            try:
+                imported = importlib.import_module(module.replace("normwatch", package, 1))
+                break
+            except ImportError:
+                continue
+        if imported is None:
             continue
         cls = imported if owner is None else getattr(imported, owner, None)
         for name in names:

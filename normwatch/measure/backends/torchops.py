@@ -20,7 +20,14 @@ from normwatch.catalog import MAX_COLUMNS, SUM_COLUMNS
 from normwatch.measure.state.backend import Sample
 from normwatch.measure.state.fold import FoldPlan, fold_calls
 from normwatch.measure.state.grad_fold import GradPlan, fold_grads
-from normwatch.measure.state.rows import _WIDE, CallRows, GradRows, LayerRows, summed_dtype
+from normwatch.measure.state.rows import (
+    _WIDE,
+    WEIGHT,
+    CallRows,
+    GradRows,
+    LayerRows,
+    summed_dtype,
+)
 from normwatch.records import Kind
 
 N_SUM, MAX_END = len(SUM_COLUMNS), len(SUM_COLUMNS) + len(MAX_COLUMNS)
@@ -128,11 +135,9 @@ class TorchBackend:
     def grad_rows(self, layer: LayerRows, site: int, g: torch.Tensor,
                   part: torch.Tensor | None
                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        if site == WEIGHT:
+            return torch.linalg.vector_norm(g, dtype=summed_dtype(g.dtype)), None, None
         return token_rows(g if part is None else g + part)
-
-    def weight_rows(self, layer: LayerRows, g: torch.Tensor) -> torch.Tensor:
-        norm: torch.Tensor = torch.linalg.vector_norm(g, dtype=summed_dtype(g.dtype))
-        return norm
 
     def covers_through(self, layer: LayerRows, x: torch.Tensor, weight: object) -> bool:
         return False

@@ -10,7 +10,6 @@ in chunks of ``BLOCK_D`` elements, and writes the rows every backend writes
 (NaN where the token holds a NaN or an inf), the output's the same, then (``full``) the
 sum, the L2 norm and the spread over the token (Chan's parallel merge of per-chunk
 two-pass moments: stable at |mean|/std = 1e3). So a fused call is folded as any other.
-:func:`row_stats_torch` is the float64 reference.
 """
 
 from __future__ import annotations
@@ -47,29 +46,6 @@ def usable() -> bool:
 def row_count(has_out: bool, full: bool) -> int:
     """Rows per token: max and min, the output's, then sum, L2 norm and spread."""
     return 2 + 2 * has_out + 3 * full
-
-
-def row_stats_torch(tokens: torch.Tensor, out: torch.Tensor | None = None, full: bool = True,
-                    centred: bool = True) -> torch.Tensor:
-    """The reference: the kernel's rows computed with torch, in float64."""
-    x = tokens.double()
-    finite = torch.isfinite(x)
-    bad = ~finite.all(1)
-    nan = torch.tensor(float("nan"), dtype=torch.float64, device=x.device)
-    absmax = torch.where(bad, nan, x.abs().amax(1) if x.shape[1] else x.new_zeros(len(x)))
-    rows = [absmax, absmax]
-    if out is not None:
-        y = out.double()
-        out_absmax = torch.where(~torch.isfinite(y).all(1), nan,
-                                 y.abs().amax(1) if y.shape[1] else y.new_zeros(len(y)))
-        rows += [out_absmax, out_absmax]
-    if full:
-        total = x.sum(1)
-        l2 = x.square().sum(1).sqrt()
-        spread = (x - total[:, None] / max(x.shape[1], 1)).square().sum(1).sqrt() \
-            if centred else l2
-        rows += [torch.where(bad, nan, r) for r in (total, l2, spread)]
-    return torch.stack(rows)
 
 
 def row_stats_triton(tokens: torch.Tensor, out: torch.Tensor | None = None, full: bool = True,

@@ -422,5 +422,4 @@ class GradHooks:
         if g is not None and self._target() is not None:
             g = local(g)
             g = g.detach() if g.requires_grad else g
-            self._stage(WEIGHT, (self.backend(g.device).weight_rows(self.rows, g), None, None),
-                        1)
+            self._stage(WEIGHT, self.backend(g.device).grad_rows(self.rows, WEIGHT, g, None), 1)

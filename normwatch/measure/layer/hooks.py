@@ -87,19 +87,6 @@ class LayerHook:
         """The layer's gradient hooks (``None``: gradients are not measured)."""
         return self.recorder.grads
 
-    @property
-    def state(self) -> torch.Tensor | None:
-        """This layer's accumulator row on its home device (``None``: not placed yet)."""
-        return self.recorder.state
-
-    @property
-    def pending_recompute(self) -> int:
-        return self.recorder.pending_recompute
-
-    @pending_recompute.setter
-    def pending_recompute(self, value: int) -> None:
-        self.recorder.pending_recompute = value
-
     def home(self, device: torch.device) -> None:
         """Place this layer's row on ``device`` (outside any graph): compiled calls name
         the layer by it."""

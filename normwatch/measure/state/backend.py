@@ -64,10 +64,8 @@ class Backend(Protocol):
                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """One gradient's rows at ``site`` (``g`` as tokens, detached; ``part``: a second
         part of it, laid out alike, added): ``(norms, lo, hi)`` as
-        :class:`~normwatch.measure.state.rows.GradRows` holds them."""
-
-    def weight_rows(self, layer: LayerRows, g: torch.Tensor) -> torch.Tensor:
-        """A weight gradient's norm (first of what is returned)."""
+        :class:`~normwatch.measure.state.rows.GradRows` holds them; the weight's
+        (``WEIGHT``): its whole gradient's norm, first."""
 
     def covers_through(self, layer: LayerRows, x: torch.Tensor, weight: object) -> bool:
         """Whether :meth:`through_rows` computes the gradient through the norm for its

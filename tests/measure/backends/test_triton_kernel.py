@@ -16,7 +16,6 @@ from normwatch.measure.backends.torchops import reduce_call
 from normwatch.measure.backends.triton_kernel import (
     TRITON,
     row_count,
-    row_stats_torch,
     row_stats_triton,
 )
 from normwatch.measure.state.fold import fold_calls, fold_plan
@@ -25,6 +24,30 @@ from normwatch.records import Limits
 from tests.factory import layer
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def row_stats_torch(tokens: torch.Tensor, out: torch.Tensor | None = None, full: bool = True,
+                    centred: bool = True) -> torch.Tensor:
+    """The reference: the kernel's rows computed with torch, in float64 (a token holding
+    NaN or inf: NaN in each of its rows; max |x| for both the max and the min)."""
+    x = tokens.double()
+    finite = torch.isfinite(x)
+    bad = ~finite.all(1)
+    nan = torch.tensor(float("nan"), dtype=torch.float64, device=x.device)
+    absmax = torch.where(bad, nan, x.abs().amax(1) if x.shape[1] else x.new_zeros(len(x)))
+    rows = [absmax, absmax]
+    if out is not None:
+        y = out.double()
+        out_absmax = torch.where(~torch.isfinite(y).all(1), nan,
+                                 y.abs().amax(1) if y.shape[1] else y.new_zeros(len(y)))
+        rows += [out_absmax, out_absmax]
+    if full:
+        total = x.sum(1)
+        l2 = x.square().sum(1).sqrt()
+        spread = (x - total[:, None] / max(x.shape[1], 1)).square().sum(1).sqrt() \
+            if centred else l2
+        rows += [torch.where(bad, nan, r) for r in (total, l2, spread)]
+    return torch.stack(rows)
 
 
 def assert_rows_match(got: torch.Tensor, want: torch.Tensor) -> None:

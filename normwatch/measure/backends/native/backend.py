@@ -63,13 +63,9 @@ class NativeBackend(TorchBackend):
     def grad_rows(self, layer: LayerRows, site: int, g: torch.Tensor,
                   part: torch.Tensor | None
                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        packed = _grad_readers(layer)[site](g, part)
+        packed = _grad_readers(layer)[site](g, part)  # (the weight's: its norm first)
         return super().grad_rows(layer, site, g, part) if packed is None else \
             (packed, None, None)
-
-    def weight_rows(self, layer: LayerRows, g: torch.Tensor) -> torch.Tensor:
-        norm = _grad_readers(layer)[WEIGHT](g)  # (its norm first)
-        return super().weight_rows(layer, g) if norm is None else norm
 
     def covers_through(self, layer: LayerRows, x: torch.Tensor, weight: object) -> bool:
         return ThroughReader.covers(x, weight)

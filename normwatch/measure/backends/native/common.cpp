@@ -4,6 +4,8 @@
 // layer's _fail.
 #include "lane.h"
 
+#include <ATen/Parallel.h>
+
 namespace normwatch {
 
 Names names;
@@ -138,6 +140,39 @@ int stage(PyObject *runtime, PyObject *queue, PyObject *rows, int64_t n) {
     if (tokens + n < cap) return 0;
     Owned done(PyObject_CallMethodNoArgs(accumulator.p, names.commit));
     return done.p == nullptr ? -1 : 0;
+}
+
+bool same_layout(const Plan &plan, const at::Tensor &x, at::ScalarType dy) {
+    return plan.threads == at::get_num_threads() && plan.dx == x.scalar_type() &&
+           plan.dy == dy && x.sizes().equals(plan.sizes);
+}
+
+int take_plan(Plan &plan, PyObject *got, const at::Tensor &x, at::ScalarType dy) {
+    plan.threads = -1;  // (until the new plan is read whole)
+    plan.args.clear();
+    PyObject *args = got, *shape = nullptr;
+    if (PyTuple_Check(got) && PyTuple_GET_SIZE(got) == 2) {  // a readers.RowPlan
+        shape = PyTuple_GET_ITEM(got, 0);
+        args = PyTuple_GET_ITEM(got, 1);
+    }
+    if (got != Py_None) {
+        Py_ssize_t n = PySequence_Size(args);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Owned v(PySequence_GetItem(args, i));
+            int64_t a = v.p == nullptr ? -1 : PyLong_AsLongLong(v.p);
+            if (a == -1 && PyErr_Occurred()) return -1;
+            plan.args.push_back(a);
+        }
+        if (n < 0) return -1;
+    }
+    Py_XINCREF(shape);
+    Py_XSETREF(plan.shape, shape);
+    plan.sizes.assign(x.sizes().begin(), x.sizes().end());
+    plan.dx = x.scalar_type();
+    plan.dy = dy;
+    plan.planned = got != Py_None;
+    plan.threads = at::get_num_threads();
+    return plan.planned;
 }
 
 int hand_to_fail(PyObject *owner) {

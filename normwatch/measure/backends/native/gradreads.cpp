@@ -19,44 +19,14 @@ Shared *held_grads(PyObject *capsule) {
 
 // `g`'s plan (planner(g) on a new layout; `whole`: the planner's whole-tensor flag, -1:
 // none to pass): 1 planned (plan.args), 0 not covered, -1 an error
-int grad_plan(GradPlan &plan, PyObject *planner, const at::Tensor &g, int whole) {
-    int threads = at::get_num_threads();
-    if (plan.threads == threads && plan.dtype == g.scalar_type() &&
-        g.sizes().equals(plan.sizes))
-        return plan.planned;
-    plan.threads = -1;
-    PyObject *go = THPVariable_Wrap(g);
-    if (go == nullptr) return -1;
-    PyObject *got = whole < 0 ? PyObject_CallOneArg(planner, go)
-                              : PyObject_CallFunctionObjArgs(planner, go, Py_None,
-                                                             whole ? Py_True : Py_False,
-                                                             nullptr);
-    Py_DECREF(go);
-    if (got == nullptr) return -1;
-    plan.args.clear();
-    if (got != Py_None) {  // a ctypes array of int64
-        Py_ssize_t n = PySequence_Size(got);
-        for (Py_ssize_t i = 0; i < n; i++) {
-            PyObject *v = PySequence_GetItem(got, i);
-            int64_t a = v == nullptr ? -1 : PyLong_AsLongLong(v);
-            Py_XDECREF(v);
-            if (a == -1 && PyErr_Occurred()) {
-                Py_DECREF(got);
-                return -1;
-            }
-            plan.args.push_back(a);
-        }
-        if (n < 0) {
-            Py_DECREF(got);
-            return -1;
-        }
-    }
-    plan.planned = got != Py_None;
-    Py_DECREF(got);
-    plan.sizes.assign(g.sizes().begin(), g.sizes().end());
-    plan.dtype = g.scalar_type();
-    plan.threads = threads;
-    return plan.planned;
+int grad_plan(Plan &plan, PyObject *planner, const at::Tensor &g, int whole) {
+    if (same_layout(plan, g, g.scalar_type())) return plan.planned;
+    Owned go(THPVariable_Wrap(g));
+    if (go.p == nullptr) return -1;
+    Owned got(whole < 0 ? PyObject_CallOneArg(planner, go.p)
+                        : PyObject_CallFunctionObjArgs(planner, go.p, Py_None,
+                                                       whole ? Py_True : Py_False, nullptr));
+    return got.p == nullptr ? -1 : take_plan(plan, got.p, g, g.scalar_type());
 }
 
 // A buffer of `count` float32 from the lender (a new reference), or nullptr
@@ -138,7 +108,7 @@ PyObject *wrapped(const at::Tensor &t) {  // (None for an undefined tensor)
 // `g`'s rows (GradReader's read: `whole`, one row) staged at `site` with `width`: 1 read
 // here, 0 not planned, -1 an error
 int read_rows(Grads &gr, int site, const at::Tensor &g, int whole, int64_t width) {
-    GradPlan &plan = gr.plans[site];
+    Plan &plan = gr.plans[site];
     int t = grad_plan(plan, gr.site_planner, g, whole);
     if (t != 1) return t;
     PyObject *buffer = lent(gr, plan.args[1] + 2);

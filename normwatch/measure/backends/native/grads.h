@@ -13,15 +13,6 @@ namespace normwatch::grads {
 constexpr int SITE_OUT = 0, SITE_IN = 1, SITE_HIDDEN = 2, SITE_WEIGHT = 3;
 constexpr int GRAD_ROWS_FIELDS = 6;  // GradRows' (contract.GRAD_ROWS_FIELDS)
 
-// A layout's plan (asked of a Python planner on a new layout)
-struct GradPlan {
-    std::vector<int64_t> sizes;
-    at::ScalarType dtype = at::ScalarType::Undefined;
-    int threads = -1;
-    bool planned = false;
-    std::vector<int64_t> args;
-};
-
 // One layer's gradient side. Its Python references are the capsule's (dropped, under the
 // GIL, when it goes or closes); the hooks share the rest and check `open` under the GIL.
 struct Grads {
@@ -31,8 +22,8 @@ struct Grads {
     int64_t width = 0;
     double eps = 0;
     bool open = true;
-    GradPlan plans[4];  // per site: OUT, IN (unused), HIDDEN, WEIGHT
-    GradPlan through_plan;  // the output's gradient with the gradient through the norm
+    Plan plans[4];  // per site: OUT, IN (unused), HIDDEN, WEIGHT
+    Plan through_plan;  // the output's gradient with the gradient through the norm
 
     void close() {
         open = false;
@@ -54,7 +45,7 @@ PyObject *lent(Grads &gr, int64_t count);
 int stage(Grads &gr, PyObject *buffer, int site, int64_t width);
 // `g`'s plan (planner(g) on a new layout; `whole`: the planner's whole-tensor flag, -1:
 // none to pass): 1 planned (plan.args), 0 not covered, -1 an error
-int grad_plan(GradPlan &plan, PyObject *planner, const at::Tensor &g, int whole);
+int grad_plan(Plan &plan, PyObject *planner, const at::Tensor &g, int whole);
 // The GradHooks (a new reference; nullptr: gone, no error)
 PyObject *owner(Grads &gr);
 // Disable the layer as its Python hook would (GradHooks._fail), the error cleared

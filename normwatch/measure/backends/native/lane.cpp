@@ -34,23 +34,13 @@ PyObject *s_shape = nullptr;  // "shape": a tensor's, torch's name
 constexpr int PLAN_SIZE = 9;   // normwatch_rows_planned's plan (readers.row_plan's args)
 constexpr int ROWS_FIELDS = 10;  // CallRows' (contract.ROWS_FIELDS)
 
-// A tier's plan of the last layout met
-struct Planned {
-    std::vector<int64_t> sizes;  // the last layout: x's sizes, dtypes, torch's threads
-    at::ScalarType dx = at::ScalarType::Undefined, dy = at::ScalarType::Undefined;
-    int threads = -1;
-    bool planned = false;  // the planner covered that layout
-    PyObject *shape = nullptr;  // the rows' shape (a tuple), where planned
-    int64_t plan[PLAN_SIZE] = {0};
-};
-
 // One layer's lane: what LayerHook hands over once (owned references), and per tier
 // (sentinel, full) its plan
 struct Lane {
     PyObject *runtime, *recorder, *counts, *lender, *planner, *call_type, *row, *eps,
         *centred, *moments;
     int64_t width, key_stride;
-    Planned tiers[2];
+    Plan tiers[2];
     // The dtypes the recorder's record_dtypes last noted from here (full_tail): its
     // signature then (owned), and what that signature is made of
     PyObject *signature = nullptr;
@@ -76,40 +66,20 @@ void drop(PyObject *capsule) {
 // layer may plan another layout.)
 int planned(Lane *lane, bool full, PyObject *xo, PyObject *yo, const at::Tensor &x,
             const at::Tensor &y, int64_t *plan, PyObject **shape) {
-    Planned *tier = &lane->tiers[full];
-    int threads = at::get_num_threads();
-    auto sizes = x.sizes();
-    if (tier->threads != threads || tier->dx != x.scalar_type() ||
-        tier->dy != y.scalar_type() || !sizes.equals(tier->sizes)) {
-        tier->threads = -1;  // (until the new plan is read whole)
+    Plan &tier = lane->tiers[full];
+    if (!same_layout(tier, x, y.scalar_type())) {
         Owned got(PyObject_CallFunctionObjArgs(lane->planner, xo, yo,
                                                full ? lane->moments : Py_None, nullptr));
-        if (got.p == nullptr) return -1;
-        bool covered = got.p != Py_None;
-        if (covered) {  // a readers.RowPlan: (shape, args: a ctypes array of int64)
-            PyObject *args = PyTuple_Check(got.p) ? PyTuple_GetItem(got.p, 1) : nullptr;
-            if (args == nullptr || PySequence_Size(args) != PLAN_SIZE) {
-                if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "lane: a plan of 9");
-                return -1;
-            }
-            for (int i = 0; i < PLAN_SIZE; i++) {
-                Owned v(PySequence_GetItem(args, i));
-                tier->plan[i] = v.p == nullptr ? -1 : PyLong_AsLongLong(v.p);
-                if (tier->plan[i] == -1 && PyErr_Occurred()) return -1;
-            }
-            PyObject *rows_shape = PyTuple_GetItem(got.p, 0);
-            Py_XINCREF(rows_shape);
-            Py_XSETREF(tier->shape, rows_shape);
+        if (got.p == nullptr || take_plan(tier, got.p, x, y.scalar_type()) < 0) return -1;
+        if (tier.planned && (tier.args.size() != PLAN_SIZE || tier.shape == nullptr)) {
+            tier.threads = -1;
+            PyErr_SetString(PyExc_ValueError, "lane: a plan of 9 and the rows' shape");
+            return -1;
         }
-        tier->sizes.assign(sizes.begin(), sizes.end());
-        tier->dx = x.scalar_type();
-        tier->dy = y.scalar_type();
-        tier->planned = covered;
-        tier->threads = threads;
     }
-    if (!tier->planned) return 0;
-    std::copy(tier->plan, tier->plan + PLAN_SIZE, plan);
-    Py_INCREF(*shape = tier->shape);
+    if (!tier.planned) return 0;
+    std::copy(tier.args.begin(), tier.args.end(), plan);
+    Py_INCREF(*shape = tier.shape);
     return 1;
 }
 

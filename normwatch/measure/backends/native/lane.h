@@ -10,6 +10,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace normwatch {
 
@@ -43,6 +44,23 @@ int truth(PyObject *owner, PyObject *name);
 int64_t integer(PyObject *owner, PyObject *name);
 // Add `by` to an integer attribute (-1: an error)
 int add(PyObject *owner, PyObject *name, int64_t by);
+
+// A C reader's plan of the last layout met (its planner, Python's, asked on a new one)
+struct Plan {
+    std::vector<int64_t> sizes;  // the layout: the tensor's sizes, the dtypes, the threads
+    at::ScalarType dx = at::ScalarType::Undefined, dy = at::ScalarType::Undefined;
+    int threads = -1;
+    bool planned = false;       // the planner covered that layout
+    std::vector<int64_t> args;  // the reader's plan (its arguments)
+    PyObject *shape = nullptr;  // the rows' shape, where the planner gives one (owned)
+};
+
+// Whether `plan` was made for x's layout (and a second tensor's dtype `dy`)
+bool same_layout(const Plan &plan, const at::Tensor &x, at::ScalarType dy);
+// Take a planner's answer for x's layout into `plan`: None (not covered), a sequence of
+// int64 (the reader's arguments) or a pair (the rows' shape, the arguments): 1 planned,
+// 0 not covered, -1 an error
+int take_plan(Plan &plan, PyObject *got, const at::Tensor &x, at::ScalarType dy);
 
 // What the C readers take: a contiguous strided CPU tensor, no vmap or grad wrapper
 bool readable(const at::Tensor &t);

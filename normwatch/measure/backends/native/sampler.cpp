@@ -20,7 +20,7 @@ using SampleFn = int (*)(int64_t, int, const int64_t *, const int64_t *, const i
                          int);
 SampleFn sample_fn = nullptr;
 
-constexpr int MEASURE = 1, SIZE = 2;  // native_updates.MEASURE, SIZE
+constexpr int MEASURE = 1, SIZE = 2;  // sampler.MEASURE, SIZE
 
 // One NativePack: its parameters (indices), the kernel's plan of their samples, the kept
 // values

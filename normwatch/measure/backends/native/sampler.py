@@ -55,7 +55,7 @@ class NativePack:
     docstring. Make it with :meth:`make`."""
 
     keep = True
-    """Its buffer is kept between steps (as a :class:`~normwatch.measure.optimizer.updates._Pack`'s
+    """Its buffer is kept between steps (as a :class:`~normwatch.measure.optimizer.updates.Pack`'s
     on the CPU)."""
 
     def __init__(self, lib: ctypes.CDLL, samples: list[torch.Tensor],
