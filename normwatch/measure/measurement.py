@@ -58,7 +58,7 @@ class Measurement:
         self.limits = limits
         backend = partial(choose, kernel=kernel)
         self._rt = Runtime(Accumulator(len(pairs), backend, limits), count_eval=count_eval,
-                           kernel=kernel, output_checks=output_checks, gradients=gradients)
+                           output_checks=output_checks, gradients=gradients)
         self._rt.accumulator.watch_poison = poison
         self.replay = ReplayLog()
         """Each step's batch fingerprint and RNG states (:mod:`~normwatch.measure.step.replay`)."""

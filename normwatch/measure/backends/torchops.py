@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from normwatch.catalog import MAX_COLUMNS, SUM_COLUMNS
+from normwatch.measure.state.accumulator import MAX_END, N_SUM
 from normwatch.measure.state.backend import Sample
 from normwatch.measure.state.fold import FoldPlan, fold_calls
 from normwatch.measure.state.grad_fold import GradPlan, fold_grads
@@ -29,9 +29,6 @@ from normwatch.measure.state.rows import (
     summed_dtype,
 )
 from normwatch.records import Kind
-
-N_SUM, MAX_END = len(SUM_COLUMNS), len(SUM_COLUMNS) + len(MAX_COLUMNS)
-"""Where the state's summed columns end, and its maxima (then its minima)."""
 
 # The most elements a call's temporaries may hold (1 MiB of fp32): a few floats per token
 # for activations of 64k tokens, and never an fp32 copy of a whole activation.

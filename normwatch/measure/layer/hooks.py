@@ -22,7 +22,6 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from normwatch.measure.backends import choose
 from normwatch.measure.backends.native import lane as native_lane
 from normwatch.measure.backends.native.backend import through_reader
 from normwatch.measure.layer.calls import input_of, other_tensor, output_of
@@ -48,7 +47,7 @@ class LayerHook:
         home = home or module_device(module)
         if home is not None and home.type != "meta":  # meta: placed at its first real call
             self.home(home)
-        native = choose("cpu", runtime.kernel).name == "native"
+        native = runtime.backend(torch.device("cpu")).name == "native"
         self._lane_state = native_lane.state(runtime, self.recorder, row, layer.token_size)\
             if native and home is not None and home.type == "cpu" else None
         """The C++ lane's state (``None``: every call is this object's; a layer not on the

@@ -30,7 +30,6 @@ from torch import nn
 
 from normwatch.catalog import KEY_STRIDE
 from normwatch.guarded import Part
-from normwatch.measure.backends import choose
 from normwatch.measure.layer.autocasting import autocast_made, output_op
 from normwatch.measure.layer.calls import dtype_name, dtypes
 from normwatch.measure.layer.gradients import GradHooks
@@ -55,7 +54,6 @@ class Runtime:
     """Whether outputs are ever checked (fixed: compiled graphs read it)."""
     full_stats: bool = True
     """Whether this step runs the full statistics (else the sentinel tier)."""
-    kernel: str = "auto"
     paused: bool = False
     forward_order: dict[str, int] = field(default_factory=dict)
     gradients: bool = True
@@ -77,8 +75,9 @@ class Runtime:
             setattr(self, name, value)
 
     def backend(self, device: torch.device) -> Backend:
-        """The backend of tensors on ``device`` under this watch's ``kernel=``."""
-        return choose(device, self.kernel)
+        """The backend of tensors on ``device`` (the accumulator's: what folds what is
+        read)."""
+        return self.accumulator.backend(device)
 
 
 @dataclass(slots=True)

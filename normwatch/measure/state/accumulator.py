@@ -24,9 +24,9 @@ from normwatch.measure.state.grad_fold import GradPlan, grad_plan
 from normwatch.measure.state.rows import CallRows, GradRows
 from normwatch.records import Limits
 
-_N_SUM, _N_MAX = len(SUM_COLUMNS), len(MAX_COLUMNS)
+N_SUM, MAX_END = len(SUM_COLUMNS), len(SUM_COLUMNS) + len(MAX_COLUMNS)
+"""Where the state's summed columns end, and its maxima (then its minima)."""
 _Plan = TypeVar("_Plan", FoldPlan, GradPlan)
-_MAX_END = _N_SUM + _N_MAX
 MISMATCH_COLUMN = COLUMNS.index("output_mismatch")
 OUTPUT_EPS_COLUMN = COLUMNS.index("output_eps")
 assert OUTPUT_EPS_COLUMN == MISMATCH_COLUMN + 1  # an output check writes both at once
@@ -296,7 +296,7 @@ def _new_state(rows: int, device: torch.device) -> torch.Tensor:
 
 
 def _reset(block: torch.Tensor) -> None:
-    block[:, :_N_SUM].zero_()
-    block[:, _N_SUM:_MAX_END].fill_(-math.inf)
-    block[:, _MAX_END:].fill_(math.inf)
+    block[:, :N_SUM].zero_()
+    block[:, N_SUM:MAX_END].fill_(-math.inf)
+    block[:, MAX_END:].fill_(math.inf)
 

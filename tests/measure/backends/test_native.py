@@ -570,7 +570,7 @@ def test_a_folds_lines_accumulate_into_the_state_as_a_loop_says() -> None:
     """``folds.accumulate`` against a plain loop: per call in order, its sums added, its
     maxima and minima taken where the line value is not NaN (a NaN already in the state
     stays); rows met several times; what it leaves to torch's ops."""
-    from normwatch.measure.state.accumulator import _MAX_END, _N_SUM
+    from normwatch.measure.state.accumulator import MAX_END, N_SUM
 
     g = torch.Generator().manual_seed(5)
     width = len(COLUMNS)
@@ -587,17 +587,17 @@ def test_a_folds_lines_accumulate_into_the_state_as_a_loop_says() -> None:
         for c, r in enumerate(rows.tolist()):
             for j in range(width):
                 v, b = float(lines[c, j]), float(want[r, j])
-                if j < _N_SUM:
+                if j < N_SUM:
                     want[r, j] = b + v
                 elif not (math.isnan(v) or math.isnan(b)):
-                    want[r, j] = max(b, v) if j < _MAX_END else min(b, v)
+                    want[r, j] = max(b, v) if j < MAX_END else min(b, v)
         got = block.clone()
-        assert native_folds.accumulate(lines, rows, _N_SUM, _MAX_END, got)
+        assert native_folds.accumulate(lines, rows, N_SUM, MAX_END, got)
         assert same(got, want), trial
-    assert not native_folds.accumulate(lines.float(), rows, _N_SUM, _MAX_END, got)  # float32
-    assert not native_folds.accumulate(lines, rows.int(), _N_SUM, _MAX_END, got)
-    assert not native_folds.accumulate(lines[:, :-1], rows, _N_SUM, _MAX_END, got)  # columns
-    assert not native_folds.accumulate(lines, rows[:-1], _N_SUM, _MAX_END, got)
+    assert not native_folds.accumulate(lines.float(), rows, N_SUM, MAX_END, got)  # float32
+    assert not native_folds.accumulate(lines, rows.int(), N_SUM, MAX_END, got)
+    assert not native_folds.accumulate(lines[:, :-1], rows, N_SUM, MAX_END, got)  # columns
+    assert not native_folds.accumulate(lines, rows[:-1], N_SUM, MAX_END, got)
 
 
 def test_the_c_gradient_fold_gives_torchs_values_and_float64_sums() -> None:

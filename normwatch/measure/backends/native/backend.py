@@ -24,16 +24,12 @@ from normwatch.measure.backends.native.readers import (
     GradReader,
     RowReader,
     ThroughReader,
+    moments_of,
     row_stats,
 )
 from normwatch.measure.backends.native.sampler import NativePack, NativeSampler
-from normwatch.measure.backends.torchops import (
-    MAX_END,
-    N_SUM,
-    TorchBackend,
-    lines_up,
-    reduce_call,
-)
+from normwatch.measure.backends.torchops import TorchBackend, lines_up, reduce_call
+from normwatch.measure.state.accumulator import MAX_END, N_SUM
 from normwatch.measure.state.backend import Sample
 from normwatch.measure.state.fold import FoldPlan
 from normwatch.measure.state.grad_fold import GradPlan
@@ -48,7 +44,7 @@ class NativeBackend(TorchBackend):
 
     def call_rows(self, layer: LayerRows, x: torch.Tensor, out: torch.Tensor | None,
                   key: float | torch.Tensor, full: bool) -> CallRows:
-        moments = ("centred" if layer.centred else "rms") if full else None
+        moments = moments_of(layer.centred) if full else None
         if out is not None and layer.whole(x):  # the common case: read as it is
             v = _row_reader(layer)(x, out, moments)
             if v is not None:

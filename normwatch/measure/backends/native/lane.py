@@ -42,13 +42,12 @@ import torch
 
 from normwatch.catalog import KEY_STRIDE
 from normwatch.measure.backends.native import build, contract
-from normwatch.measure.backends.native.readers import MOMENTS, grad_read_plan, row_plan
+from normwatch.measure.backends.native.readers import grad_read_plan, moments_of, row_plan
 from normwatch.measure.state.buffers import RowBuffers
 from normwatch.measure.state.rows import CallRows, GradRows
 
 log = logging.getLogger(__name__)
 assert CallRows._fields == contract.ROWS_FIELDS and GradRows._fields == contract.GRAD_ROWS_FIELDS
-assert MOMENTS.keys() == {"rms", "centred"}
 
 
 @functools.cache
@@ -122,7 +121,7 @@ def state(runtime: Any, recorder: Any, row: int, width: int | None) -> State | N
     rows = recorder.rows
     return State(built.lane(runtime, recorder, recorder.counts, runtime.accumulator.buffers,
                             row_plan, CallRows, row, width, rows.eps, rows.centred,
-                            KEY_STRIDE, "centred" if rows.centred else "rms"))
+                            KEY_STRIDE, moments_of(rows.centred)))
 
 
 class GradLane:

@@ -96,6 +96,11 @@ MOMENTS = {"rms": 1, "centred": 2}
 (``"centred"``: the L2 norm about the row's mean; ``"rms"``: the L2 norm again)."""
 
 
+def moments_of(centred: bool) -> str:
+    """The full tier's moments (:data:`MOMENTS`) of a norm that centres, or not."""
+    return "centred" if centred else "rms"
+
+
 class RowPlan(NamedTuple):
     """What the kernel needs of a call's layout (:func:`row_plan`)."""
 
