@@ -131,6 +131,26 @@ class Verdict:
     norm and the first sick one."""
 
 
+MEASURED_EPS_FLOOR = 1e-15
+"""A measured eps below this was written 0 (the measurement resolves ~1e-20 absolute)."""
+
+
+def as_written(value: float, rel: float = 1e-9) -> float:
+    """The shortest decimal within ``rel`` of ``value`` (a measurement's last digits are
+    its arithmetic, not the number it measured).
+
+    >>> as_written(1.0000000000000011e-05), as_written(0.00014999999999999993)
+    (1e-05, 0.00015)
+    """
+    if not math.isfinite(value) or value == 0:
+        return value
+    for digits in range(1, 17):
+        short = float(f"{value:.{digits}g}")
+        if abs(short - value) <= rel * abs(value):
+            return short
+    return value
+
+
 @dataclass(frozen=True)
 class NormLayer:
     """One normalization layer found in a model.
@@ -151,6 +171,14 @@ class NormLayer:
     eps_measured: bool = False
     """``eps`` was measured from the module's output (it has no eps attribute: a literal
     in its forward), not read."""
+
+    @property
+    def eps_written(self) -> float:
+        """``eps`` as the code wrote it: a measured 1.0000000000000011e-05 reads 1e-05
+        (:func:`as_written`); a read eps as it is."""
+        if not self.eps_measured:
+            return self.eps
+        return 0.0 if self.eps < MEASURED_EPS_FLOOR else as_written(self.eps)
 
     @property
     def token_size(self) -> int | None:
@@ -247,7 +275,7 @@ class LayerStats:
     @property
     def fp16(self) -> bool:
         """The layer's input is fp16, or it ran under fp16 autocast."""
-        return self.input_dtype == "float16" or (self.autocast or "").endswith("float16")
+        return self.input_dtype == "float16" or (self.autocast or "").split(":")[-1] == "float16"
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from normwatch.config import WatchConfig
 from normwatch.judge.depth import DepthProfile, gradient_alarms
-from normwatch.judge.headroom import STEADY_FRACTION, steps_to_limit, worth_warning
+from normwatch.judge.headroom import FAR_FRACTION, severity, steps_to_limit
 from normwatch.records import (
     FP16_MAX,
     Alarm,
@@ -109,13 +109,19 @@ def fp16_alarms(stats: LayerStats, layer: NormLayer, step: int, ctx: RuleContext
                 "Compute the reduction in fp32 (x.float().pow(2).mean(-1)) or use torch's norm."
             )
         elif fp16:
-            sev = "warning"
-            safe = "upcasts internally" if probe and probe.element_safe else "may be fp16-safe"
+            upcasts = probe is not None and probe.element_safe is True
+            trend = steps_to_limit(ctx.absmax_history.get(name, ()), FP16_MAX)
+            growing = severity(stats.absmax, FP16_MAX, trend, ctx.config.headroom_ratio,
+                               ctx.config.headroom_horizon) == "warning"
+            sev = "warning" if growing or not upcasts else "info"
             msg = (
                 f"{name}: max |x| = {stats.absmax:.4g} > {limit:g} in {share} of an fp16 "
-                f"run. The norm {safe}, but fp16 tensors this large are one square away "
-                "from inf (65504) in the residual stream, attention scores or a custom "
-                "kernel. Find what grows the residual stream; consider bf16."
+                f"run. The norm {'upcasts internally' if upcasts else 'may be fp16-safe'}, "
+                "but fp16 tensors this large are one square away from inf (65504) in the "
+                "residual stream, attention scores or a custom kernel. "
+                + ("Find what grows the residual stream; consider bf16." if sev == "warning"
+                   else "Not heading for 65504: fine while it stays so (the same forecast "
+                        "rule as below 256 says when it is).")
             )
         else:
             sev = "info"
@@ -146,28 +152,34 @@ def fp16_alarms(stats: LayerStats, layer: NormLayer, step: int, ctx: RuleContext
             msg += " A kernel summing squares in fp16 would overflow here."
         out.append(Alarm("fp16_overflow", "critical" if unsafe else "warning" if squares
                          else "info", name, step, stats.sumsq_max, FP16_MAX, msg, tag="sumsq"))
-    if not out:
+    if all(a.severity == "info" for a in out):  # (an accumulation that is safe: a trend)
         out += _headroom(stats, step, ctx, fp16)
     return out
 
 
 def _headroom(stats: LayerStats, step: int, ctx: RuleContext, fp16: bool) -> list[Alarm]:
     limit = ctx.config.limits.fp16_limit
-    if stats.absmax is None or stats.absmax < STEADY_FRACTION * limit:
+    if stats.absmax is None or not FAR_FRACTION * limit <= stats.absmax <= limit:
         return []
     forecast = steps_to_limit(ctx.absmax_history.get(stats.name, ()), limit)
-    if forecast is None or not worth_warning(stats.absmax, limit, forecast,
-                                             ctx.config.headroom_ratio,
-                                             ctx.config.headroom_horizon):
+    said = severity(stats.absmax, limit, forecast, ctx.config.headroom_ratio,
+                    ctx.config.headroom_horizon)
+    if forecast is None or said is None:
         return []
     growth = (forecast.growth_per_step - 1) * 100
     msg = (
         f"{stats.name}: max |x| = {stats.absmax:.4g}, growing {growth:.2g} %/step: "
         f"~{forecast.steps:.0f} steps to the fp16 limit {limit:g} at the current rate."
     )
-    msg += (" Act before it overflows: find what grows (lr, residual scale, a bad batch), "
-            "or checkpoint now." if fp16 else " Harmless in this dtype; fatal in fp16.")
-    return [Alarm("fp16_headroom", "warning" if fp16 else "info", stats.name, step,
+    if not fp16:
+        msg += " Harmless in this dtype; fatal in fp16."
+    elif said == "warning":
+        msg += (" Act before it overflows: find what grows (lr, residual scale, a bad batch), "
+                "or checkpoint now.")
+    else:
+        msg += (f" Still {limit / stats.absmax:.0f}x below it: growth this far out often "
+                "levels off (a warning once it is steady and near).")
+    return [Alarm("fp16_headroom", said if fp16 else "info", stats.name, step,
                   forecast.steps, float(ctx.config.headroom_horizon), msg)]
 
 
@@ -188,9 +200,9 @@ def eps_alarms(stats: LayerStats, layer: NormLayer, step: int, config: WatchConf
     sev: Severity = "warning" if stats.eps_dominance > 0.1 else "info"
     return [Alarm(
         "eps_dominance", sev, stats.name, step, stats.eps_dominance, config.limits.eps_tol,
-        f"{stats.name}: eps = {layer.eps:g} dominates {share} (eps/({s_name} + eps) up to "
-        f"{stats.eps_dominance:.3g} > {config.limits.eps_tol:g}): their output is flattened to "
-        f"RMS sqrt(s/(s+eps)). {_eps_advice(layer.eps)}")]
+        f"{stats.name}: eps = {layer.eps_written:g} dominates {share} (eps/({s_name} + eps) "
+        f"up to {stats.eps_dominance:.3g} > {config.limits.eps_tol:g}): their output is "
+        f"flattened to RMS sqrt(s/(s+eps)). {_eps_advice(layer.eps_written)}")]
 
 
 USUAL_EPS = 1e-5
@@ -226,8 +238,11 @@ def dtype_alarms(stats: LayerStats, layer: NormLayer, step: int) -> list[Alarm]:
     Under autocast, an fp32 output made by an op autocast runs in fp32 (CUDA's
     ``layer_norm``, asked of autocast by op: ``stats.autocast_made``) is by design; any
     other fp32 output of a lower-precision stream (a norm's fp32 weight multiplying it) is
-    plain type promotion in the norm's own code, with or without autocast. Without an
-    autograd node to tell (no-grad calls), torch's own norm modules are taken as autocast's.
+    plain type promotion in the norm's own code: info under autocast (it costs memory, not
+    digits, and the next autocast op casts it back: the ``transformers`` code of Qwen3's
+    q/k norms and MLA's latent norms does it on every healthy bf16 run), a warning
+    without. Without an autograd node to tell (no-grad calls), torch's own norm modules are
+    taken as autocast's.
     """
     inp, w, out = stats.input_dtype, stats.weight_dtype, stats.output_dtype
     if inp is None or out is None:
@@ -238,12 +253,12 @@ def dtype_alarms(stats: LayerStats, layer: NormLayer, step: int) -> list[Alarm]:
         by_autocast = layer.builtin if stats.autocast_made is None else stats.autocast_made
         if out == "float32" != inp and not by_autocast:
             return [Alarm(
-                "dtype_mismatch", "warning", stats.name, step, 0.0, 0.0,
+                "dtype_mismatch", "info", stats.name, step, 0.0, 0.0,
                 f"{stats.name}: under autocast ({amp}) the {inp} stream leaves this norm as "
                 f"{out}: its {w} weight promotes it by plain type promotion in the norm's own "
-                "code, not by an autocast rule (2x memory and bandwidth downstream, numerics "
-                "that differ from inference). Cast the result back to the input dtype, e.g. "
-                "(weight * x).to(input_dtype).", tag=tag)]
+                "code, not by an autocast rule (2x memory and bandwidth until the next autocast "
+                "op casts it back). To save them, cast the result back to the input dtype, "
+                "e.g. (weight * x).to(input_dtype).", tag=tag)]
         if out in (inp, amp, "float32") and w in (None, "float32", inp):
             return []
         return [Alarm("dtype_mismatch", "info", stats.name, step, 0.0, 0.0,
@@ -261,7 +276,11 @@ def dtype_alarms(stats: LayerStats, layer: NormLayer, step: int) -> list[Alarm]:
                         "bandwidth downstream, numerics that differ from inference)")
     if not problems:
         return []
-    return [Alarm("dtype_mismatch", "warning", stats.name, step, 0.0, 0.0,
+    # a coarser weight on a stream the norm gives back unchanged (a model cast whole,
+    # whose code upcasts its stream): the weight's own precision, not a mismatch to fix
+    coarser = out == inp and w is not None and _resolution(w) > _resolution(inp)
+    sev: Severity = "info" if coarser else "warning"
+    return [Alarm("dtype_mismatch", sev, stats.name, step, 0.0, 0.0,
                   f"{stats.name}: " + "; ".join(problems) +
                   ". Cast the norm with the model (model.to(dtype)) or use autocast.", tag=tag)]
 

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from normwatch.judge.headroom import steps_to_limit, worth_warning
+from normwatch.judge.headroom import severity, steps_to_limit
 from normwatch.records import FP16_MAX, Alarm, LayerStats, Snapshot
 
 Placement = Literal["pre", "post", "unknown"]
@@ -34,6 +34,11 @@ SAME = 1e-4
 MIN_DECAY_POINTS = 8
 """``gradient_decay`` needs this many trunk norms: a decay *with depth* (4 blocks of two
 norms); a 2-block model's few points say little about depth."""
+
+
+QK_NORMS = "[qk]*_*norm"
+"""The last name component of a query/key norm (``q_norm``, ``kv_a_layernorm``; OLMo2's and
+EXAONE 4's post-branch models have no pre-norm to tell the trunk by)."""
 
 
 @dataclass(frozen=True)
@@ -95,9 +100,13 @@ def depth_profile(snapshot: Snapshot, order: Sequence[str],
 
     In a model with pre-norms the trunk is what they read: its norms whose input nothing
     else reads are then off the trunk (a final norm, a q/k norm, the post-branch norm of a
-    sandwich) and left out. Without pre-norms, every norm is taken."""
+    sandwich) and left out. Without pre-norms, every norm is taken but the q/k norms
+    (:data:`QK_NORMS`, by name: inside attention, their gradients are the queries' and
+    keys', not the trunk's)."""
     found = []
     for stats in in_order(snapshot, order):
+        if fnmatch.fnmatchcase(stats.name.rsplit(".", 1)[-1].lower(), QK_NORMS):
+            continue
         where = placement_of(stats, stated)
         rms = trunk_rms(stats, where)
         if rms is not None and math.isfinite(rms) and rms > 0:
@@ -197,9 +206,10 @@ def _headroom(snapshot: Snapshot, history: Sequence[tuple[int, float]],
                       f"The gradient at {worst.name!r} reaches |g| = {peak:.4g} > 65504: it "
                       "overflows fp16 (with a GradScaler: skipped steps, shrinking scale).")]
     forecast = steps_to_limit(history, FP16_MAX)
-    if forecast is None or not worth_warning(peak, FP16_MAX, forecast, ratio, horizon):
+    said = severity(peak, FP16_MAX, forecast, ratio, horizon)
+    if forecast is None or said is None:
         return []
-    return [Alarm("gradient_headroom", "warning", worst.name, snapshot.step, forecast.steps,
+    return [Alarm("gradient_headroom", said, worst.name, snapshot.step, forecast.steps,
                   float(horizon),
                   f"The largest gradient (|g| = {peak:.4g} at {worst.name!r}) grows "
                   f"{100 * (forecast.growth_per_step - 1):.2g} % per step: it overflows fp16 in "

@@ -273,8 +273,9 @@ def _layer(layer: NormLayer, position: int | None, records: Iterable[Record]) ->
     last = next((r.snapshot.layers[layer.name] for r in reversed(list(records))
                  if layer.name in r.snapshot.layers and r.snapshot.layers[layer.name].seen), None)
     return {
-        "name": layer.name, "kind": layer.kind, "eps": _num(layer.eps),
+        "name": layer.name, "kind": layer.kind, "eps": _num(layer.eps_written),
         "eps_measured": layer.eps_measured,
+        "eps_as_measured": _num(layer.eps) if layer.eps_measured else None,
         "normalized_shape": list(layer.normalized_shape or ()), "weight_form": layer.weight_form,
         "class_name": layer.class_name, "position": position,
         "dtypes": None if last is None else {"input": last.input_dtype,

@@ -145,3 +145,20 @@ def test_the_article_ledger_holds_in_shape() -> None:
     assert 2 < pre[2] / pre[0] < 8  # sqrt(256 / 16) = 4
     assert all(0.5 < r < 1.5 for r in post)
     assert all(p > 2 * q for p, q in zip(pre, post, strict=True))
+
+
+def test_query_and_key_norms_are_off_the_trunk_of_a_post_branch_model() -> None:
+    """EXAONE 4 (like OLMo2) has no pre-norm: its norms are q/k norms inside attention and
+    post-branch norms. The q/k norms' gradients are the queries' and keys', not the
+    trunk's: the depth profile leaves them out (with them, a healthy run read as decay)."""
+    from tests import zoo
+
+    model = zoo.tiny("exaone4", "Exaone4ForCausalLM")
+    w = normwatch.watch(model, flush_every=1, stats_every=1, report_dir=None)
+    model(**zoo.inputs("exaone4", model.config, zoo.batch()), use_cache=False).loss.backward()
+    snap = w.step()
+    assert snap is not None
+    names = [p.layer for p in depth_profile(snap, w.forward_order).points]  # type: ignore[union-attr]
+    assert names and not [n for n in names if n.endswith(("q_norm", "k_norm"))]
+    assert any(n.endswith("q_norm") for n in w.forward_order)  # they are watched
+    w.close()

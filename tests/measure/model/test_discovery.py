@@ -344,5 +344,6 @@ def test_an_eps_given_as_a_literal_is_measured_from_the_output(eps: float, width
                    LiteralEpsRMSNorm(width, eps)):
         (layer,) = normwatch.find_norm_layers(nn.Sequential(module))
         assert layer.eps_measured and layer.eps == pytest.approx(eps, rel=1e-3, abs=1e-12)
+        assert layer.eps_written == eps  # as the code wrote it, to the last digit
     (read,) = normwatch.find_norm_layers(nn.Sequential(nn.LayerNorm(width, eps=eps)))
     assert not read.eps_measured and read.eps == eps
