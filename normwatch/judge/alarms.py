@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from normwatch.config import WatchConfig
 from normwatch.judge.depth import DepthProfile, gradient_alarms
-from normwatch.judge.headroom import FAR_FRACTION, severity, steps_to_limit
+from normwatch.judge.headroom import CLOSE_FRACTION, severity, steps_to_limit
 from normwatch.records import (
     FP16_MAX,
     Alarm,
@@ -159,13 +159,13 @@ def fp16_alarms(stats: LayerStats, layer: NormLayer, step: int, ctx: RuleContext
 
 def _headroom(stats: LayerStats, step: int, ctx: RuleContext, fp16: bool) -> list[Alarm]:
     limit = ctx.config.limits.fp16_limit
-    if stats.absmax is None or not FAR_FRACTION * limit <= stats.absmax <= limit:
+    if stats.absmax is None or not CLOSE_FRACTION * limit <= stats.absmax <= limit:
         return []
     forecast = steps_to_limit(ctx.absmax_history.get(stats.name, ()), limit)
     said = severity(stats.absmax, limit, forecast, ctx.config.headroom_ratio,
                     ctx.config.headroom_horizon)
-    if forecast is None or said is None:
-        return []
+    if forecast is None or said is None or (not fp16 and said == "info"):
+        return []  # (another dtype: a note only where fp16 would warn)
     growth = (forecast.growth_per_step - 1) * 100
     msg = (
         f"{stats.name}: max |x| = {stats.absmax:.4g}, growing {growth:.2g} %/step: "

@@ -12,12 +12,11 @@ A trend that reaches the limit within ``horizon`` steps is said (:func:`severity
   *near* the limit (at least ``ratio`` of it, ``headroom_ratio``: 64 of 256) or *close*
   (at least :data:`CLOSE_FRACTION`, 16 of 256) on a steady trend (:data:`STEADY_POINTS`
   points on a line in log space, r² >= :data:`STEADY_R2`);
-- as **info** otherwise, from :data:`FAR_FRACTION` of the limit (4 of 256). Measured on
-  healthy runs: an fp16 Qwen3's final norm at 4.1 growing 11 %/step (~38 steps out, but
-  1/64 of the limit), CTRL's norms at 80 growing 0.8 %/step (1.2 e-foldings to go after
-  0.3 seen): growth early in training levels off. The real overflows (a residual growing
-  7 %/step) have covered that distance before they are near;
-- not at all below that.
+- as **info** otherwise. Measured on healthy runs: CTRL's norms at 80 growing 0.8 %/step
+  (1.2 e-foldings to go after 0.3 seen): growth early in training levels off. The real
+  overflows (a residual growing 7 %/step) have covered that distance before they are near;
+- not at all below 1/16 of the limit: an fp16 Qwen3's final norm at 4.1 growing 11 %/step
+  ("~38 steps" to 256, 4.1 e-foldings away) is early growth, not a forecast.
 """
 
 from __future__ import annotations
@@ -32,9 +31,8 @@ MIN_R2 = 0.8
 STEADY_POINTS = 8
 STEADY_R2 = 0.97
 CLOSE_FRACTION = 1 / 16
-"""A steady trend warns from 1/16 of the limit (|x| = 16 for the fp16 limit 256)."""
-FAR_FRACTION = 1 / 64
-"""Below this fraction of the limit (|x| = 4 for 256) a forecast is not said at all."""
+"""A steady trend warns from 1/16 of the limit (|x| = 16 for the fp16 limit 256); below
+it a forecast is not said at all."""
 REACH = 2.0
 """A warning extrapolates at most this many times the growth its points cover."""
 
@@ -57,7 +55,7 @@ def severity(value: float, limit: float, forecast: Forecast | None, ratio: float
              horizon: float) -> Literal["warning", "info"] | None:
     """How loud a forecast of ``value`` reaching ``limit`` is said (the module docstring's
     rule); ``None``: not at all."""
-    if forecast is None or forecast.steps > horizon or value < FAR_FRACTION * limit:
+    if forecast is None or forecast.steps > horizon or value < CLOSE_FRACTION * limit:
         return None
     covered = REACH * forecast.seen >= math.log(limit / value)
     steady = forecast.points >= STEADY_POINTS and forecast.r2 >= STEADY_R2

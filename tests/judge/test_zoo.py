@@ -47,7 +47,7 @@ def test_a_healthy_family_is_quiet(family: str, dtype: str) -> None:
 def test_the_issues_healthy_fp16_qwen3_is_not_warned_of() -> None:
     """Pure fp16, AdamW at 2e-3, a flush every 2 steps: the final norm's max |x| grows
     ~11 %/step from 1 to 4 early in training (~38 steps to 256 at that rate). It used to
-    warn; far from the limit, the forecast is info."""
+    warn; under 1/16 of the limit, it is early growth, not a forecast."""
     torch.manual_seed(0)
     model = tiny_hf("qwen3").half()
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, eps=1e-4)
@@ -60,6 +60,6 @@ def test_the_issues_healthy_fp16_qwen3_is_not_warned_of() -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             w.step(loss)
-    forecasts = [a for a in w.alarms if a.kind == "fp16_headroom"]
-    assert forecasts and {a.severity for a in forecasts} == {"info"}  # said, quietly
+    assert w.last_snapshot is not None
+    assert w.last_snapshot.layers["model.norm"].absmax > 4  # (where it used to warn)
     assert not [a for a in w.alarms if a.severity != "info"]
