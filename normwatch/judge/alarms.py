@@ -110,10 +110,8 @@ def fp16_alarms(stats: LayerStats, layer: NormLayer, step: int, ctx: RuleContext
             )
         elif fp16:
             upcasts = probe is not None and probe.element_safe is True
-            trend = steps_to_limit(ctx.absmax_history.get(name, ()), FP16_MAX)
-            growing = severity(stats.absmax, FP16_MAX, trend, ctx.config.headroom_ratio,
-                               ctx.config.headroom_horizon) == "warning"
-            sev = "warning" if growing or not upcasts else "info"
+            sev = "warning" if not upcasts or _heading(stats.absmax, name, FP16_MAX, ctx) \
+                else "info"
             msg = (
                 f"{name}: max |x| = {stats.absmax:.4g} > {limit:g} in {share} of an fp16 "
                 f"run. The norm {'upcasts internally' if upcasts else 'may be fp16-safe'}, "
@@ -157,6 +155,13 @@ def fp16_alarms(stats: LayerStats, layer: NormLayer, step: int, ctx: RuleContext
     return out
 
 
+def _heading(value: float, name: str, limit: float, ctx: RuleContext) -> bool:
+    """Whether the layer's max |x| trend deserves a warning of reaching ``limit``."""
+    trend = steps_to_limit(ctx.absmax_history.get(name, ()), limit)
+    return severity(value, limit, trend, ctx.config.headroom_ratio,
+                    ctx.config.headroom_horizon) == "warning"
+
+
 def _headroom(stats: LayerStats, step: int, ctx: RuleContext, fp16: bool) -> list[Alarm]:
     limit = ctx.config.limits.fp16_limit
     if stats.absmax is None or not CLOSE_FRACTION * limit <= stats.absmax <= limit:
@@ -178,7 +183,7 @@ def _headroom(stats: LayerStats, step: int, ctx: RuleContext, fp16: bool) -> lis
                 "or checkpoint now.")
     else:
         msg += (f" Still {limit / stats.absmax:.0f}x below it: growth this far out often "
-                "levels off (a warning once it is steady and near).")
+                "levels off (a warning once it is near and has covered half the way).")
     return [Alarm("fp16_headroom", said if fp16 else "info", stats.name, step,
                   forecast.steps, float(ctx.config.headroom_horizon), msg)]
 

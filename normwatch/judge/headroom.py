@@ -59,7 +59,7 @@ def severity(value: float, limit: float, forecast: Forecast | None, ratio: float
         return None
     covered = REACH * forecast.seen >= math.log(limit / value)
     steady = forecast.points >= STEADY_POINTS and forecast.r2 >= STEADY_R2
-    near = value >= ratio * limit or (steady and value >= CLOSE_FRACTION * limit)
+    near = steady or value >= ratio * limit  # (close: past the floor above)
     return "warning" if covered and near else "info"
 
 
