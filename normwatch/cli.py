@@ -36,8 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo",
         help="train a tiny transformer into a numerical fault and watch normwatch catch it",
-        description="Train a small pre-norm transformer on synthetic data on the CPU, "
-        "reproduce a fault, and show the health table and alarms live.",
+        description="Train a small pre-norm transformer on synthetic data (on the CPU or "
+        "a GPU), reproduce a fault, and show the health table and alarms live.",
     )
     demo.add_argument("--fault", choices=sorted(FAULTS), default=DEFAULT_FAULT,
                       help=f"the fault to reproduce (default: {DEFAULT_FAULT}); "
@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     demo.add_argument("--flush-every", type=_positive_int, default=1,
                       help="flush statistics every N steps (default: 1)")
+    demo.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                      help="where to train: auto (the GPU where one is up, else the CPU), "
+                      "cpu or cuda (default: auto)")
     demo.add_argument("--no-live", action="store_true",
                       help="no live table; print alarms and the final table only")
     demo.add_argument("--report-dir", default="normwatch-reports",
@@ -85,10 +88,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console(width=None if sys.stdout.isatty() else 120)
     if args.command == "demo":
         from normwatch.demos.demo import run_demo
+        from normwatch.errors import ConfigError
 
-        run_demo(args.fault, steps=args.steps, seed=args.seed, console=console,
-                 live=False if args.no_live else None, flush_every=args.flush_every,
-                 report_dir=args.report_dir)
+        try:
+            run_demo(args.fault, steps=args.steps, seed=args.seed, console=console,
+                     live=False if args.no_live else None, flush_every=args.flush_every,
+                     report_dir=args.report_dir, device=args.device)
+        except ConfigError as exc:
+            print(f"normwatch demo: error: {exc}", file=sys.stderr)
+            return 2
         return 0
     if args.command == "report":
         return _report(args.path, args.html, console)

@@ -26,6 +26,10 @@ if TYPE_CHECKING:
     from normwatch.judge.court import Ruling
     from normwatch.judge.depth import DepthProfile
 
+BUILD_LOG = "normwatch.build"
+"""The logger on which normwatch says, at INFO, that it is building its native parts (a
+first run on a machine waits for it); the console view shows it."""
+
 
 @dataclass(frozen=True)
 class Flush:

@@ -47,7 +47,7 @@ from normwatch.measure.step.losses import LossBuffer, ride_along
 from normwatch.pipeline import Flush, Sink, Sinks
 from normwatch.records import Alarm, GuardEvent, NormLayer, ReplayPoint, Snapshot, Verdict
 from normwatch.report.dispatch import AlarmLog
-from normwatch.report.document import prepare_report_dir
+from normwatch.report.document import device_name, prepare_report_dir
 from normwatch.report.lines import attach_line, exit_line
 from normwatch.report.postmortem import ReportWriter
 
@@ -115,6 +115,11 @@ class Watch:
                 RuntimeWarning,
                 stacklevel=3,
             )
+        view = None
+        if c.console is not None:  # first: a first run says what it builds
+            from normwatch.report.live import ConsoleView
+
+            view = ConsoleView(live=None if c.console == "live" else False)
         self._measure = Measurement(pairs, c.limits, count_eval=c.count_eval, kernel=c.kernel,
                                     root=model, output_checks=c.output_check_every > 0,
                                     gradients=c.gradients, poison=c.guard)
@@ -124,7 +129,8 @@ class Watch:
         self.court = Court(c)
         """Triggers, verdicts, incidents and the record they rest on."""
         self._log = AlarmLog(c)
-        self._writer = ReportWriter(c, self.layers, self.court, self._dedup.history)
+        self._writer = ReportWriter(c, self.layers, self.court, self._dedup.history,
+                                    self._devices)
         self._sinks = Sinks()
         self._added: list[Sink] = []
         self.run_id = c.run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
@@ -162,7 +168,7 @@ class Watch:
         self._last_check: list[Alarm] = []
         self.closed = False
         self._warned_closed = False
-        self.view: ConsoleView | None = None
+        self.view: ConsoleView | None = view
         """Where the console output goes (``console`` option; assign your own)."""
         self._scaler: object = None
         self.skipped_steps = 0
@@ -171,11 +177,8 @@ class Watch:
         self._model = weakref.ref(model)
         self._idle_checked = False
         _LIVE.add(self)
-        if c.console is not None:
-            from normwatch.report.live import ConsoleView
-
-            self.view = ConsoleView(live=None if c.console == "live" else False)
-            self.view.note(attach_line(self._model_name, self.layers, c.flush_every,
+        if view is not None:
+            view.note(attach_line(self._model_name, self.layers, c.flush_every,
                                        c.report_dir))
 
     # -- the training-loop API ------------------------------------------------------------
@@ -500,6 +503,14 @@ class Watch:
             warnings.warn(f"normwatch: {what}() after close(): the hooks are removed, nothing "
                           "is measured", RuntimeWarning, stacklevel=3)
         return True
+
+    def _devices(self) -> list[str]:
+        """Where the watched model's parameters and buffers are now (for the reports)."""
+        model = self._model()
+        if model is None:
+            return []
+        found = {t.device: None for t in (*model.parameters(), *model.buffers())}
+        return [device_name(d) for d in found]
 
     def checkpoint_ok(self) -> bool:
         """Whether a checkpoint written now would be a good one: no incident is open and

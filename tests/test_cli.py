@@ -83,3 +83,17 @@ def test_python_dash_m_and_version() -> None:
     result = subprocess.run([sys.executable, "-m", "normwatch", "--version"],
                             capture_output=True, text=True, check=False)
     assert result.returncode == 0 and result.stdout.startswith("normwatch 0.")
+
+
+def test_demo_device_is_said_and_cuda_without_a_gpu_is_a_clean_error() -> None:
+    import torch
+
+    result = run("demo", "--device", "cpu", "--fault", "none", "--steps", "3")
+    assert result.returncode == 0, result.stderr
+    assert "· on cpu" in result.stdout and "3 steps on cpu" in result.stdout
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is up: tests/demos/test_drills.py runs the drills on it")
+    result = run("demo", "--device", "cuda")
+    assert result.returncode == 2
+    assert "normwatch demo: error: 'device' is 'cuda' but" in result.stderr
+    assert "Traceback" not in result.stderr

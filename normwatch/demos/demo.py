@@ -3,7 +3,7 @@
     >>> result = run_demo("fp16-overflow", steps=150)
     >>> result.first_warning_step < result.nan_step
 
-Everything runs on the CPU in well under a minute. The faults are real failure
+Everything runs in well under a minute, on the CPU or a GPU (``device``). The faults are real failure
 mechanisms; only their trigger is scripted (a drifting residual scale, a padding
 batch, a flag inside an MLP) so that each one shows up within a few dozen steps.
 """
@@ -20,9 +20,11 @@ from rich.markup import escape
 
 from normwatch.demos.faults import DEFAULT_FAULT, FAULTS, Fault
 from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
+from normwatch.errors import ConfigError
 from normwatch.judge.incidents import lead_warning
 from normwatch.records import SEVERITY_RANK, Alarm, Verdict
 from normwatch.report.console import HealthTable
+from normwatch.report.document import device_name
 from normwatch.report.live import ConsoleView
 from normwatch.watching import Watch, watch
 
@@ -34,6 +36,8 @@ class DemoResult:
     fault: str
     steps_run: int
     alarms: list[Alarm]
+    device: str = "cpu"
+    """Where the drill ran, with the GPU's name (``cuda:0 (NVIDIA H200)``)."""
     nan_step: int | None = None
     losses: list[float] = field(default_factory=list)
     verdicts: list[Verdict] = field(default_factory=list)
@@ -46,11 +50,30 @@ class DemoResult:
         return min(steps) if steps else None
 
 
-def build(fault: Fault, seed: int) -> tuple[TinyLM, torch.optim.Optimizer]:
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def pick_device(device: str) -> torch.device:
+    """``auto``: the GPU where one is up, else the CPU; ``cuda`` without one is an error
+    (:class:`~normwatch.errors.ConfigError`) that says so."""
+    if device not in DEVICES:
+        raise ConfigError(f"'device' must be one of {', '.join(DEVICES)}: got {device!r}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        why = "this torch is a CPU build" if torch.version.cuda is None else \
+            "torch finds no CUDA device (driver, CUDA_VISIBLE_DEVICES)"
+        raise ConfigError(f"'device' is 'cuda' but {why}: use --device cpu or auto")
+    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" \
+        else torch.device("cpu")
+
+
+def build(fault: Fault, seed: int, device: torch.device | str = "cpu"
+          ) -> tuple[TinyLM, torch.optim.Optimizer]:
     """The model and optimizer of a drill (deterministic for a seed)."""
     torch.manual_seed(seed)
     model = TinyLM(norm=fault.norm, eps=fault.eps, padding_idx=0 if fault.padding else None)
-    model.to(getattr(torch, fault.dtype))
+    model.to(device=device, dtype=getattr(torch, fault.dtype))
     fault.prepare(model)
     return model, torch.optim.SGD(model.parameters(), lr=fault.lr, momentum=0.9)
 
@@ -63,22 +86,28 @@ def run_demo(
     live: bool | None = None,
     flush_every: int = 1,
     report_dir: str | None = "normwatch-reports",
+    device: str = "cpu",
 ) -> DemoResult:
-    """Train until ``steps`` or a non-finite loss; print alarms and the table."""
+    """Train until ``steps`` or a non-finite loss; print alarms and the table. ``device``:
+    ``cpu``, ``cuda`` or ``auto`` (the GPU where one is up); the batches are drawn on the
+    CPU, so a seed's drill is the same data on either."""
     fault = FAULTS[fault_name]
+    where = pick_device(device)
     console = console or Console(width=None if _tty() else 120)
     live = console.is_terminal if live is None else live
-    model, optimizer = build(fault, seed)
+    model, optimizer = build(fault, seed, where)
     gen = torch.Generator().manual_seed(seed)
-    result = DemoResult(fault.name, 0, [])
-    console.print(f"[bold]normwatch demo[/] · fault [bold]{fault.name}[/]: {fault.summary}")
+    result = DemoResult(fault.name, 0, [], device=device_name(where))
+    console.print(f"[bold]normwatch demo[/] · fault [bold]{fault.name}[/]: {fault.summary} "
+                  f"· on {escape(result.device)}")
+    view = ConsoleView(console, live=live)  # from here: a first run says what it builds
     # A small model: full statistics on every step make the live table richest.
     with watch(model, optimizer, flush_every=flush_every, report_dir=report_dir,
                report_console=False, stats_every=1) as w:
-        w.view = view = ConsoleView(console, live=live)
+        w.view = view
         for step in range(1, steps + 1):
             fault.before_step(model, step)
-            tokens = fault.batch(synthetic_batch(gen), step)
+            tokens = fault.batch(synthetic_batch(gen), step).to(where)
             if fault.padding:
                 tokens[:, -8:] = 0
             loss = lm_loss(model(tokens), tokens)
@@ -112,7 +141,8 @@ def _table(w: Watch, step: int) -> Group | HealthTable | str:
 
 def summary(result: DemoResult) -> str:
     """A few closing lines: what fired, when, and how early."""
-    lines = [f"[bold]summary[/] · {result.fault}: {result.steps_run} steps"]
+    lines = [f"[bold]summary[/] · {result.fault}: {result.steps_run} steps on "
+             f"{escape(result.device)}"]
     kinds: dict[str, Alarm] = {}
     for alarm in result.alarms:
         kinds.setdefault(f"{alarm.severity} {alarm.kind}", alarm)

@@ -23,7 +23,7 @@ import tempfile
 import traceback
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from normwatch._version import __version__
 from normwatch.catalog import TABLE
@@ -40,6 +40,9 @@ from normwatch.records import (
     UpdateStats,
     Verdict,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 SCHEMA = "normwatch.report"
 VERSION = 1
@@ -69,11 +72,12 @@ def build_report(
     incident: Incident | None = None,
     guard: Sequence[GuardEvent] | None = None,
     replay: ReplayPoint | None = None,
+    devices: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The report document as plain JSON-able data (pure: no I/O). ``incident``: the
     incident reported (its timeline); ``guard``: the guard's poisoned steps (``None``: no
-    guard); ``replay``: what re-runs the incident's first step; the gradient depth profile
-    is the records'."""
+    guard); ``replay``: what re-runs the incident's first step; ``devices``: where the
+    watched model ran; the gradient depth profile is the records'."""
     first = first_nonfinite(records)
     position = {name: i for i, name in enumerate(order)}
     ordered = sorted(layers, key=lambda x: position.get(x.name, len(order) + layers.index(x)))
@@ -109,7 +113,7 @@ def build_report(
             "step": replay.step, "batch_fingerprint": replay.fingerprint,
             "position": dict(replay.position), "rng": dict(replay.rng)},
         "gradient_depth": gradient_depth(records),
-        "environment": environment(records),
+        "environment": environment(records, devices),
         "exception": None if exception is None else {
             "type": type(exception).__name__,
             "message": str(exception),
@@ -129,8 +133,19 @@ def gradient_depth(records: Sequence[Record]) -> dict[str, Any] | None:
     return None
 
 
-def environment(records: Sequence[Record] = ()) -> dict[str, Any]:
-    """Versions, devices and the dtypes the norms saw."""
+def device_name(device: torch.device) -> str:
+    """``cpu``, or ``cuda:0 (NVIDIA H200)``: a GPU with its name."""
+    import torch
+
+    if device.type != "cuda":
+        return str(device)
+    return f"{device} ({torch.cuda.get_device_name(device)})"
+
+
+def environment(records: Sequence[Record] = (), devices: Sequence[str] = ()
+                ) -> dict[str, Any]:
+    """Versions, devices (``ran_on``: the watched model's, e.g. ``cuda:0 (NVIDIA H200)``;
+    ``devices``: the machine's) and the dtypes the norms saw."""
     dtypes: dict[str, set[str]] = {"input": set(), "weight": set(), "output": set()}
     autocast: set[str] = set()
     for record in records:
@@ -149,6 +164,7 @@ def environment(records: Sequence[Record] = ()) -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cuda": torch.version.cuda,
+        "ran_on": list(devices),
         "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         or ["cpu"],
         "dtypes": {k: sorted(v) for k, v in dtypes.items()},

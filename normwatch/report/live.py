@@ -16,6 +16,7 @@ status line per flush at most every few seconds) without one — CI logs stay re
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.live import Live
 from rich.text import Text
 
-from normwatch.pipeline import Flush
+from normwatch.pipeline import BUILD_LOG, Flush
 from normwatch.records import SEVERITY_RANK, Alarm, Snapshot
 from normwatch.report.console import HealthTable, alarm_text, stderr_console
 from normwatch.report.lines import verdict_line
@@ -103,6 +104,12 @@ class ConsoleView:
         self._lines: list[Alarm] = []
         self._last = time.monotonic()
         self._last_status = -math.inf
+        self._builds = _BuildNotes(self)
+        """Says when normwatch's native parts are being built (a first run waits for it)."""
+        build_log = logging.getLogger(BUILD_LOG)
+        if build_log.level == logging.NOTSET:
+            build_log.setLevel(logging.INFO)
+        build_log.addHandler(self._builds)
 
     def on_flush(self, flush: Flush) -> None:
         """The watch's sink: the flush's alarm lines, the panel or status line, its
@@ -154,9 +161,21 @@ class ConsoleView:
 
     def close(self) -> None:
         """Stop the live display (the last panel stays on screen)."""
+        logging.getLogger(BUILD_LOG).removeHandler(self._builds)
         if self._live is not None:
             self._live.stop()
             self._live = None
+
+
+class _BuildNotes(logging.Handler):
+    """A view's handler on the build logger: each build's start as a dim note."""
+
+    def __init__(self, view: ConsoleView) -> None:
+        super().__init__(logging.INFO)
+        self.view = view
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.view.note(record.getMessage(), style="dim")
 
 
 def status_line(state: LiveState) -> str:

@@ -14,7 +14,7 @@ reports.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +31,10 @@ class ReportWriter:
     """Writes the post-mortems of one watch."""
 
     def __init__(self, config: WatchConfig, layers: Sequence[NormLayer], court: Court,
-                 alarms: Sequence[Alarm]) -> None:
+                 alarms: Sequence[Alarm], devices: Callable[[], list[str]] = list) -> None:
         self.config = config
+        self.devices = devices
+        """Where the watched model is now (read when a report is written)."""
         self.layers = tuple(layers)
         self.court = court
         self.alarms = alarms
@@ -98,5 +100,5 @@ class ReportWriter:
             records=court.history.records(), alarms=self.alarms,
             losses=list(court.losses), spikes=list(court.spikes), rank=self.config.rank,
             exception=exc, limits=self.config.limits, updates=list(court.updates),
-            incident=incident, guard=guard, replay=replay,
+            incident=incident, guard=guard, replay=replay, devices=self.devices(),
         )

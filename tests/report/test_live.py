@@ -150,3 +150,26 @@ def test_without_a_terminal_lines_are_not_wrapped(monkeypatch: pytest.MonkeyPatc
     assert not console.is_terminal and console.width == 160 and console.soft_wrap
     monkeypatch.setenv("COLUMNS", "100")
     assert stderr_console().width == 100
+
+
+def test_a_first_run_says_what_it_builds_while_a_view_is_open(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first run on a machine waits for normwatch's native parts to build: the console
+    says so (the C library here, built into an empty cache; the C++ hooks say it the same
+    way), and a closed view says nothing more."""
+    import shutil
+
+    from normwatch.measure.backends.native import build
+    from normwatch.report.live import ConsoleView
+
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("NORMWATCH_CACHE", str(tmp_path / "first"))
+    out = io.StringIO()
+    view = ConsoleView(Console(file=out, width=200), live=False)
+    build.library_path()
+    assert "normwatch: building its C kernels (once per machine and compiler" in out.getvalue()
+    view.close()
+    monkeypatch.setenv("NORMWATCH_CACHE", str(tmp_path / "second"))
+    build.library_path()
+    assert out.getvalue().count("building") == 1

@@ -34,6 +34,8 @@ from types import ModuleType
 
 import torch
 
+from normwatch.pipeline import BUILD_LOG
+
 HERE = Path(__file__).parent
 C_SOURCES = (HERE / "rows.c", HERE / "grads.c", HERE / "sample.c", HERE / "folds.c")
 """The C library's sources: a call's rows, a gradient's, the update sample, the folds
@@ -47,7 +49,7 @@ CPP_HEADERS = (HERE / "lane.h", HERE / "grads.h")
 NAME = "normwatch_lane"
 """The C++ module's name."""
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(BUILD_LOG)
 
 
 def cache_dir() -> Path:
@@ -125,6 +127,7 @@ def library_path() -> Path:
     runtime = openmp_runtime()
 
     def make(folder: Path, target: Path) -> None:
+        log.info("normwatch: building its C kernels (once per machine and compiler, ~2 s)")
         if runtime is not None:
             try:  # linked to torch's runtime alone: -lgomp would load a second one
                 objects = _compiled(cc, [*C_FLAGS, "-fopenmp"], C_SOURCES, folder)
@@ -222,7 +225,7 @@ def pointers(tensors: Sequence[torch.Tensor]) -> ctypes.Array[ctypes.c_void_p]:
 # -- the C++ module -----------------------------------------------------------------------
 
 def lane_path() -> Path:
-    """The C++ module, built now where missing (~25 s, once per machine and torch;
+    """The C++ module, built now where missing (~40 s on 2 cores, once per machine and torch;
     ``RuntimeError``: it cannot be)."""
     from torch.utils import cpp_extension
 
@@ -234,7 +237,8 @@ def lane_path() -> Path:
             f"-Wl,-rpath,{lib}"]
 
     def make(folder: Path, target: Path) -> None:
-        log.info("normwatch: building its C++ lane (once per machine and torch, ~20 s)")
+        log.info("normwatch: building its C++ hooks (once per machine and torch, ~40 s on "
+                 "2 cores)")
         objects = _compiled(cxx, flags, CPP_SOURCES, folder)
         run([[cxx, *map(str, objects), *link, "-o", str(target)]])
 
