@@ -3,8 +3,8 @@
     >>> result = run_demo("fp16-overflow", steps=150)
     >>> result.first_warning_step < result.nan_step
 
-Everything runs in well under a minute, on the CPU or a GPU (``device``). The faults are real failure
-mechanisms; only their trigger is scripted (a drifting residual scale, a padding
+Everything runs in well under a minute, on the CPU or a GPU (``device``). The faults
+are real failure mechanisms; only their trigger is scripted (a drifting residual scale, a padding
 batch, a flag inside an MLP) so that each one shows up within a few dozen steps.
 """
 
