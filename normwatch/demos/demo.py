@@ -11,6 +11,7 @@ batch, a flag inside an MLP) so that each one shows up within a few dozen steps.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +23,8 @@ from normwatch.demos.faults import DEFAULT_FAULT, FAULTS, Fault
 from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
 from normwatch.errors import ConfigError
 from normwatch.judge.incidents import lead_warning
-from normwatch.records import SEVERITY_RANK, Alarm, Verdict
+from normwatch.pipeline import Sink
+from normwatch.records import SEVERITY_RANK, Alarm, NormLayer, Verdict
 from normwatch.report.console import HealthTable
 from normwatch.report.document import device_name
 from normwatch.report.live import ConsoleView
@@ -38,6 +40,8 @@ class DemoResult:
     alarms: list[Alarm]
     device: str = "cpu"
     """Where the drill ran, with the GPU's name (``cuda:0 (NVIDIA H200)``)."""
+    layers: tuple[NormLayer, ...] = ()
+    """The norm layers the watch found."""
     nan_step: int | None = None
     losses: list[float] = field(default_factory=list)
     verdicts: list[Verdict] = field(default_factory=list)
@@ -87,10 +91,12 @@ def run_demo(
     flush_every: int = 1,
     report_dir: str | None = "normwatch-reports",
     device: str = "cpu",
+    sinks: Sequence[Sink] = (),
 ) -> DemoResult:
     """Train until ``steps`` or a non-finite loss; print alarms and the table. ``device``:
     ``cpu``, ``cuda`` or ``auto`` (the GPU where one is up); the batches are drawn on the
-    CPU, so a seed's drill is the same data on either."""
+    CPU, so a seed's drill is the same data on either. ``sinks``: added to the watch (each
+    gets every flush, as the console does)."""
     fault = FAULTS[fault_name]
     where = pick_device(device)
     console = console or Console(width=None if _tty() else 120)
@@ -105,6 +111,9 @@ def run_demo(
     with watch(model, optimizer, flush_every=flush_every, report_dir=report_dir,
                report_console=False, stats_every=1) as w:
         w.view = view
+        result.layers = w.layers
+        for sink in sinks:
+            w.add_sink(sink)
         for step in range(1, steps + 1):
             fault.before_step(model, step)
             tokens = fault.batch(synthetic_batch(gen), step).to(where)

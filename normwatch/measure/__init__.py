@@ -1,6 +1,6 @@
 """Measurement, the hot path: what a norm call, its gradients and the optimizer's step
 record, on the activations' device, with no host synchronisation until the flush
-(:meth:`~normwatch.measure.measurement.Measurement.read`). ``docs/hot-path.md`` follows
+(:meth:`~normwatch.measure.measurement.Measurement.read`). ``docs/inside/hot-path.md`` follows
 one call from the hook to the snapshot.
 
 The rooms, in the order their imports flow:

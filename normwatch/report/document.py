@@ -3,7 +3,7 @@
     >>> folder = write_report(build_report(...), "normwatch-reports")
     >>> report = load_report(folder)          # ReportError with a clear message if bad
 
-Schema (``docs/report-schema.md``): ``schema``, ``version``, ``created``, ``trigger``,
+Schema (``docs/reference/report-schema.md``): ``schema``, ``version``, ``created``, ``trigger``,
 ``step``, ``rank``, ``limits``, ``verdict``, ``first_nonfinite``, ``layers`` (with each
 layer's recent ``history``), ``alarms``, ``loss_history``, ``spikes``, ``update_history``,
 ``gradient_depth``, ``environment``, ``exception``.

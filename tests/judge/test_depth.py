@@ -135,7 +135,7 @@ def test_a_gradient_far_below_fp16_never_warns_however_it_grows() -> None:
 
 def test_the_article_ledger_holds_in_shape() -> None:
     """Pre-norm: bottom/top > 1, growing roughly like sqrt(L); post-norm stays near 1,
-    far below pre-norm (see docs/gradients.md for the numbers and why post-norm does not
+    far below pre-norm (see docs/inside/gradients.md for the numbers and why post-norm does not
     decay here as the article's 4-seed table says)."""
     rows = {(p, d): ledger(p, d, seeds=4, tokens=16) for p in ("pre", "post")
             for d in (16, 64, 256)}
