@@ -67,18 +67,39 @@ class DepthProfile:
 
     @property
     def slope(self) -> float:
-        """Least-squares slope of log RMS against depth scaled to [0, 1]: > 0 when the
-        gradient shrinks toward the input."""
+        """Least-squares slope of log RMS against depth scaled to [0, 1], each norm against
+        its peers (:func:`role`: the same norm of other blocks; one intercept per role):
+        > 0 when the gradient shrinks toward the input. Norms of different roles may sit
+        at different scales (a multi-stream hyper-connection norm and the block's own);
+        alternating between them is not depth."""
         n = len(self.points)
-        xs = [p.depth / max(n - 1, 1) for p in self.points]
-        ys = [math.log(p.hidden_rms) for p in self.points]
-        mx, my = sum(xs) / n, sum(ys) / n
-        sxx = sum((x - mx) ** 2 for x in xs)
-        return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx \
-            if sxx else 0.0
+        groups: dict[str, list[tuple[float, float]]] = {}
+        for p in self.points:
+            groups.setdefault(role(p.layer), []).append(
+                (p.depth / max(n - 1, 1), math.log(p.hidden_rms)))
+        sxy = sxx = 0.0
+        for pairs in groups.values():
+            mx = sum(x for x, _ in pairs) / len(pairs)
+            my = sum(y for _, y in pairs) / len(pairs)
+            sxy += sum((x - mx) * (y - my) for x, y in pairs)
+            sxx += sum((x - mx) ** 2 for x, _ in pairs)
+        return sxy / sxx if sxx else 0.0
+
+    @property
+    def fitted_ratio(self) -> float:
+        """First over last of the fitted trend (``exp(-slope)``): the decay the whole
+        profile shows, which one norm at either end (a final norm read straight by the
+        head) cannot decide alone."""
+        return math.exp(-self.slope)
 
     def count(self, placement: Placement) -> int:
         return sum(p.placement == placement for p in self.points)
+
+
+def role(layer: str) -> str:
+    """A norm's role in its block: its name with the block numbers taken out
+    (``model.layers.3.input_layernorm`` → ``model.layers.#.input_layernorm``)."""
+    return ".".join("#" if part.isdigit() else part for part in layer.split("."))
 
 
 def placement_of(stats: LayerStats, stated: Mapping[str, str] | None = None) -> Placement:
@@ -148,7 +169,7 @@ def gradient_alarms(snapshot: Snapshot, order: Sequence[str], *, decay_ratio: fl
     :func:`depth_profile`) and ``gradient_headroom`` findings."""
     out = _nonfinite(snapshot, order)
     if profile is not None and len(profile.points) >= MIN_DECAY_POINTS and \
-            profile.ratio < decay_ratio and profile.slope > 0:
+            profile.ratio < decay_ratio and profile.fitted_ratio < decay_ratio:
         post = profile.count("post")
         where = (f"{post} of {len(profile.points)} norms sit on the trunk after the residual "
                  "add (post-norm): every hop pays the norm's Jacobian" if post else
@@ -159,7 +180,9 @@ def gradient_alarms(snapshot: Snapshot, order: Sequence[str], *, decay_ratio: fl
             decay_ratio,
             f"The hidden state's gradient decays toward the input: RMS {first.hidden_rms:.3g} "
             f"at {first.layer!r} against {last.hidden_rms:.3g} at {last.layer!r} (ratio "
-            f"{profile.ratio:.3g} < {decay_ratio:g}), falling with depth; {where}. Deep "
+            f"{profile.ratio:.3g} < {decay_ratio:g}; the trend over its "
+            f"{len(profile.points)} norms {profile.fitted_ratio:.3g}), falling with depth; "
+            f"{where}. Deep "
             "layers learn slowly and the loss plateaus. Use pre-norm (h + F(LN(h))) with a "
             "final norm, or warm the learning rate up."))
     out += _headroom(snapshot, grad_history, horizon, ratio)

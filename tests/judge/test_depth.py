@@ -14,7 +14,13 @@ import normwatch
 from normwatch.config import WatchConfig
 from normwatch.demos.ledger import ledger
 from normwatch.judge.alarms import evaluate
-from normwatch.judge.depth import depth_profile, gradient_alarms, placement_of
+from normwatch.judge.depth import (
+    DepthPoint,
+    DepthProfile,
+    depth_profile,
+    gradient_alarms,
+    placement_of,
+)
 from normwatch.records import Snapshot
 from tests.factory import context, snapshot, stats
 
@@ -162,3 +168,25 @@ def test_query_and_key_norms_are_off_the_trunk_of_a_post_branch_model() -> None:
     assert names and not [n for n in names if n.endswith(("q_norm", "k_norm"))]
     assert any(n.endswith("q_norm") for n in w.forward_order)  # they are watched
     w.close()
+
+
+def _profile(rms: list[float]) -> tuple[Snapshot, list[str], DepthProfile]:
+    order = [f"blocks.{i}.norm" for i in range(len(rms))]
+    points = tuple(DepthPoint(n, i, r, "post") for i, (n, r) in enumerate(zip(order, rms,
+                                                                              strict=True)))
+    return snapshot(9, *[stats(n) for n in order]), order, DepthProfile(points)
+
+
+def test_one_norm_at_the_end_does_not_make_a_decay() -> None:
+    """ProphetNet's decoder (tiny, 12 post-norm blocks): the hidden gradient rises 1.5x over
+    23 norms, then the last, read straight by the head, has 2.6x the one before. The end
+    points' ratio (0.25) is the head's hop; the trend over the profile is 0.56: no decay
+    with depth. A steady post-norm decay to the same end ratio still warns."""
+    rising = [1.43e-4 * (1.5 ** (i / 23)) for i in range(24)] + [5.6e-4]
+    snap, order, profile = _profile(rising)
+    assert profile.ratio < 0.5 < profile.fitted_ratio
+    assert not gradient_alarms(snap, order, decay_ratio=0.5, profile=profile)
+    steady = [1.43e-4 * (5.6e-4 / 1.43e-4) ** (i / 24) for i in range(25)]
+    snap, order, profile = _profile(steady)
+    [alarm] = gradient_alarms(snap, order, decay_ratio=0.5, profile=profile)
+    assert alarm.kind == "gradient_decay" and "the trend over its 25 norms 0.255" in alarm.message
