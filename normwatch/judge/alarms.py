@@ -171,6 +171,11 @@ def _headroom(stats: LayerStats, step: int, ctx: RuleContext, fp16: bool) -> lis
                     ctx.config.headroom_horizon)
     if forecast is None or said is None or (not fp16 and said == "info"):
         return []  # (another dtype: a note only where fp16 would warn)
+    probe = ctx.probes.get(stats.name)
+    # a norm that upcasts is judged past 256 against 65504 (fp16_overflow), and below 256
+    # the stream is never near that: at most info
+    upcasts = fp16 and probe is not None and probe.element_safe is True
+    said = "info" if upcasts else said
     growth = (forecast.growth_per_step - 1) * 100
     msg = (
         f"{stats.name}: max |x| = {stats.absmax:.4g}, growing {growth:.2g} %/step: "
@@ -178,6 +183,9 @@ def _headroom(stats: LayerStats, step: int, ctx: RuleContext, fp16: bool) -> lis
     )
     if not fp16:
         msg += " Harmless in this dtype; fatal in fp16."
+    elif upcasts:
+        msg += (" The norm upcasts internally: 256 is no overflow here; past it, the "
+                "stream is judged against 65504.")
     elif said == "warning":
         msg += (" Act before it overflows: find what grows (lr, residual scale, a bad batch), "
                 "or checkpoint now.")

@@ -122,6 +122,22 @@ def test_a_forecast_warns_when_near_and_covered_and_is_info_further_out() -> Non
     assert said(short) == {("fp16_headroom", "info", "")}
 
 
+def test_a_forecast_at_a_norm_that_upcasts_follows_the_rule_past_256() -> None:
+    """256 is no overflow at a norm that reduces in fp32 (probed): the forecast toward it
+    is info there (Qwen3.5's final norm at 199, +1.4 %/step, warned on a run that stayed
+    finite); past 256 the stream is judged against 65504 (above). A norm that squares in
+    fp16, or one not probed, still warns."""
+    close = [(10 * s, 199 * 1.014 ** (10 * (s - 15))) for s in range(16)]
+    s = stats(absmax=close[-1][1], input_dtype="float16", weight_dtype="float16",
+              output_dtype="float16")
+    kinds, alarms = fired(s, probes={s.name: SAFE}, history={s.name: close})
+    assert kinds == {("fp16_headroom", "info", "")}
+    assert "upcasts internally" in alarms[0].message
+    for probe in (UNSAFE, None):
+        assert fired(s, probes={s.name: probe} if probe else None,
+                     history={s.name: close})[0] == {("fp16_headroom", "warning", "")}
+
+
 @pytest.mark.parametrize("origin", ["input", "norm"])
 def test_nonfinite_names_the_first_layer_and_where_it_came_from(origin: str) -> None:
     first = FirstNonfinite(9, "blocks.1.norm", 1, origin)  # type: ignore[arg-type]

@@ -22,7 +22,9 @@ from tests.conftest import tiny_hf
 pytest.importorskip("transformers")
 
 SUBSET = ("llama", "qwen3", "gemma", "mistral", "phi", "gpt2", "t5", "bert", "mamba2",
-          "cohere", "olmo2", "vit")
+          "cohere", "olmo2", "vit", "deepseek_v4")
+"""The issue's dozen, and DeepSeek V4 (its multi-stream hyper-connection norms alternate
+with the blocks' own at another scale: a depth profile that once read as a decay)."""
 STEPS = 40
 
 
