@@ -73,24 +73,23 @@ class Count:
 
 @contextmanager
 def _one_launch() -> Iterator[None]:
-    """The fused kernel as the GPU runs it: one launch and its output (Triton's CPU
-    interpreter copies tensors around; those ops are not the kernel's); each call of the
+    """The fused kernel as the GPU runs it: one launch (Triton's CPU interpreter copies
+    tensors around; those ops are not the kernel's; its output's allocation, where there
+    is one, is counted as it is); each call of the
     CPU's compiled kernel (one pass per tensor), which no dispatch mode sees."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     from normwatch.measure.backends.native import readers as native
 
-    real = triton_kernel.row_stats_triton
+    real = triton_kernel.launch
 
-    def counted(tokens: torch.Tensor, out: torch.Tensor | None = None, full: bool = True,
-                centred: bool = True) -> torch.Tensor:
+    def counted(*args: Any) -> None:
         mode = torch.utils._python_dispatch._get_current_dispatch_mode()
         with _disable_current_modes():
-            rows = real(tokens, out, full, centred)
+            real(*args)
         if isinstance(mode, OpCounter):
             mode.kernels[LAUNCH] += 1
-            mode.kernels["empty"] += 1  # its output
-        return rows
+            _READ.add(id(args[2]))  # (its rows: not the C++ lane's)
 
     def native_call(plan: native.RowPlan, x: torch.Tensor, out: torch.Tensor | None,
                     rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -118,21 +117,21 @@ def _one_launch() -> Iterator[None]:
 
     real_native, real_grad = native.read_rows, native.read_grad
     real_through = native.ThroughReader.__call__
-    triton_kernel.row_stats_triton = counted  # type: ignore[assignment]
+    triton_kernel.launch = counted
     native.read_rows = native_call
     native.read_grad = native_grad
     native.ThroughReader.__call__ = native_through  # type: ignore[method-assign]
     try:
         yield
     finally:
-        triton_kernel.row_stats_triton = real  # type: ignore[assignment]
+        triton_kernel.launch = real
         native.read_rows = real_native
         native.read_grad = real_grad
         native.ThroughReader.__call__ = real_through  # type: ignore[method-assign]
 
 
 _READ: set[int] = set()
-"""The rows the recorder had the C reader read (by id, while counted)."""
+"""The rows the recorder had the C reader or the fused kernel read (by id, while counted)."""
 
 
 def count(fn: Callable[[], object], accumulator: Accumulator | None = None) -> Count:
@@ -165,14 +164,18 @@ def watched(module: nn.Module, **options: Any) -> Iterator[Any]:
 
 
 def forward_call(kind: str = "rmsnorm", full: bool = False, dtype: torch.dtype = torch.float32,
-                 d: int = 256, tokens: int = 512, **options: Any) -> Count:
-    """The ops a watched forward call adds (training mode, input requiring grad)."""
+                 d: int = 256, tokens: int = 512, steady: bool = False, **options: Any) -> Count:
+    """The ops a watched forward call adds (training mode, input requiring grad);
+    ``steady``: as in a later step, the rows of the first call folded, so that the call
+    counted is lent the buffer they were read into."""
     norm = _norm(kind, d).to(dtype)
     x = torch.randn(tokens // 8, 8, d, dtype=dtype, requires_grad=True)
     plain = count(lambda: norm(x))
     with watched(norm, **options) as hook:
         hook.rt.update(full_stats=full, check_outputs=False)
         norm(x)  # the first call records names once
+        if steady:
+            hook.rt.accumulator.commit()
         hook.rt.update(calls_this_step=0)
         return count(lambda: norm(x), hook.rt.accumulator) - plain
 
@@ -264,9 +267,9 @@ def rows() -> list[tuple[str, Count]]:
         ("compiled gradient (grad_out + grad_in by formula)", compiled_grad(True)),
     ]
     if usable():
-        out += [("fused kernel forward, sentinel", forward_call(kernel="triton")),
+        out += [("fused kernel forward, sentinel", forward_call(kernel="triton", steady=True)),
                 ("fused kernel forward, full",
-                 forward_call(full=True, kernel="triton"))]
+                 forward_call(full=True, kernel="triton", steady=True))]
     return out
 
 

@@ -96,8 +96,13 @@ def test_the_sentinel_is_four_row_reductions_stacked_and_a_gradient_two() -> Non
 @pytest.mark.skipif(not usable(), reason="Triton cannot run here")
 @pytest.mark.parametrize("full", [False, True])
 def test_the_fused_kernel_is_one_launch_per_call(full: bool) -> None:
-    got = opcount.forward_call(full=full, kernel="triton")
-    assert dict(got.kernels) == {opcount.LAUNCH: 1, "empty": 1}, got.names()
+    """The CUDA path's call: one launch into a lent buffer, no other op, no view; the
+    first step's calls allocate their buffers, later steps' borrow them."""
+    first = opcount.forward_call(full=full, kernel="triton")
+    assert dict(first.kernels) == {opcount.LAUNCH: 1, "empty": 1}, first.names()
+    got = opcount.forward_call(full=full, kernel="triton", steady=True)
+    assert dict(got.kernels) == {opcount.LAUNCH: 1} and got.n_views == 0, \
+        (got.names(), got.views)
 
 
 def test_the_counter_sees_an_added_op() -> None:

@@ -36,11 +36,15 @@ def available() -> bool:
     return True
 
 
+def interpreted() -> bool:
+    """Whether Triton's CPU interpreter runs the kernel (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+
+
 def usable() -> bool:
     """Whether the kernel can run here: Triton imports and a GPU driver is up, or Triton's
     CPU interpreter is on (``TRITON_INTERPRET=1``)."""
-    interpreted = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
-    return available() and (interpreted or torch.cuda.is_available())
+    return available() and (interpreted() or torch.cuda.is_available())
 
 
 def row_count(has_out: bool, full: bool) -> int:
@@ -62,17 +66,29 @@ def row_stats_triton(tokens: torch.Tensor, out: torch.Tensor | None = None, full
     n_tokens, width = tokens.shape
     rows = torch.empty(row_count(out is not None, full), n_tokens, dtype=torch.float32,
                        device=tokens.device)
+    y = out if out is not None else tokens
+    launch(tokens, y, rows, n_tokens, width, (tokens.stride(0), tokens.stride(1),
+                                              y.stride(0), y.stride(1)),
+           out is not None, full, centred)
+    return rows
+
+
+def launch(x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, n_tokens: int, width: int,
+           strides: tuple[int, int, int, int], has_out: bool, full: bool, centred: bool
+           ) -> None:
+    """One launch of the kernel: ``n_tokens`` tokens of ``width`` elements of ``x`` (and
+    of ``y`` with ``has_out``) at ``strides`` (token, element; ``x``'s then ``y``'s) into
+    ``rows`` (``(row_count, n_tokens)`` float32); no tensor op on the way (the host's
+    whole cost of a call)."""
     if n_tokens == 0:
-        return rows
+        return
     import triton
 
+    if not x.is_cuda:  # the interpreter copies its arguments through NumPy
+        x, y = x.detach(), y.detach()
     block = min(MAX_BLOCK_D, triton.next_power_of_2(max(width, 1)))
-    y = out if out is not None else tokens
-    _kernel()[(n_tokens,)](
-        tokens, y, rows, n_tokens, width, tokens.stride(0), tokens.stride(1), y.stride(0),
-        y.stride(1), HAS_OUT=out is not None, FULL=full, CENTRED=centred, BLOCK_D=block,
-    )
-    return rows
+    _kernel()[(n_tokens,)](x, y, rows, n_tokens, width, *strides, HAS_OUT=has_out,
+                           FULL=full, CENTRED=centred, BLOCK_D=block)
 
 
 @functools.cache
@@ -149,6 +165,15 @@ class TritonBackend(TorchBackend):
 
     def call_rows(self, layer: LayerRows, x: torch.Tensor, out: torch.Tensor | None,
                   key: float | torch.Tensor, full: bool) -> CallRows:
+        if out is not None and layer.whole(x) and out.shape == x.shape and \
+                x.is_contiguous() and out.is_contiguous():
+            # the common case: one launch into a lent buffer, no tensor op (no view either)
+            width = x.shape[-1]
+            n = x.numel() // width
+            v = layer.take((row_count(True, full), n), x.device)
+            launch(x, out, v, n, width, (width, 1, width, 1), True, full, layer.centred)
+            return CallRows(layer.row, key, width, layer.eps, v, n, True, full, layer.centred,
+                            None)
         tokens, out_tokens = layer.token_pair(x, out)
         tokens = tokens.reshape(-1, tokens.shape[-1])
         same = out_tokens is not None and out is not None and out.shape == x.shape

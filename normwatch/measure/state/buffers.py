@@ -1,8 +1,9 @@
 """Float32 buffers lent to the readers for the rows they stage, taken back at the fold.
 
     >>> lender = RowBuffers()
-    >>> rows = lender.take((4, 128))   # held until the accumulator's next fold
-    >>> lender.give_back()             # the rows were folded: every buffer is free again
+    >>> rows = lender.take((4, 128))           # held until the accumulator's next fold
+    >>> rows = lender.take((4, 128), device)   # on a device (the Triton backend's)
+    >>> lender.give_back()                     # the rows were folded: every buffer is free again
 """
 
 from __future__ import annotations
@@ -10,30 +11,40 @@ from __future__ import annotations
 import torch
 
 
-def allocated(shape: tuple[int, ...]) -> torch.Tensor:
-    """A new float32 CPU buffer of ``shape``: where rows are read when none is lent."""
-    return torch.empty(shape, dtype=torch.float32)
+def allocated(shape: tuple[int, ...], device: torch.device | None = None) -> torch.Tensor:
+    """A new float32 buffer of ``shape`` (on the CPU, or ``device``): where rows are read
+    when none is lent."""
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
+def _key(shape: tuple[int, ...], device: torch.device | None) -> object:
+    """Where free buffers of ``shape`` on ``device`` wait: the CPU's by shape alone (as the
+    C++ lanes look them up), another device's by ``(device, shape)``."""
+    return shape if device is None or device.type == "cpu" else (device, shape)
 
 
 class RowBuffers:
-    """Float32 CPU buffers for rows that are staged until a fold: lent by shape, all taken
-    back when the rows lent since the last fold are folded (:meth:`give_back`), then lent
-    again. An allocation costs ~11 µs inside a training step, a loan ~3. What is kept is
-    what the last fold's rows held (and they were alive until it anyway); a shape not
-    lent since is let go. A loan is a list's pop (one at a time under the GIL); the
-    give-back runs where the fold does, between steps."""
+    """Float32 buffers for rows that are staged until a fold: lent by shape (and device),
+    all taken back when the rows lent since the last fold are folded (:meth:`give_back`),
+    then lent again. An allocation costs ~11 µs inside a training step, a loan ~3 (and no
+    op dispatched: on a GPU, no allocation per call). What is kept is what the last fold's
+    rows held (and they were alive until it anyway); a shape not lent since is let go. A
+    loan is a list's pop (one at a time under the GIL); the give-back runs where the fold
+    does, between steps. A device buffer is lent again once the fold that read it is
+    queued: what writes it next runs after that fold on the stream."""
 
     __slots__ = ("_free", "_lent")
 
     def __init__(self) -> None:
-        self._free: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        self._free: dict[object, list[torch.Tensor]] = {}
         self._lent: list[torch.Tensor] = []
 
-    def take(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A buffer of ``shape``, to hold until the next :meth:`give_back` (the C++ lanes
-        lend as this does: :mod:`~normwatch.measure.backends.native.contract`)."""
-        free = self._free.get(shape)
-        rows = free.pop() if free else allocated(shape)
+    def take(self, shape: tuple[int, ...], device: torch.device | None = None) -> torch.Tensor:
+        """A buffer of ``shape`` (on ``device``; default the CPU), to hold until the next
+        :meth:`give_back` (the C++ lanes lend as this does on the CPU:
+        :mod:`~normwatch.measure.backends.native.contract`)."""
+        free = self._free.get(_key(shape, device))
+        rows = free.pop() if free else allocated(shape, device)
         self._lent.append(rows)
         return rows
 
@@ -43,7 +54,7 @@ class RowBuffers:
         second fold must not let the first's buffers go)."""
         if not self._lent:
             return
-        free: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        free: dict[object, list[torch.Tensor]] = {}
         for rows in self._lent:
-            free.setdefault(tuple(rows.shape), []).append(rows)
+            free.setdefault(_key(tuple(rows.shape), rows.device), []).append(rows)
         self._free, self._lent = free, []

@@ -200,8 +200,9 @@ class GradRows(NamedTuple):
 assert (OUT, IN, HIDDEN, WEIGHT) == (0, 1, 2, 3)  # (as lane.cpp's gradient hooks name them)
 
 
-Lend = Callable[[tuple[int, ...]], torch.Tensor]
-"""A lender of float32 buffers of a shape, held until the accumulator's next fold."""
+Lend = Callable[..., torch.Tensor]
+"""A lender of float32 buffers of a shape (and a device: default the CPU), held until the
+accumulator's next fold (:meth:`~normwatch.measure.state.buffers.RowBuffers.take`)."""
 
 
 @dataclass(slots=True, eq=False)
