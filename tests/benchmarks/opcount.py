@@ -245,6 +245,65 @@ def compiled_grad(through: bool, kind: str = "rmsnorm", d: int = 256,
             _OPERATOR)
 
 
+PHASES = ("forward", "backward", "optimizer", "watch.step")
+"""A training step's parts, as :func:`step` counts them: the model's forward (the norm
+calls), its backward (the gradient hooks), the optimizer's step (the update monitor,
+the guard) and ``watch.step`` (the commit, the early-warning peek, the flush)."""
+
+
+def step(kernel: str = "triton", guard: bool = False, depth: int = 2, flush_every: int = 10,
+         **options: Any) -> dict[str, dict[str, Count]]:
+    """The ops the watch adds to whole training steps of a :class:`TinyLM` (``depth``
+    blocks, ``2 * depth + 1`` norms), against an unwatched copy stepped alike: per tier
+    (``"sentinel"``, ``"full"``), per phase (:data:`PHASES`); a step that flushes is left
+    out (counted apart: ``"flush"``); the fifth interval's steps (the first four build the
+    fold's plans and fill the lenders)."""
+    import copy
+
+    from normwatch.demos.toymodel import TinyLM, synthetic_batch
+
+    torch.manual_seed(0)
+    plain = TinyLM(dim=32, depth=depth)
+    model = copy.deepcopy(plain)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (plain, model)]
+    w = normwatch.watch(model, optimizers[1], kernel=kernel, guard=guard, report_dir=None,
+                        flush_every=flush_every, **options)
+    found: dict[str, dict[str, Count]] = {}
+    try:
+        for i in range(5 * flush_every):
+            batch = synthetic_batch(torch.Generator().manual_seed(i), batch=2, seq=8)
+            counted = [_one_step(plain, optimizers[0], batch, None),
+                       _one_step(model, optimizers[1], batch, w)]
+            full = counted[1].pop("full") is not None
+            tier = "full" if full else "sentinel"
+            if i >= 4 * flush_every:  # steady: every plan built, every lender filled
+                added = {k: counted[1][k] - counted[0][k] for k in PHASES}
+                found["flush" if (i + 1) % flush_every == 0 else tier] = added
+    finally:
+        w.close()
+    return found
+
+
+def _one_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor,
+              watch: Any) -> dict[str, Any]:
+    """One training step's ops by phase (:data:`PHASES`; ``watch``: ``None`` for the
+    unwatched copy); with a watch, ``"full"``: something where the step was full-tier."""
+    from normwatch.demos.toymodel import lm_loss
+
+    parts: dict[str, Any] = {}
+    losses: list[torch.Tensor] = []
+    parts["forward"] = count(lambda: losses.append(lm_loss(model(batch), batch)))
+    parts["backward"] = count(losses[0].backward)
+    parts["optimizer"] = count(optimizer.step)
+    optimizer.zero_grad()
+    if watch is None:
+        parts["watch.step"] = Count(Counter(), Counter())
+        return parts
+    parts["full"] = True if watch._measure._hooks[0].rt.full_stats else None
+    parts["watch.step"] = count(lambda: watch.step(losses[0]))
+    return parts
+
+
 def rows() -> list[tuple[str, Count]]:
     """The table's rows (the fused kernel's where Triton can run here)."""
     from normwatch.measure.backends.triton_kernel import usable
@@ -303,12 +362,28 @@ def table(measured: list[tuple[str, Count]]) -> str:
     return "\n".join(lines)
 
 
+def step_table(guard: bool = True) -> str:
+    """The whole CUDA-path step (the fused kernel, Triton's interpreter without a GPU), per
+    norm call and per step, against #48's budgets."""
+    norms = 5  # TinyLM(depth=2)
+    lines = ["| step | forward ops per norm call | gradients' ops per norm call | "
+             "cross-layer ops per step (optimizer + watch.step) |", "|---|---:|---:|---:|"]
+    for tier, parts in step(guard=guard).items():
+        total = {k: c.n_kernels + c.n_views for k, c in parts.items()}
+        lines.append(f"| {tier} | {total['forward'] / norms:g} | {total['backward'] / norms:g} "
+                     f"| {total['optimizer'] + total['watch.step']} |")
+    return "\n".join(lines) + ("\n\nbudgets: sentinel ≤ 2 per call, full ≤ 6 per call with its "
+                               "gradients, ≤ 20 cross-layer per step (kernels and views)")
+
+
 def main() -> str:
     text = table(rows())
     for full in (False, True):
         base, added = host_us(full)
         text += (f"\n\nhost time of a call on 8 tokens x 64 ({'full' if full else 'sentinel'} "
                  f"tier): unwatched {base:.1f} µs, the watch adds {added:.1f} µs")
+    if triton_kernel.usable():
+        text += "\n\n" + step_table()
     print(f"torch {torch.__version__}, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')}"
           f"\n\n{text}")
     return text

@@ -28,16 +28,18 @@ class RowBuffers:
     all taken back when the rows lent since the last fold are folded (:meth:`give_back`),
     then lent again. An allocation costs ~11 µs inside a training step, a loan ~3 (and no
     op dispatched: on a GPU, no allocation per call). What is kept is what the last fold's
-    rows held (and they were alive until it anyway); a shape not lent since is let go. A
-    loan is a list's pop (one at a time under the GIL); the give-back runs where the fold
-    does, between steps. A device buffer is lent again once the fold that read it is
+    rows held (and they were alive until it anyway), and for one give-back more what was
+    not lent. A loan is a list's pop (one at a time under the GIL); the give-back runs
+    where the fold does, between steps. A device buffer is lent again once the fold that read it is
     queued: what writes it next runs after that fold on the stream."""
 
-    __slots__ = ("_free", "_lent")
+    __slots__ = ("_free", "_idle", "_lent")
 
     def __init__(self) -> None:
         self._free: dict[object, list[torch.Tensor]] = {}
         self._lent: list[torch.Tensor] = []
+        self._idle: set[int] = set()
+        """The buffers (by id) kept at the last give-back without being lent."""
 
     def take(self, shape: tuple[int, ...], device: torch.device | None = None) -> torch.Tensor:
         """A buffer of ``shape`` (on ``device``; default the CPU), to hold until the next
@@ -51,10 +53,18 @@ class RowBuffers:
     def give_back(self) -> None:
         """Every buffer lent is free again: the rows in them were folded (or dropped).
         With none lent since the last, nothing changes (a flush folds twice over: its
-        second fold must not let the first's buffers go)."""
+        second fold must not let the first's buffers go). A free buffer not lent since is
+        kept for one more give-back, then let go: intervals that alternate (two full-tier
+        steps in one, three in the next) borrow all they need."""
         if not self._lent:
             return
         free: dict[object, list[torch.Tensor]] = {}
         for rows in self._lent:
             free.setdefault(_key(tuple(rows.shape), rows.device), []).append(rows)
-        self._free, self._lent = free, []
+        idle: set[int] = set()
+        for key, left in self._free.items():
+            kept = [rows for rows in left if id(rows) not in self._idle]
+            if kept:
+                free.setdefault(key, []).extend(kept)
+                idle.update(map(id, kept))
+        self._free, self._lent, self._idle = free, [], idle

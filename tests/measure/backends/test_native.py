@@ -484,8 +484,9 @@ def test_a_gradient_in_one_pass(dtype: torch.dtype) -> None:
 def test_row_buffers_are_lent_again_only_once_given_back() -> None:
     """Buffers are lent by shape, none twice before :meth:`give_back` (the rows in them
     wait for a fold); then the same ones are lent again, also after a give-back with
-    none lent (a flush folds twice), and a shape not lent since the last give-back is
-    let go at the next."""
+    none lent (a flush folds twice), and a buffer not lent since the last give-back is
+    kept for one more, then let go (intervals alternate: two full-tier steps in one,
+    three in the next)."""
     buffers = RowBuffers()
     first = [buffers.take((4, 8)) for _ in range(3)] + [buffers.take((7, 8))]
     assert len({id(b) for b in first}) == 4 and all(b.dtype == torch.float32 for b in first)
@@ -495,7 +496,13 @@ def test_row_buffers_are_lent_again_only_once_given_back() -> None:
     again = [buffers.take((4, 8)) for _ in range(4)]
     assert {id(b) for b in again[:3]} == {id(b) for b in first[:3]}  # the same three
     assert id(again[3]) not in {id(b) for b in first}  # a fourth: made
-    buffers.give_back()  # (7, 8) was not lent since the last give-back: let go
+    buffers.give_back()  # (7, 8) was not lent since the last give-back: kept once more
+    assert id(buffers.take((7, 8))) == id(first[3])
+    buffers.give_back()
+    buffers.take((4, 8))
+    buffers.give_back()  # (7, 8) not lent since: kept
+    buffers.take((4, 8))
+    buffers.give_back()  # nor since: let go
     assert id(buffers.take((7, 8))) != id(first[3])
 
 
