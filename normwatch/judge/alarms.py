@@ -109,7 +109,7 @@ def fp16_alarms(stats: LayerStats, layer: NormLayer, step: int, ctx: RuleContext
                 "Compute the reduction in fp32 (x.float().pow(2).mean(-1)) or use torch's norm."
             )
         elif fp16:
-            upcasts = probe is not None and probe.element_safe is True
+            upcasts = _upcasts(probe)
             sev = "warning" if not upcasts or _heading(stats.absmax, name, FP16_MAX, ctx) \
                 else "info"
             msg = (
@@ -155,6 +155,11 @@ def fp16_alarms(stats: LayerStats, layer: NormLayer, step: int, ctx: RuleContext
     return out
 
 
+def _upcasts(probe: ProbeResult | None) -> bool:
+    """Whether the probe found that the norm computes in fp32 (x = 300 gave a right output)."""
+    return probe is not None and probe.element_safe is True
+
+
 def _heading(value: float, name: str, limit: float, ctx: RuleContext) -> bool:
     """Whether the layer's max |x| trend deserves a warning of reaching ``limit``."""
     trend = steps_to_limit(ctx.absmax_history.get(name, ()), limit)
@@ -171,10 +176,9 @@ def _headroom(stats: LayerStats, step: int, ctx: RuleContext, fp16: bool) -> lis
                     ctx.config.headroom_horizon)
     if forecast is None or said is None or (not fp16 and said == "info"):
         return []  # (another dtype: a note only where fp16 would warn)
-    probe = ctx.probes.get(stats.name)
     # a norm that upcasts is judged past 256 against 65504 (fp16_overflow), and below 256
     # the stream is never near that: at most info
-    upcasts = fp16 and probe is not None and probe.element_safe is True
+    upcasts = fp16 and _upcasts(ctx.probes.get(stats.name))
     said = "info" if upcasts else said
     growth = (forecast.growth_per_step - 1) * 100
     msg = (

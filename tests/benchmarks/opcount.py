@@ -272,12 +272,11 @@ def step(kernel: str = "triton", guard: bool = False, depth: int = 2, flush_ever
     try:
         for i in range(5 * flush_every):
             batch = synthetic_batch(torch.Generator().manual_seed(i), batch=2, seq=8)
-            counted = [_one_step(plain, optimizers[0], batch, None),
-                       _one_step(model, optimizers[1], batch, w)]
-            full = counted[1].pop("full") is not None
-            tier = "full" if full else "sentinel"
+            tier = "full" if w._measure.full_stats else "sentinel"  # (this step's)
+            unwatched = _one_step(plain, optimizers[0], batch, None)
+            watched_ = _one_step(model, optimizers[1], batch, w)
             if i >= 4 * flush_every:  # steady: every plan built, every lender filled
-                added = {k: counted[1][k] - counted[0][k] for k in PHASES}
+                added = {k: watched_[k] - unwatched[k] for k in PHASES}
                 found["flush" if (i + 1) % flush_every == 0 else tier] = added
     finally:
         w.close()
@@ -285,22 +284,19 @@ def step(kernel: str = "triton", guard: bool = False, depth: int = 2, flush_ever
 
 
 def _one_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor,
-              watch: Any) -> dict[str, Any]:
+              watch: Any) -> dict[str, Count]:
     """One training step's ops by phase (:data:`PHASES`; ``watch``: ``None`` for the
-    unwatched copy); with a watch, ``"full"``: something where the step was full-tier."""
+    unwatched copy)."""
     from normwatch.demos.toymodel import lm_loss
 
-    parts: dict[str, Any] = {}
+    parts: dict[str, Count] = {}
     losses: list[torch.Tensor] = []
     parts["forward"] = count(lambda: losses.append(lm_loss(model(batch), batch)))
     parts["backward"] = count(losses[0].backward)
     parts["optimizer"] = count(optimizer.step)
     optimizer.zero_grad()
-    if watch is None:
-        parts["watch.step"] = Count(Counter(), Counter())
-        return parts
-    parts["full"] = True if watch._measure._hooks[0].rt.full_stats else None
-    parts["watch.step"] = count(lambda: watch.step(losses[0]))
+    parts["watch.step"] = Count(Counter(), Counter()) if watch is None else \
+        count(lambda: watch.step(losses[0]))
     return parts
 
 

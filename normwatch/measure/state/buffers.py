@@ -30,8 +30,8 @@ class RowBuffers:
     op dispatched: on a GPU, no allocation per call). What is kept is what the last fold's
     rows held (and they were alive until it anyway), and for one give-back more what was
     not lent. A loan is a list's pop (one at a time under the GIL); the give-back runs
-    where the fold does, between steps. A device buffer is lent again once the fold that read it is
-    queued: what writes it next runs after that fold on the stream."""
+    where the fold does, between steps. A device buffer is lent again once the fold that
+    read it is queued: what writes it next runs after that fold on the stream."""
 
     __slots__ = ("_free", "_idle", "_lent")
 
