@@ -81,15 +81,17 @@ def _one_launch() -> Iterator[None]:
 
     from normwatch.measure.backends.native import readers as native
 
-    real = triton_kernel.launch
+    real, real_grad_launch = triton_kernel.launch, triton_kernel.launch_grad
 
-    def counted(*args: Any) -> None:
-        mode = torch.utils._python_dispatch._get_current_dispatch_mode()
-        with _disable_current_modes():
-            real(*args)
-        if isinstance(mode, OpCounter):
-            mode.kernels[LAUNCH] += 1
-            _READ.add(id(args[2]))  # (its rows: not the C++ lane's)
+    def launched(run: Callable[..., None]) -> Callable[..., None]:
+        def counted(*args: Any) -> None:
+            mode = torch.utils._python_dispatch._get_current_dispatch_mode()
+            with _disable_current_modes():
+                run(*args)
+            if isinstance(mode, OpCounter):
+                mode.kernels[LAUNCH] += 1
+                _READ.add(id(args[2]))  # (its rows: not the C++ lane's)
+        return counted
 
     def native_call(plan: native.RowPlan, x: torch.Tensor, out: torch.Tensor | None,
                     rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -117,14 +119,15 @@ def _one_launch() -> Iterator[None]:
 
     real_native, real_grad = native.read_rows, native.read_grad
     real_through = native.ThroughReader.__call__
-    triton_kernel.launch = counted
+    triton_kernel.launch = launched(real)
+    triton_kernel.launch_grad = launched(real_grad_launch)
     native.read_rows = native_call
     native.read_grad = native_grad
     native.ThroughReader.__call__ = native_through  # type: ignore[method-assign]
     try:
         yield
     finally:
-        triton_kernel.launch = real
+        triton_kernel.launch, triton_kernel.launch_grad = real, real_grad_launch
         native.read_rows = real_native
         native.read_grad = real_grad
         native.ThroughReader.__call__ = real_through  # type: ignore[method-assign]

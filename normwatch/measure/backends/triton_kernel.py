@@ -1,8 +1,9 @@
-"""The Triton backend: one fused pass per norm call (CUDA; anywhere in Triton's
-interpreter, ``TRITON_INTERPRET=1``), torch's ops for the rest.
+"""The Triton backend: one fused pass per norm call and per gradient (CUDA; anywhere in
+Triton's interpreter, ``TRITON_INTERPRET=1``), torch's ops for the rest.
 
     >>> rows = row_stats_triton(tokens, out_tokens, full=True)   # (7, tokens) float32
     >>> call = TRITON.call_rows(layer, x, y, key, full=True)
+    >>> rows, _, _ = TRITON.grad_rows(layer, site, g, part)      # (2, tokens) float32
 
 Each program reads one token of the input (and of the output, when given) exactly once,
 in chunks of ``BLOCK_D`` elements, and writes the rows every backend writes
@@ -10,6 +11,9 @@ in chunks of ``BLOCK_D`` elements, and writes the rows every backend writes
 (NaN where the token holds a NaN or an inf), the output's the same, then (``full``) the
 sum, the L2 norm and the spread over the token (Chan's parallel merge of per-chunk
 two-pass moments: stable at |mean|/std = 1e3). So a fused call is folded as any other.
+A gradient's program reads one token of it (adding a second part as it reads) and writes
+its L2 norm and its max |g| (NaN where it holds a NaN or an inf): the rows of
+:attr:`~normwatch.measure.state.rows.GradRows.rowwise`.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 import torch
 
 from normwatch.measure.backends.torchops import TorchBackend, out_rows
-from normwatch.measure.state.rows import CallRows, LayerRows
+from normwatch.measure.state.rows import WEIGHT, CallRows, LayerRows
 
 MAX_BLOCK_D = 2048
 
@@ -89,6 +93,54 @@ def launch(x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, n_tokens: int, 
     block = min(MAX_BLOCK_D, triton.next_power_of_2(max(width, 1)))
     _kernel()[(n_tokens,)](x, y, rows, n_tokens, width, *strides, HAS_OUT=has_out,
                            FULL=full, CENTRED=centred, BLOCK_D=block)
+
+
+def launch_grad(g: torch.Tensor, part: torch.Tensor | None, rows: torch.Tensor,
+                n_tokens: int, width: int) -> None:
+    """One launch of the gradient kernel: ``n_tokens`` contiguous tokens of ``width``
+    elements of ``g`` (plus ``part``, laid out alike, added in float32) into ``rows``
+    (``(2, n_tokens)`` float32: each token's L2 norm, then its max |g|); no tensor op on
+    the way."""
+    if n_tokens == 0:
+        return
+    import triton
+
+    if not g.is_cuda:  # the interpreter copies its arguments through NumPy
+        g = g.detach()
+        part = None if part is None else part.detach()
+    block = min(MAX_BLOCK_D, triton.next_power_of_2(max(width, 1)))
+    _grad_kernel()[(n_tokens,)](g, g if part is None else part, rows, n_tokens, width,
+                                HAS_PART=part is not None, BLOCK_D=block)
+
+
+@functools.cache
+def _grad_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def grad_rows_kernel(g_ptr, p_ptr, rows_ptr, n_tokens, width, HAS_PART: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_D)
+        inf = float("inf")
+        sumsq = tl.zeros((), tl.float32)
+        hi = tl.zeros((), tl.float32)
+        bad = tl.zeros((), tl.float32)
+        for start in range(0, width, BLOCK_D):
+            idx = start + offs
+            inside = idx < width
+            g = tl.load(g_ptr + row * width + idx, mask=inside, other=0.0).to(tl.float32)
+            if HAS_PART:  # added in float32, as the C kernel adds them
+                g += tl.load(p_ptr + row * width + idx, mask=inside, other=0.0).to(tl.float32)
+            sumsq += tl.sum(g * g, 0)
+            ok = inside & (g == g) & (tl.abs(g) < inf)
+            bad += tl.sum((inside & ~ok).to(tl.float32), 0)
+            hi = tl.maximum(hi, tl.max(tl.where(ok, tl.abs(g), 0.0), 0))
+        tl.store(rows_ptr + row, tl.sqrt(sumsq))
+        tl.store(rows_ptr + n_tokens + row, tl.where(bad > 0, float("nan"), hi))
+
+    return grad_rows_kernel
 
 
 @functools.cache
@@ -184,6 +236,20 @@ class TritonBackend(TorchBackend):
             out_tokens.numel() else None
         return CallRows(layer.row, key, tokens.shape[1], layer.eps, v, tokens.shape[0], same,
                         full, layer.centred, spare)
+
+    def grad_rows(self, layer: LayerRows, site: int, g: torch.Tensor,
+                  part: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        if site != WEIGHT and g.dim() and g.is_contiguous() and (part is None or (
+                part.shape == g.shape and part.dtype == g.dtype and part.is_contiguous())):
+            # one launch into a lent buffer: each token's norm, then its max |g|
+            width = g.shape[-1]
+            n = g.numel() // width if width else 0
+            if n:
+                v = layer.grad_take((2, n), g.device)
+                launch_grad(g, part, v, n, width)
+                return v, None, None
+        return super().grad_rows(layer, site, g, part)
 
 
 TRITON = TritonBackend()

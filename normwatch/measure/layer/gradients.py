@@ -118,7 +118,7 @@ class _Through:
         g = grad_inputs[k]
         self._left -= 1
         if g is not None:
-            self._parts.append(g.detach())
+            self._parts.append(g.detach() if g.requires_grad else g)
         if self._left == 0 and self._parts:
             parts, self._parts = self._parts, []
             self._hook(parts)

@@ -101,14 +101,7 @@ def fold_grads(block: torch.Tensor, staged: Sequence[GradRows], plan: GradPlan) 
     acts = [s for s in staged if s.site != WEIGHT]
     weights = [s.norms for s in staged if s.site == WEIGHT]
     if acts:
-        acts = [s.unpacked() for s in acts]
-        bounds = torch.stack([t for s in acts for t in (s.lo, s.hi) if t is not None]
-                             ).float().view(-1, 2)
-        shape = acts[0].norms.shape
-        norms = torch.stack([s.norms for s in acts]).view(-1).float() \
-            if all(s.norms.shape == shape for s in acts) else \
-            torch.cat([s.norms.reshape(-1).float() for s in acts])  # one op when alike
-        peak = torch.maximum(bounds[:, 1], -bounds[:, 0])  # NaN/inf: the gradient holds them
+        norms, peak = _norms_and_peaks(acts)  # peak NaN/inf: the gradient holds them
         whole = peak.isfinite()
         n_rows, n = block.shape[0], len(GRAD_SUMS)
         if plan.uniform:  # summed per gradient over a view, then scattered
@@ -133,6 +126,25 @@ def fold_grads(block: torch.Tensor, staged: Sequence[GradRows], plan: GradPlan) 
         cells = block[:, peaks_at:peaks_at + len(SITES)]
         torch.fmax(cells, peaks.view(n_rows, len(SITES)).to(block.dtype), out=cells)
     if weights:
-        norms = torch.cat([w.reshape(-1)[:1] for w in weights]).to(block.dtype)
+        norms = (torch.stack(weights) if all(w.dim() == 0 for w in weights) else
+                 torch.cat([w.reshape(-1)[:1] for w in weights])).to(block.dtype)
         both = torch.stack([torch.ones_like(norms), norms * norms], 1)
         block[:, WEIGHT_AT:WEIGHT_AT + 2].index_add_(0, plan.weights, both)
+
+
+def _norms_and_peaks(acts: Sequence[GradRows]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every gradient's tokens' norms (float32; ``(gradients, tokens)`` or flat) and each
+    gradient's max |g|: a few ops however many gradients when they are the fused kernel's
+    alike (:attr:`~normwatch.measure.state.rows.GradRows.rowwise`)."""
+    shape = acts[0].norms.shape
+    if acts[0].rowwise and all(s.rowwise and s.norms.shape == shape for s in acts):
+        rows = torch.stack([s.norms for s in acts])
+        return rows[:, 0], rows[:, 1].amax(1)
+    acts = [s.unpacked() for s in acts]
+    bounds = torch.stack([t for s in acts for t in (s.lo, s.hi) if t is not None]
+                         ).float().view(-1, 2)
+    shape = acts[0].norms.shape
+    norms = torch.stack([s.norms for s in acts]).view(-1).float() \
+        if all(s.norms.shape == shape for s in acts) else \
+        torch.cat([s.norms.reshape(-1).float() for s in acts])  # one op when alike
+    return norms, torch.maximum(bounds[:, 1], -bounds[:, 0])

@@ -168,10 +168,13 @@ class GradRows(NamedTuple):
     norms: torch.Tensor
     """Each token's L2 norm (one element per token, any shape); the
     weight: its gradient's norm (0-d, or first of the C kernel's three: its norm, min and
-    max); :attr:`packed`, the C kernel's one buffer: the tokens' norms, then the
-    gradient's min and max (:func:`~normwatch.measure.backends.native.readers.grad_rows`)."""
+    max); :attr:`packed`, one buffer: the C kernel's tokens' norms, then the gradient's
+    min and max (:func:`~normwatch.measure.backends.native.readers.grad_rows`), or
+    (:attr:`rowwise`) the fused kernel's ``(2, tokens)``: each token's norm, then its max
+    |g| (NaN where it holds NaN/inf)."""
     lo: torch.Tensor | None
-    """The gradient's min and max (0-d; the weight, or packed: ``None``)."""
+    """The gradient's min and max (0-d; the weight, or packed: ``None``). The fold reads
+    ``max(hi, -lo)`` only: both may hold the max |g|."""
     hi: torch.Tensor | None
     layer: int
     """The layer's accumulator row."""
@@ -182,17 +185,28 @@ class GradRows(NamedTuple):
 
     @property
     def packed(self) -> bool:
-        """Whether :attr:`norms` ends with the gradient's min and max."""
+        """Whether :attr:`norms` holds the gradient's min and max (or max |g|) too."""
         return self.lo is None and self.site != WEIGHT
 
     @property
+    def rowwise(self) -> bool:
+        """Whether :attr:`norms` is the fused kernel's ``(2, tokens)`` (see there)."""
+        return self.lo is None and self.norms.dim() == 2 and self.site != WEIGHT
+
+    @property
     def tokens(self) -> int:
+        if self.rowwise:
+            return self.norms.shape[1]
         return self.norms.numel() - 2 if self.packed else self.norms.numel()
 
     def unpacked(self) -> GradRows:
-        """The same gradient with its min and max apart (views)."""
+        """The same gradient with its min and max apart (views; rowwise: its max |g| as
+        both, one reduction)."""
         if not self.packed:
             return self
+        if self.rowwise:
+            peak = self.norms[1].amax()
+            return self._replace(norms=self.norms[0], lo=peak, hi=peak)
         flat = self.norms.reshape(-1)
         return self._replace(norms=flat[:-2], lo=flat[-2], hi=flat[-1])
 

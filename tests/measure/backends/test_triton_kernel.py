@@ -12,14 +12,16 @@ pytest.importorskip("triton")
 
 import normwatch
 from normwatch.catalog import COLUMNS
-from normwatch.measure.backends.torchops import reduce_call
+from normwatch.measure.backends.torchops import TORCH, reduce_call
 from normwatch.measure.backends.triton_kernel import (
     TRITON,
+    launch_grad,
     row_count,
     row_stats_triton,
 )
 from normwatch.measure.state.fold import fold_calls, fold_plan
-from normwatch.measure.state.rows import LayerRows
+from normwatch.measure.state.grad_fold import fold_grads, grad_plan
+from normwatch.measure.state.rows import IN, OUT, GradRows, LayerRows
 from normwatch.records import Limits
 from tests.factory import layer
 
@@ -166,6 +168,88 @@ def test_watch_with_the_fused_kernel_agrees_with_torch() -> None:
             assert getattr(g, field) == pytest.approx(getattr(w, field), rel=1e-4), field
         assert (g.tokens, g.nonfinite, g.out_nonfinite) == (w.tokens, w.nonfinite,
                                                             w.out_nonfinite)
+
+
+def grad_rows_reference(g: torch.Tensor, part: torch.Tensor | None) -> torch.Tensor:
+    """The gradient kernel's rows in float64: each token's L2 norm of ``g`` (plus ``part``),
+    then its max |g| (NaN where it holds NaN/inf)."""
+    t = g.double() if part is None else g.double() + part.double()
+    peak = torch.where(torch.isfinite(t).all(1), t.abs().amax(1), float("nan"))
+    return torch.stack([t.square().sum(1).sqrt(), peak])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", [1, 3, 100, 2050])
+@pytest.mark.parametrize("parts", [1, 2])
+def test_gradient_kernel_matches_the_reference(dtype: torch.dtype, width: int,
+                                               parts: int) -> None:
+    g = hard(6, width, dtype).to(DEVICE)
+    part = (torch.randn(6, width) * 3).to(dtype).to(DEVICE) if parts == 2 else None
+    rows = torch.full((2, 6), -1.0, device=DEVICE)
+    launch_grad(g, part, rows, 6, width)
+    want = grad_rows_reference(g, part)
+    assert_rows_match(rows, want)
+    if width > 1:  # the token holding NaN and inf: NaN norm and peak; the others finite
+        assert rows[:, 4].isnan().all() and rows[:, [0, 1, 2, 3, 5]].isfinite().all()
+
+
+def test_fused_gradients_fold_as_torchs_do() -> None:
+    """A site's gradients read by the kernel (rowwise) fold to what torch's reductions
+    give: sums, peak max |g|, finite tokens; a gradient holding NaN keeps its peak out."""
+    rows = LayerRows.of(layer(kind="rmsnorm", eps=1e-5, width=64), 0)  # type: ignore[arg-type]
+    grads = [torch.randn(2, 4, 64, device=DEVICE) * s for s in (1.0, 5.0, 0.5)]
+    grads[2][1, 3, 7] = float("nan")
+    staged: dict[str, list[GradRows]] = {"torch": [], "triton": []}
+    for i, g in enumerate(grads):
+        site = (OUT, IN, OUT)[i]
+        for name, backend in (("torch", TORCH), ("triton", TRITON)):
+            norms, lo, hi = backend.grad_rows(rows, site, g, None)
+            staged[name].append(GradRows(norms, lo, hi, 0, site, 64))
+    assert all(s.rowwise for s in staged["triton"]) and \
+        not any(s.rowwise for s in staged["torch"])
+    blocks = {}
+    for name, grads_ in staged.items():
+        block = torch.zeros(1, len(COLUMNS), dtype=torch.float64, device=DEVICE)
+        block[:, [COLUMNS.index(f"{s}_absmax") for s in ("grad_out", "grad_in",
+                                                           "grad_hidden")]] = -float("inf")
+        fold_grads(block, grads_, grad_plan(grads_, DEVICE))
+        blocks[name] = block[0].cpu()
+    torch.testing.assert_close(blocks["triton"], blocks["torch"], rtol=1e-6, atol=0.0)
+    at = {c: blocks["triton"][COLUMNS.index(c)].item() for c in COLUMNS}
+    assert at["grad_out_tokens"] == 16 and at["grad_out_finite"] == 15  # one token NaN
+    assert at["grad_out_absmax"] == pytest.approx(grads[0].abs().max().item())  # NaN's out
+    assert at["grad_in_absmax"] == pytest.approx(grads[1].abs().max().item())
+    kept = grads[2].double().clone()
+    kept[1, 3] = 0.0  # the token holding NaN drops out of the sums
+    want = grads[0].double().square().sum() + kept.square().sum()
+    assert at["grad_out_sumsq"] == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_watched_gradients_by_the_kernel_agree_with_torch() -> None:
+    """Every gradient site of a watched model read by the kernel (the gradient through
+    the norm in two parts, added as read) gives torch's statistics."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.Linear(64, 64),
+                          nn.RMSNorm(64), nn.Linear(64, 4)).to(DEVICE)
+    inputs = [torch.randn(3, 8, 16, device=DEVICE) * s for s in (1, 30, 1)]
+    got = {}
+    for kernel in ("triton", "torch"):
+        w = normwatch.watch(model, kernel=kernel, stats_every=1, report_dir=None)
+        for x in inputs:
+            model(x).square().sum().backward()
+            w.step()
+        got[kernel] = w.flush().layers
+        w.close()
+    for name in ("1", "3"):
+        g, want = got["triton"][name], got["torch"][name]
+        for site in ("grad_out", "grad_in", "grad_hidden"):
+            for stat in ("absmax", "rms"):
+                value = getattr(want, f"{site}_{stat}")
+                assert value is not None and value > 0, (name, site, stat)
+                assert getattr(g, f"{site}_{stat}") == pytest.approx(value, rel=1e-5), \
+                    (name, site, stat)
+            assert getattr(g, f"{site}_nonfinite") == getattr(want, f"{site}_nonfinite") == 0
+        assert g.weight_grad_norm == pytest.approx(want.weight_grad_norm, rel=1e-6)
 
 
 class HalfOut(nn.Module):

@@ -105,6 +105,25 @@ def test_a_poisoned_step_leaves_parameters_and_state_as_if_never_taken(
     assert alarm.severity == "warning" and "skipped 1 optimizer step (step 5)" in alarm.message
 
 
+def test_on_the_fused_kernels_path_too() -> None:
+    """The CUDA path (the fused kernel's rows of calls and gradients; Triton's interpreter
+    without a GPU), every step's gradients measured: the same skip, bit-equal."""
+    from normwatch.measure.backends import triton_kernel
+
+    if not triton_kernel.usable():
+        pytest.skip("Triton cannot run here")
+    make = OPTIMIZERS["adamw-fused"]
+    ref_model, _, _ = train(make, torch.float32, {BAD}, skip_bad=True)
+    model, _, w = train(make, torch.float32, {BAD}, guard=True, flush_every=3,
+                        kernel="triton", stats_every=1)
+    assert w is not None and w.guard is not None
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    [event] = w.guard.events
+    assert (event.step, event.skipped) == (BAD, True)
+    assert event.reasons[0] == "a watched norm's input, output or gradient"
+
+
 def test_without_the_guard_the_bad_batch_poisons_the_weights() -> None:
     model, _, w = train(OPTIMIZERS["adamw"], torch.float32, {BAD}, flush_every=3)
     assert w is not None and w.guard is None
