@@ -25,6 +25,7 @@ alarm. What it did is resolved at each flush (:meth:`StepGuard.resolve`).
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -177,7 +178,7 @@ class StepGuard:
         else:
             sumsq = _sumsq(optimizer)
             self._grad_sumsq[optimizer] = (self._step(), sumsq)
-            bad_grads = [(~s.isfinite()).to(device) for s in sumsq.values()]
+            bad_grads = [(~(s < math.inf)).to(device) for s in sumsq.values()]  # (s >= 0)
         flags = torch.stack([_any(norms, device), _any(bad_grads, device)])
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             shared = flags.float()

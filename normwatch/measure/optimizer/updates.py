@@ -431,7 +431,7 @@ class UpdateMonitor:
             # computes them inside step(), after the pre-hook
             grads = sampled.grads_alike()
         else:
-            rows = {device: torch.stack([g, torch.zeros_like(g), torch.zeros_like(g)])
+            rows = {device: torch.stack([g, *[torch.zeros_like(g)] * 2])
                     for device, g in exact.items()}
         for index, pack in sampled.packs:
             row = pack.measure(sampled.current(index),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable
-from itertools import repeat
+from itertools import chain, repeat
 from typing import Any, TypeVar
 
 import torch
@@ -274,15 +274,15 @@ _where = operator.attrgetter("layer", "site", "width")
 
 def _nonfinite(calls: list[CallRows], grads: list[GradRows]) -> list[torch.Tensor]:
     """Per device, whether any of the rows of ``calls`` and ``grads`` is NaN/inf (a 0-d
-    bool; a token holding NaN/inf has NaN/inf rows)."""
-    parts: dict[torch.device, list[torch.Tensor]] = {}
-    for call in calls:
-        parts.setdefault(call.v.device, []).append(call.v.reshape(-1))
-        if call.out is not None:
-            parts[call.v.device].append(call.out.reshape(-1))
-    for grad in grads:
-        parts.setdefault(grad.norms.device, []).append(grad.norms.reshape(-1))
-    return [~torch.cat(p).isfinite().all() for p in parts.values()]
+    bool; a token holding NaN/inf has NaN/inf rows): rows of one shape stacked (a model's
+    calls and gradients are mostly alike), a few ops per device."""
+    parts: dict[torch.device, dict[tuple[object, ...], list[torch.Tensor]]] = {}
+    for rows in chain((c.v for c in calls), (c.out for c in calls if c.out is not None),
+                      (g.norms for g in grads)):
+        parts.setdefault(rows.device, {}).setdefault((rows.dtype, *rows.shape), []).append(rows)
+    return [~(torch.cat([(torch.stack(p) if len(p) > 1 else p[0]).view(-1)
+                         for p in alike.values()]).abs() < math.inf).all()
+            for alike in parts.values()]
 
 
 def _new_state(rows: int, device: torch.device) -> torch.Tensor:

@@ -59,6 +59,8 @@ class FoldPlan:
     identity: torch.Tensor
     """``(columns, calls)`` float64: each column's reduction identity (what a call that
     did not measure a statistic contributes)."""
+    identities: tuple[torch.Tensor, ...]
+    """:attr:`identity`'s rows (views made once: a fold takes the ones it needs as they are)."""
     limits: Limits
     table: torch.Tensor | None = None
     """CPU calls with float keys: the C fold's per-call constants, one line per call
@@ -99,6 +101,8 @@ def fold_plan(calls: Sequence[CallRows], limits: Limits) -> FoldPlan:
     # counts, i.e. sqrt(s) below the smallest float32 subnormal
     below = [math.sqrt(s.eps * (1 - tol) / tol) if s.eps > 0 else 2.0**-149 for s in sig]
     index = list(range(len(calls)))
+    identity = per([v for v in identity_row(COLUMNS) for _ in calls], dtype=torch.float64
+                   ).view(len(COLUMNS), len(calls))
     return FoldPlan(
         n_calls=len(calls),
         uniform=n_in[0] if len(set(n_in)) == 1 else 0,
@@ -113,8 +117,7 @@ def fold_plan(calls: Sequence[CallRows], limits: Limits) -> FoldPlan:
         inv_width=per([1 / w for w in width], n_in),
         inv_sqrt_width=per([1 / math.sqrt(w) for w in width], n_in),
         dominated_below=per(below, n_in),
-        identity=per([v for v in identity_row(COLUMNS) for _ in calls], dtype=torch.float64)
-        .view(len(COLUMNS), len(calls)),
+        identity=identity, identities=identity.unbind(0),
         limits=limits,
         table=_table(sig, below) if device.type == "cpu" else None,
         sizes=[((5 if calls[0].full else 2) + 2 * s.lined_up) * s.n_in for s in sig]
@@ -185,7 +188,7 @@ def fold_calls(calls: Sequence[CallRows], plan: FoldPlan) -> torch.Tensor:
     score = (SCORE_BASE - calls[0].key) - plan.key_offset
     cols["first_arrived_score"] = score * (nonfinite > 0)
     cols["first_born_score"] = score * ((out_bad > 0) & (nonfinite == 0))
-    return torch.stack([cols.get(name, plan.identity[i]) for i, name in enumerate(COLUMNS)],
+    return torch.stack([cols.get(name, plan.identities[i]) for i, name in enumerate(COLUMNS)],
                        1).double()
 
 
@@ -212,8 +215,8 @@ def _outputs(calls: Sequence[CallRows], plan: FoldPlan) -> tuple[torch.Tensor, t
     outputs that do not all line up with the inputs (missing or wrong-shaped)."""
     outs = [o for o in (c.outs() for c in calls) if o is not None]
     if not outs:
-        return plan.identity[COLUMNS.index("out_nonfinite")], \
-            plan.identity[COLUMNS.index("out_absmax")]
+        return plan.identities[COLUMNS.index("out_nonfinite")], \
+            plan.identities[COLUMNS.index("out_absmax")]
     absmax = torch.cat(outs, 1).float().abs().amax(0)
     absmax = absmax.nan_to_num(-math.inf, -math.inf, -math.inf)  # -inf marks NaN/inf
     bad = plan.per_call((absmax < 0).float()[None], "sum", out=True)[0]

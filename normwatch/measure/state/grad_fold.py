@@ -102,14 +102,14 @@ def fold_grads(block: torch.Tensor, staged: Sequence[GradRows], plan: GradPlan) 
     weights = [s.norms for s in staged if s.site == WEIGHT]
     if acts:
         norms, peak = _norms_and_peaks(acts)  # peak NaN/inf: the gradient holds them
-        whole = peak.isfinite()
+        whole = peak.abs() < math.inf  # (isfinite in two ops: NaN is not below)
         n_rows, n = block.shape[0], len(GRAD_SUMS)
         if plan.uniform:  # summed per gradient over a view, then scattered
             norms = norms.view(len(acts), plan.uniform)
-            ok = norms.isfinite() | whole[:, None]
+            ok = (norms < math.inf) | whole[:, None]  # (norms >= 0)
             index, width = plan.where, plan.widths
         else:  # scattered per token
-            ok = norms.isfinite() | whole[plan.segment]
+            ok = (norms < math.inf) | whole[plan.segment]
             index, width = plan.index, plan.width
         okf, squares = ok.float(), torch.where(ok, norms * norms, 0.0)
         if plan.uniform:
