@@ -205,7 +205,8 @@ class Watch:
         self.step_count += 1
         self._losses.record(loss, self.step_count)
         if self.config.early_warning and (self._early is not None or self._measure.on_cuda()):
-            self._measure.commit()  # the early-warning peek reads the folded state every step
+            # the early-warning peek reads the folded state every step
+            self._measure.commit(step_over=True)
         early = self._early_check()
         self._measure.begin_step(self.step_count + 1,
                                  full=self.step_count % self.config.stats_every == 0)

@@ -101,7 +101,7 @@ class Measurement:
         rt = self._rt
         self.discard_interrupted()
         if rt.accumulator.has_staged_grads:
-            self.commit(rt.accumulator.commit_grads)  # the step's backward is done
+            self.commit(rt.accumulator.commit_grads, step_over=True)  # its backward is done
         rt.accumulator.begin_step()
         self.replay.begin_step(step)
         rt.update(step=step, calls_this_step=0, full_stats=full)
@@ -171,11 +171,13 @@ class Measurement:
             for hook, (calls, tokens) in zip(self._hooks, open_.counts, strict=True):
                 hook.counts.calls, hook.counts.tokens = calls, tokens
 
-    def commit(self, fold: Callable[[], None] | None = None) -> None:
+    def commit(self, fold: Callable[[bool], None] | None = None, step_over: bool = False
+               ) -> None:
         """Fold the staged calls (or run ``fold``: one of the accumulator's commits); a
-        failure drops them with one warning, training goes on."""
+        failure drops them with one warning, training goes on. ``step_over``: the step
+        has ended (the guard's poison check of its rows is over: not noted)."""
         try:
-            (fold or self._rt.accumulator.commit)()
+            (fold or self._rt.accumulator.commit)(step_over)
         except Exception as exc:  # never take the training run down
             self._folding.fail(exc)  # warns once; later folds are still tried
 

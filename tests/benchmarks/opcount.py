@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import normwatch
-from normwatch.measure.backends import triton_kernel
+from normwatch.measure.backends import triton_folds, triton_kernel
 from normwatch.measure.state.accumulator import Accumulator
 from normwatch.measure.state.rows import HIDDEN, IN, OUT
 
@@ -82,6 +82,8 @@ def _one_launch() -> Iterator[None]:
     from normwatch.measure.backends.native import readers as native
 
     real, real_grad_launch = triton_kernel.launch, triton_kernel.launch_grad
+    folds = {name: getattr(triton_folds, name)
+             for name in ("launch_calls", "launch_accumulate", "launch_grads")}
 
     def launched(run: Callable[..., None]) -> Callable[..., None]:
         def counted(*args: Any) -> None:
@@ -121,6 +123,8 @@ def _one_launch() -> Iterator[None]:
     real_through = native.ThroughReader.__call__
     triton_kernel.launch = launched(real)
     triton_kernel.launch_grad = launched(real_grad_launch)
+    for name, run in folds.items():
+        setattr(triton_folds, name, launched(run))
     native.read_rows = native_call
     native.read_grad = native_grad
     native.ThroughReader.__call__ = native_through  # type: ignore[method-assign]
@@ -128,6 +132,8 @@ def _one_launch() -> Iterator[None]:
         yield
     finally:
         triton_kernel.launch, triton_kernel.launch_grad = real, real_grad_launch
+        for name, run in folds.items():
+            setattr(triton_folds, name, run)
         native.read_rows = real_native
         native.read_grad = real_grad
         native.ThroughReader.__call__ = real_through  # type: ignore[method-assign]
@@ -260,7 +266,8 @@ def step(kernel: str = "triton", guard: bool = False, depth: int = 2, flush_ever
     blocks, ``2 * depth + 1`` norms), against an unwatched copy stepped alike: per tier
     (``"sentinel"``, ``"full"``), per phase (:data:`PHASES`); a step that flushes is left
     out (counted apart: ``"flush"``); the fifth interval's steps (the first four build the
-    fold's plans and fill the lenders)."""
+    fold's plans and fill the lenders). As on CUDA, each step folds its calls for the
+    early warning's peek (``early_warning``: on by default)."""
     import copy
 
     from normwatch.demos.toymodel import TinyLM, synthetic_batch
@@ -271,6 +278,10 @@ def step(kernel: str = "triton", guard: bool = False, depth: int = 2, flush_ever
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (plain, model)]
     w = normwatch.watch(model, optimizers[1], kernel=kernel, guard=guard, report_dir=None,
                         flush_every=flush_every, **options)
+    if w.config.early_warning:  # as on CUDA: each step folds its calls for the peek
+        from normwatch.measure.step.early import EarlyWarning
+
+        w._early = EarlyWarning(w.config.limits.fp16_limit, _Landed, pin=False)
     found: dict[str, dict[str, Count]] = {}
     try:
         for i in range(5 * flush_every):
@@ -284,6 +295,16 @@ def step(kernel: str = "triton", guard: bool = False, depth: int = 2, flush_ever
     finally:
         w.close()
     return found
+
+
+class _Landed:
+    """A CUDA event stand-in whose copy has always landed."""
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
 
 
 def _one_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor,

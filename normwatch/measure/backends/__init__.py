@@ -4,8 +4,9 @@
 
 - :mod:`~normwatch.measure.backends.torchops` (``"torch"``): torch's own ops, any device;
   the universal fallback the others use for what their kernels do not cover;
-- :mod:`~normwatch.measure.backends.triton_kernel` (``"triton"``): a call's rows in one
-  fused pass (CUDA; the CPU in Triton's interpreter);
+- :mod:`~normwatch.measure.backends.triton_kernel` (``"triton"``): a call's rows and a
+  gradient's in one fused pass each (CUDA; the CPU in Triton's interpreter), the step's
+  folds in a launch or two (:mod:`~normwatch.measure.backends.triton_folds`);
 - :mod:`~normwatch.measure.backends.native` (``"native"``): the CPU's C readers and folds,
   the C++ lanes that measure common calls with no Python frame, the update sample.
 """

@@ -5,6 +5,8 @@ Triton's interpreter, ``TRITON_INTERPRET=1``), torch's ops for the rest.
     >>> call = TRITON.call_rows(layer, x, y, key, full=True)
     >>> rows, _, _ = TRITON.grad_rows(layer, site, g, part)      # (2, tokens) float32
 
+The step's folds are kernels too (:mod:`~normwatch.measure.backends.triton_folds`).
+
 Each program reads one token of the input (and of the output, when given) exactly once,
 in chunks of ``BLOCK_D`` elements, and writes the rows every backend writes
 (:class:`~normwatch.measure.state.rows.CallRows`): max |x| for both the max and the min
@@ -20,12 +22,20 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from normwatch.measure.backends.torchops import TorchBackend, out_rows
-from normwatch.measure.state.rows import WEIGHT, CallRows, LayerRows
+from normwatch.measure.backends.triton_folds import (
+    accumulate_fused,
+    fold_calls_fused,
+    fold_grads_fused,
+)
+from normwatch.measure.state.fold import FoldPlan
+from normwatch.measure.state.grad_fold import GradPlan
+from normwatch.measure.state.rows import WEIGHT, CallRows, GradRows, LayerRows
 
 MAX_BLOCK_D = 2048
 
@@ -250,6 +260,20 @@ class TritonBackend(TorchBackend):
                 launch_grad(g, part, v, n, width)
                 return v, None, None
         return super().grad_rows(layer, site, g, part)
+
+    def fold(self, calls: Sequence[CallRows], plan: FoldPlan) -> torch.Tensor:
+        lines = fold_calls_fused(calls, plan)
+        return super().fold(calls, plan) if lines is None else lines
+
+    def accumulate(self, lines: torch.Tensor, rows: torch.Tensor, block: torch.Tensor
+                   ) -> None:
+        if not accumulate_fused(lines, rows, block):
+            super().accumulate(lines, rows, block)
+
+    def fold_grads(self, block: torch.Tensor, staged: Sequence[GradRows], plan: GradPlan
+                   ) -> None:
+        if not fold_grads_fused(block, staged, plan):
+            super().fold_grads(block, staged, plan)
 
 
 TRITON = TritonBackend()

@@ -128,10 +128,11 @@ class Accumulator:
             self._cuda = self._staged[0].v.is_cuda
         return self._cuda
 
-    def commit(self) -> None:
+    def commit(self, step_over: bool = False) -> None:
         """Fold every staged call into the state (in place, no host sync). Staged rows
-        are dropped even when the fold fails."""
-        if self.watch_poison:
+        are dropped even when the fold fails. ``step_over``: the step has ended (its
+        poison is not asked again: not noted)."""
+        if self.watch_poison and not step_over:
             self._poisoned += _nonfinite(self._staged[self._step_from:], [])
         self._step_from = 0
         groups: dict[tuple[torch.device, bool], list[CallRows]] = {}
@@ -139,7 +140,7 @@ class Accumulator:
             groups.setdefault((call.v.device, call.full), []).append(call)
         self._staged = []
         self._commits += 1
-        self.commit_grads()
+        self.commit_grads(step_over)
         self._staged_tokens = 0
         try:
             self._fold(groups)
@@ -152,14 +153,15 @@ class Accumulator:
             backend = self.backend(device)
             backend.accumulate(backend.fold(calls, plan), plan.rows, self._block(device))
 
-    def commit_grads(self) -> None:
+    def commit_grads(self, step_over: bool = False) -> None:
         """Fold the staged gradients only: at the end of each measured step (small tensors
         kept from one step to the next slow the model's own allocations: 1.040x against
-        1.023x for folding each step, measured), and at every :meth:`commit`."""
+        1.023x for folding each step, measured), and at every :meth:`commit`
+        (``step_over``: as there)."""
         staged, self._staged_grads = self._staged_grads, []
         if not staged:
             return self.grad_buffers.give_back()
-        if self.watch_poison:
+        if self.watch_poison and not step_over:
             self._poisoned += _nonfinite([], staged)
         norms = list(map(_norms, staged))  # (over every gradient at once, in C)
         self._staged_tokens -= sum(map(torch.Tensor.numel, norms))

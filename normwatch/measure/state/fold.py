@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -69,6 +70,11 @@ class FoldPlan:
     sizes: list[int] | None = None
     """With :attr:`table`: each call's row count in floats as the C fold reads it (its
     rows, then its output's where they line up, then the moments, ``n_in`` each)."""
+    consts: torch.Tensor | None = None
+    """Calls with float keys: one float64 line per call for a kernel's fold, on the
+    calls' device (where its tokens start among the gathered rows, then as
+    :attr:`table`: tokens, width, eps, 1/width, 1/sqrt(width), ``dominated_below``, key
+    offset), else ``None``."""
 
     def per_call(self, x: torch.Tensor, how: str, out: bool = False) -> torch.Tensor:
         """Reduce the ``(k, tokens)`` rows of ``x`` per call (``how``: sum, amax or amin):
@@ -122,7 +128,22 @@ def fold_plan(calls: Sequence[CallRows], limits: Limits) -> FoldPlan:
         table=_table(sig, below) if device.type == "cpu" else None,
         sizes=[((5 if calls[0].full else 2) + 2 * s.lined_up) * s.n_in for s in sig]
         if device.type == "cpu" else None,
+        consts=_consts(sig, below, device),
     )
+
+
+def _consts(sig: Sequence[Signature], below: Sequence[float], device: torch.device
+            ) -> torch.Tensor | None:
+    """:attr:`FoldPlan.consts` (``None``: a key is a tensor, a compiled call's)."""
+    if not all(isinstance(s.offset, float) for s in sig):
+        return None
+    starts = [0, *accumulate(s.n_in for s in sig)][:-1]
+    values = [v for s, b, start in zip(sig, below, starts, strict=True)
+              for v in (start, s.n_in, s.width, s.eps, 1 / s.width, 1 / math.sqrt(s.width), b,
+                        s.offset)]
+    table = torch.tensor(values, dtype=torch.float64) if device.type == "cpu" else \
+        runs(values, [1] * len(values), torch.float64, device)  # (no host-to-device copy)
+    return table.view(len(sig), 8)
 
 
 def _table(sig: Sequence[Signature], below: Sequence[float]) -> torch.Tensor | None:

@@ -12,7 +12,7 @@ squared norm. A backend may fold them its own way (the native one: one C call).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +65,9 @@ class GradPlan:
     sums and its peak go in the flat block: ``G_...`` in the C source), else ``None``."""
     weights_at: torch.Tensor | None = None
     """On the CPU, where each weight gradient goes in the flat block (float64)."""
+    cells: torch.Tensor | None = None
+    """The staged gradients grouped by the block cells they fold into, for a fold that
+    gives each cell to one program (:func:`cell_table`)."""
 
 
 def grad_plan(staged: Sequence[GradRows], device: torch.device) -> GradPlan:
@@ -88,7 +91,41 @@ def grad_plan(staged: Sequence[GradRows], device: torch.device) -> GradPlan:
                            dtype=torch.float64).reshape(-1, 4)
         if device.type == "cpu" else None,
         weights_at=torch.tensor([layer * len(COLUMNS) + WEIGHT_AT for layer in weights],
-                                dtype=torch.float64) if device.type == "cpu" else None)
+                                dtype=torch.float64) if device.type == "cpu" else None,
+        cells=cell_table(staged, device))
+
+
+def cell_table(staged: Sequence[GradRows], device: torch.device) -> torch.Tensor:
+    """The staged gradients by the cells of the flat block they fold into, as one int64
+    vector of seven parts: the activations' gradients' positions (among them) grouped by
+    site cell, each cell's start in that order (and the end), each cell's sums' and
+    peak's offsets in the flat block; then the weights' positions (among them) grouped
+    by layer, each layer's start (and the end), its offset. A cell's gradients in one
+    program: two backward passes of one step (gradient accumulation) never race."""
+    acts = [s for s in staged if s.site != WEIGHT]
+    sites: dict[int, list[int]] = {}
+    for i, s in enumerate(acts):
+        sites.setdefault(s.layer * len(SITES) + s.site, []).append(i)
+    layers: dict[int, list[int]] = {}
+    for i, s in enumerate(s for s in staged if s.site == WEIGHT):
+        layers.setdefault(s.layer, []).append(i)
+    width = len(COLUMNS)
+    values = [*_grouped(sites.values()),
+              *(c // len(SITES) * width + SUM_AT[SITES[c % len(SITES)]] for c in sites),
+              *(c // len(SITES) * width + PEAK_AT[SITES[c % len(SITES)]] for c in sites),
+              *_grouped(layers.values()), *(layer * width + WEIGHT_AT for layer in layers)]
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=torch.int64)
+    return runs(values, [1] * len(values), torch.int64, device)  # (no host-to-device copy)
+
+
+def _grouped(groups: Collection[list[int]]) -> list[int]:
+    """Groups of positions laid end to end, then where each starts (and the end)."""
+    order = [i for group in groups for i in group]
+    starts = [0]
+    for group in groups:
+        starts.append(starts[-1] + len(group))
+    return order + starts
 
 
 def fold_grads(block: torch.Tensor, staged: Sequence[GradRows], plan: GradPlan) -> None:

@@ -264,9 +264,9 @@ def test_the_lanes_borrow_and_stage_with_no_python_frame(built: object) -> None:
     accumulator = w._measure._rt.accumulator
     real = accumulator.commit_grads
 
-    def commit_grads() -> None:
+    def commit_grads(step_over: bool = False) -> None:
         committed[0] += len(accumulator._staged_grads)
-        real()
+        real(step_over)
 
     accumulator.commit_grads = commit_grads  # type: ignore[method-assign]
 

@@ -25,7 +25,7 @@ from normwatch.measure.backends.native.build import library, threaded
 from normwatch.measure.backends.native.readers import GRAIN, MAX_ELEMENTS, grad_rows, row_stats
 from normwatch.measure.backends.torchops import reduce_call, token_rows
 from normwatch.measure.state.accumulator import _new_state
-from normwatch.measure.state.buffers import RowBuffers
+from normwatch.measure.state.buffers import KEEP_IDLE, RowBuffers
 from normwatch.measure.state.fold import fold_calls, fold_plan
 from normwatch.measure.state.grad_fold import fold_grads, grad_plan
 from normwatch.measure.state.rows import SITES, WEIGHT, CallRows, GradRows, LayerRows
@@ -484,9 +484,10 @@ def test_a_gradient_in_one_pass(dtype: torch.dtype) -> None:
 def test_row_buffers_are_lent_again_only_once_given_back() -> None:
     """Buffers are lent by shape, none twice before :meth:`give_back` (the rows in them
     wait for a fold); then the same ones are lent again, also after a give-back with
-    none lent (a flush folds twice), and a buffer not lent since the last give-back is
-    kept for one more, then let go (intervals alternate: two full-tier steps in one,
-    three in the next)."""
+    none lent (a flush folds twice), and a buffer not lent is kept for ``KEEP_IDLE``
+    give-backs, then let go (intervals alternate: two full-tier steps in one, three in
+    the next; where each step folds, a full-tier step's buffers wait ``stats_every - 1``
+    give-backs)."""
     buffers = RowBuffers()
     first = [buffers.take((4, 8)) for _ in range(3)] + [buffers.take((7, 8))]
     assert len({id(b) for b in first}) == 4 and all(b.dtype == torch.float32 for b in first)
@@ -496,13 +497,17 @@ def test_row_buffers_are_lent_again_only_once_given_back() -> None:
     again = [buffers.take((4, 8)) for _ in range(4)]
     assert {id(b) for b in again[:3]} == {id(b) for b in first[:3]}  # the same three
     assert id(again[3]) not in {id(b) for b in first}  # a fourth: made
-    buffers.give_back()  # (7, 8) was not lent since the last give-back: kept once more
+    buffers.give_back()  # (7, 8) was not lent since the last give-back: kept
     assert id(buffers.take((7, 8))) == id(first[3])
     buffers.give_back()
-    buffers.take((4, 8))
-    buffers.give_back()  # (7, 8) not lent since: kept
-    buffers.take((4, 8))
-    buffers.give_back()  # nor since: let go
+    for _ in range(KEEP_IDLE):  # (7, 8) not lent since: kept
+        buffers.take((4, 8))
+        buffers.give_back()
+    assert id(buffers.take((7, 8))) == id(first[3])
+    buffers.give_back()
+    for _ in range(KEEP_IDLE + 1):  # not lent for longer: let go
+        buffers.take((4, 8))
+        buffers.give_back()
     assert id(buffers.take((7, 8))) != id(first[3])
 
 

@@ -13,15 +13,17 @@ pytest.importorskip("triton")
 import normwatch
 from normwatch.catalog import COLUMNS
 from normwatch.measure.backends.torchops import TORCH, reduce_call
+from normwatch.measure.backends.triton_folds import fold_grads_fused
 from normwatch.measure.backends.triton_kernel import (
     TRITON,
     launch_grad,
     row_count,
     row_stats_triton,
 )
+from normwatch.measure.state.accumulator import _new_state
 from normwatch.measure.state.fold import fold_calls, fold_plan
 from normwatch.measure.state.grad_fold import fold_grads, grad_plan
-from normwatch.measure.state.rows import IN, OUT, GradRows, LayerRows
+from normwatch.measure.state.rows import IN, OUT, WEIGHT, GradRows, LayerRows
 from normwatch.records import Limits
 from tests.factory import layer
 
@@ -193,29 +195,42 @@ def test_gradient_kernel_matches_the_reference(dtype: torch.dtype, width: int,
         assert rows[:, 4].isnan().all() and rows[:, [0, 1, 2, 3, 5]].isfinite().all()
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # (interpreter)
 def test_fused_gradients_fold_as_torchs_do() -> None:
-    """A site's gradients read by the kernel (rowwise) fold to what torch's reductions
-    give: sums, peak max |g|, finite tokens; a gradient holding NaN keeps its peak out."""
+    """Gradients read by the kernel (rowwise) and folded by the fold kernel (each block
+    cell by one program: two backward passes into one cell, a layer's weight twice) give
+    what torch's reductions and fold give: sums, peak max |g|, finite tokens; a gradient
+    holding NaN keeps its peak out."""
     rows = LayerRows.of(layer(kind="rmsnorm", eps=1e-5, width=64), 0)  # type: ignore[arg-type]
-    grads = [torch.randn(2, 4, 64, device=DEVICE) * s for s in (1.0, 5.0, 0.5)]
+    gen = torch.Generator().manual_seed(3)
+    grads = [(torch.randn(2, 4, 64, generator=gen) * s).to(DEVICE) for s in (1.0, 5.0, 0.5, 2.0)]
     grads[2][1, 3, 7] = float("nan")
+    grads[3][0, 1] = 1e20  # finite, but its sum of squares overflows: a finite token
+    where = [(0, OUT), (0, IN), (0, OUT), (1, OUT)]  # (layer, site): layer 0's output twice
+    weights = [torch.randn(64, generator=gen).to(DEVICE) * s for s in (1.0, 3.0, 0.1)]
     staged: dict[str, list[GradRows]] = {"torch": [], "triton": []}
-    for i, g in enumerate(grads):
-        site = (OUT, IN, OUT)[i]
-        for name, backend in (("torch", TORCH), ("triton", TRITON)):
+    for name, backend in (("torch", TORCH), ("triton", TRITON)):
+        for g, (row, site) in zip(grads, where, strict=True):
             norms, lo, hi = backend.grad_rows(rows, site, g, None)
-            staged[name].append(GradRows(norms, lo, hi, 0, site, 64))
-    assert all(s.rowwise for s in staged["triton"]) and \
+            staged[name].append(GradRows(norms, lo, hi, row, site, 64))
+        for w, row in zip(weights, (0, 1, 0), strict=True):
+            norms, lo, hi = backend.grad_rows(rows, WEIGHT, w, None)
+            staged[name].append(GradRows(norms, lo, hi, row, WEIGHT, 1))
+    assert all(s.rowwise for s in staged["triton"] if s.site != WEIGHT) and \
         not any(s.rowwise for s in staged["torch"])
     blocks = {}
-    for name, grads_ in staged.items():
-        block = torch.zeros(1, len(COLUMNS), dtype=torch.float64, device=DEVICE)
-        block[:, [COLUMNS.index(f"{s}_absmax") for s in ("grad_out", "grad_in",
-                                                           "grad_hidden")]] = -float("inf")
-        fold_grads(block, grads_, grad_plan(grads_, DEVICE))
-        blocks[name] = block[0].cpu()
-    torch.testing.assert_close(blocks["triton"], blocks["torch"], rtol=1e-6, atol=0.0)
-    at = {c: blocks["triton"][COLUMNS.index(c)].item() for c in COLUMNS}
+    for name, how in (("torch", fold_grads), ("triton", fold_grads),
+                      ("fused", TRITON.fold_grads)):
+        grads_ = staged["torch" if name == "torch" else "triton"]
+        block = _new_state(2, torch.device(DEVICE))
+        plan = grad_plan(grads_, DEVICE)
+        if name == "fused":
+            assert fold_grads_fused(block.clone(), grads_, plan)  # the kernel's, not torch's
+        how(block, grads_, plan)
+        blocks[name] = block.cpu()
+    for name in ("triton", "fused"):
+        torch.testing.assert_close(blocks[name], blocks["torch"], rtol=1e-6, atol=0.0)
+    at = {c: blocks["fused"][0, COLUMNS.index(c)].item() for c in COLUMNS}
     assert at["grad_out_tokens"] == 16 and at["grad_out_finite"] == 15  # one token NaN
     assert at["grad_out_absmax"] == pytest.approx(grads[0].abs().max().item())  # NaN's out
     assert at["grad_in_absmax"] == pytest.approx(grads[1].abs().max().item())
@@ -223,6 +238,16 @@ def test_fused_gradients_fold_as_torchs_do() -> None:
     kept[1, 3] = 0.0  # the token holding NaN drops out of the sums
     want = grads[0].double().square().sum() + kept.square().sum()
     assert at["grad_out_sumsq"] == pytest.approx(want.item(), rel=1e-5)
+    assert at["grad_out_elements"] == 15 * 64
+    assert (at["weight_grads"], blocks["fused"][1, COLUMNS.index("weight_grads")].item()) == \
+        (2, 1)
+    assert at["weight_grad_sumsq"] == pytest.approx(
+        (weights[0].double().square().sum() + weights[2].double().square().sum()).item(),
+        rel=1e-5)
+    layer1 = {c: blocks["fused"][1, COLUMNS.index(c)].item() for c in COLUMNS}
+    assert layer1["grad_out_absmax"] == pytest.approx(1e20) and \
+        layer1["grad_out_sumsq"] == float("inf")
+    assert layer1["grad_out_finite"] == layer1["grad_out_tokens"] == 8
 
 
 def test_watched_gradients_by_the_kernel_agree_with_torch() -> None:
