@@ -150,8 +150,8 @@ class Watch:
         self._trends = Trends([layer.name for layer in self.layers], HISTORY_POINTS)
         self._losses = LossBuffer()
         self.guard: StepGuard | None = StepGuard(
-            self._measure.poisoned, lambda: self.step_count + 1, c.guard_max_skips) \
-            if c.guard else None
+            self._measure.poisoned, lambda: self.step_count + 1, c.guard_max_skips,
+            staged=self._measure.step_rows, kernel=c.kernel) if c.guard else None
         """With ``guard=True``: what keeps poisoned steps from the weights (its ``events``:
         every poisoned step)."""
         self._updates = UpdateMonitor(
@@ -207,16 +207,17 @@ class Watch:
         if self.config.early_warning and (self._early is not None or self._measure.on_cuda()):
             # the early-warning peek reads the folded state every step
             self._measure.commit(step_over=True)
-        early = self._early_check()
+        regular = self.step_count % self.config.flush_every == 0
+        early = self._early_check(launch=not regular)
         self._measure.begin_step(self.step_count + 1,
                                  full=self.step_count % self.config.stats_every == 0)
-        regular = self.step_count % self.config.flush_every == 0
         if early or regular:
             return self._flush(regular=regular).snapshot
         return None
 
-    def _early_check(self) -> bool:
-        """Poll the last in-flight peek (no stall), launch the next; ``True``: flush now."""
+    def _early_check(self, launch: bool = True) -> bool:
+        """Poll the last in-flight peek (no stall), launch the next (``launch``: not on a
+        step that flushes: the flush reads it all); ``True``: flush now."""
         if not self.config.early_warning or (self._early is None and
                                              not self._measure.on_cuda()):
             return False  # (the CPU's blocks are peeked only beside a CUDA one's)
@@ -229,7 +230,8 @@ class Watch:
 
             self._early = EarlyWarning(self.config.limits.fp16_limit)
         trouble = self._early.poll()
-        self._early.launch(blocks)
+        if launch:
+            self._early.launch(blocks)
         return bool(trouble)
 
     def flush(self) -> Snapshot:

@@ -191,6 +191,11 @@ class Measurement:
         (0-d bool tensors, per device and fold; no sync)."""
         return self._rt.accumulator.poisoned()
 
+    def step_rows(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """What :meth:`poisoned` reads: the flags of the step's folds so far, and the
+        rows it staged since (for a backend's own check: ``backend.check``)."""
+        return self._rt.accumulator.step_rows()
+
     def drop_step_gradients(self) -> None:
         """Forget the gradients this step's backward staged (a loss scaler skipped the
         step: they are scaled past fp16, and not the model's)."""
@@ -220,7 +225,8 @@ class Measurement:
         """Whether anything measured so far lives on a CUDA device."""
         return self._rt.accumulator.on_cuda()
 
-    def read(self, extras: Mapping[torch.device, torch.Tensor] | None = None
+    def read(self, extras: Mapping[torch.device, torch.Tensor | Sequence[torch.Tensor]]
+             | None = None
              ) -> tuple[list[dict[str, float]], dict[torch.device, list[float]]]:
         """Every layer's raw row (device columns and host counts) and ``extras``, in one
         device-to-host copy per device. Does not reset."""

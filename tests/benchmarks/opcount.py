@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import normwatch
-from normwatch.measure.backends import triton_folds, triton_kernel
+from normwatch.measure.backends import triton_folds, triton_kernel, triton_optimizer
 from normwatch.measure.state.accumulator import Accumulator
 from normwatch.measure.state.rows import HIDDEN, IN, OUT
 
@@ -59,6 +59,9 @@ class Count:
     def __sub__(self, other: Count) -> Count:
         return Count(self.kernels - other.kernels, self.views - other.views)
 
+    def __add__(self, other: Count) -> Count:
+        return Count(self.kernels + other.kernels, self.views + other.views)
+
     @property
     def n_kernels(self) -> int:
         return sum(self.kernels.values())
@@ -82,8 +85,12 @@ def _one_launch() -> Iterator[None]:
     from normwatch.measure.backends.native import readers as native
 
     real, real_grad_launch = triton_kernel.launch, triton_kernel.launch_grad
-    folds = {name: getattr(triton_folds, name)
-             for name in ("launch_calls", "launch_accumulate", "launch_grads")}
+    folds = {(module, name): getattr(module, name)
+             for module, name in ((triton_folds, "launch_calls"),
+                                  (triton_folds, "launch_accumulate"),
+                                  (triton_folds, "launch_grads"),
+                                  (triton_optimizer, "launch_sample"),
+                                  (triton_optimizer, "launch_check"))}
 
     def launched(run: Callable[..., None]) -> Callable[..., None]:
         def counted(*args: Any) -> None:
@@ -123,8 +130,8 @@ def _one_launch() -> Iterator[None]:
     real_through = native.ThroughReader.__call__
     triton_kernel.launch = launched(real)
     triton_kernel.launch_grad = launched(real_grad_launch)
-    for name, run in folds.items():
-        setattr(triton_folds, name, launched(run))
+    for (module, name), run in folds.items():
+        setattr(module, name, launched(run))
     native.read_rows = native_call
     native.read_grad = native_grad
     native.ThroughReader.__call__ = native_through  # type: ignore[method-assign]
@@ -132,8 +139,8 @@ def _one_launch() -> Iterator[None]:
         yield
     finally:
         triton_kernel.launch, triton_kernel.launch_grad = real, real_grad_launch
-        for name, run in folds.items():
-            setattr(triton_folds, name, run)
+        for (module, name), run in folds.items():
+            setattr(module, name, run)
         native.read_rows = real_native
         native.read_grad = real_grad
         native.ThroughReader.__call__ = real_through  # type: ignore[method-assign]

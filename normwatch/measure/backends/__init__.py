@@ -6,7 +6,9 @@
   the universal fallback the others use for what their kernels do not cover;
 - :mod:`~normwatch.measure.backends.triton_kernel` (``"triton"``): a call's rows and a
   gradient's in one fused pass each (CUDA; the CPU in Triton's interpreter), the step's
-  folds in a launch or two (:mod:`~normwatch.measure.backends.triton_folds`);
+  folds in a launch or two (:mod:`~normwatch.measure.backends.triton_folds`), the update
+  monitor's sample and the guard's check a launch each
+  (:mod:`~normwatch.measure.backends.triton_optimizer`);
 - :mod:`~normwatch.measure.backends.native` (``"native"``): the CPU's C readers and folds,
   the C++ lanes that measure common calls with no Python frame, the update sample.
 """

@@ -5,7 +5,9 @@ Triton's interpreter, ``TRITON_INTERPRET=1``), torch's ops for the rest.
     >>> call = TRITON.call_rows(layer, x, y, key, full=True)
     >>> rows, _, _ = TRITON.grad_rows(layer, site, g, part)      # (2, tokens) float32
 
-The step's folds are kernels too (:mod:`~normwatch.measure.backends.triton_folds`).
+The step's folds are kernels too (:mod:`~normwatch.measure.backends.triton_folds`), and
+the optimizer side's: the update monitor's sample and the guard's check
+(:mod:`~normwatch.measure.backends.triton_optimizer`).
 
 Each program reads one token of the input (and of the output, when given) exactly once,
 in chunks of ``BLOCK_D`` elements, and writes the rows every backend writes
@@ -33,6 +35,8 @@ from normwatch.measure.backends.triton_folds import (
     fold_calls_fused,
     fold_grads_fused,
 )
+from normwatch.measure.backends.triton_optimizer import TritonPack, check_step
+from normwatch.measure.state.backend import Sample
 from normwatch.measure.state.fold import FoldPlan
 from normwatch.measure.state.grad_fold import GradPlan
 from normwatch.measure.state.rows import WEIGHT, CallRows, GradRows, LayerRows
@@ -274,6 +278,16 @@ class TritonBackend(TorchBackend):
                    ) -> None:
         if not fold_grads_fused(block, staged, plan):
             super().fold_grads(block, staged, plan)
+
+    def sample(self, samples: list[torch.Tensor], scales: list[float]) -> Sample | None:
+        return TritonPack.make(samples, scales) if samples[0].is_cuda or interpreted() \
+            else None
+
+    def check(self, rows: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
+              ) -> torch.Tensor | None:
+        first = next(iter([*grads, *rows]), None)
+        return None if first is None or not (first.is_cuda or interpreted()) else \
+            check_step(rows, grads)
 
 
 TRITON = TritonBackend()

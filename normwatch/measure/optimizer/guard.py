@@ -8,6 +8,9 @@ input, output or gradient held NaN/inf in it (the rows the hooks staged this ste
 of the optimizer's gradients did: the total norm the loop's ``clip_grad_norm_`` returned
 for them (:mod:`normwatch.measure.optimizer.clipping`), else one norm of each (NaN/inf
 exactly when an element is); its square is the exact gradient norm the update monitor then reports.
+Where the device's backend checks a step itself (``backend.check``: on CUDA one Triton
+launch reads the step's staged rows and every gradient), it does: a few ops a step,
+however many layers and tensors.
 On several ranks the flag is reduced (max) over the process group first, so that every
 rank takes the same decision. Then:
 
@@ -28,15 +31,18 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from normwatch.guarded import Part
+from normwatch.measure.backends import choose
 from normwatch.measure.model.sharding import local
 from normwatch.measure.optimizer import clipping
 from normwatch.measure.optimizer.updates import unwrap
+from normwatch.measure.state.rows import dense
 from normwatch.measure.step.losses import ride_along
 from normwatch.records import GuardEvent
 
@@ -52,8 +58,15 @@ class StepGuard:
     norms' flags of the step under way (0-d bool tensors), ``step()`` its number."""
 
     def __init__(self, poisoned: Callable[[], list[torch.Tensor]], step: Callable[[], int],
-                 max_skips: int) -> None:
+                 max_skips: int,
+                 staged: Callable[[], tuple[list[torch.Tensor], list[torch.Tensor]]] | None
+                 = None, kernel: str = "auto") -> None:
         self._poisoned = poisoned
+        self._staged = staged
+        """What ``poisoned()`` reads (the flags of the step's folds so far, its staged
+        rows), for a backend that checks them with the gradients in one launch
+        (``backend.check``)."""
+        self._backend = partial(choose, kernel=kernel)
         self._step = step
         self.max_skips = max_skips
         self._wrapped: weakref.WeakKeyDictionary[Any, Callable[..., Any]] = \
@@ -164,13 +177,44 @@ class StepGuard:
         return loss
 
     def _flags(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        """``[norms poisoned, gradients poisoned]`` (bool) on the parameters' device,
-        reduced over the ranks. Keeps the gradients' exact sum of squares per device for
-        the update monitor (:meth:`grad_sumsq`)."""
+        """``[norms poisoned, gradients poisoned]`` (bool, or counts: nonzero where
+        poisoned) on the parameters' device, reduced over the ranks. Keeps the gradients'
+        exact sum of squares per device for the update monitor (:meth:`grad_sumsq`)."""
         device = next((local(p).device for g in optimizer.param_groups for p in g["params"]),
                       torch.device("cpu"))
-        norms = [f.to(device) for f in self._poisoned()]
         clipped = clipping.take(optimizer)  # the loop's clip_grad_norm_ read them all
+        flags = self._checked(optimizer, device, clipped)
+        if flags is None:
+            flags = self._read(optimizer, device, clipped)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            shared = flags.float()
+            dist.all_reduce(shared, op=dist.ReduceOp.MAX)  # one decision on every rank
+            flags = shared > 0
+        return flags
+
+    def _checked(self, optimizer: torch.optim.Optimizer, device: torch.device,
+                 clipped: clipping.Clipped | None) -> torch.Tensor | None:
+        """:meth:`_flags` by the backend's check of the staged rows and the gradients
+        together (a launch or two, however many tensors); ``None``: not covered (a fold
+        earlier in the step, tensors on several devices, a sparse gradient...)."""
+        earlier, rows = self._staged() if self._staged is not None else ([], [])
+        grads = [] if clipped is not None else _dense_grads(optimizer, device)
+        if self._staged is None or earlier or grads is None:
+            return None
+        out = self._backend(device).check(rows, grads)
+        if out is None:
+            return None
+        if clipped is None:
+            self._grad_sumsq[optimizer] = (self._step(), {device: out[0]})
+            return out[1:]  # (counts: nonzero where poisoned)
+        if clipped.sumsq is not None:
+            self._grad_sumsq[optimizer] = (self._step(), clipped.sumsq)
+        return torch.stack([out[1] > 0, ~clipped.finite.to(device)])
+
+    def _read(self, optimizer: torch.optim.Optimizer, device: torch.device,
+              clipped: clipping.Clipped | None) -> torch.Tensor:
+        """:meth:`_flags` by torch's ops: the norms' flags, the gradients' norms."""
+        norms = [f.to(device) for f in self._poisoned()]
         if clipped is not None:
             bad_grads = [(~clipped.finite).to(device)]
             if clipped.sumsq is not None:
@@ -179,12 +223,7 @@ class StepGuard:
             sumsq = _sumsq(optimizer)
             self._grad_sumsq[optimizer] = (self._step(), sumsq)
             bad_grads = [(~(s < math.inf)).to(device) for s in sumsq.values()]  # (s >= 0)
-        flags = torch.stack([_any(norms, device), _any(bad_grads, device)])
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            shared = flags.float()
-            dist.all_reduce(shared, op=dist.ReduceOp.MAX)  # one decision on every rank
-            flags = shared > 0
-        return flags
+        return torch.stack([_any(norms, device), _any(bad_grads, device)])
 
     def grad_sumsq(self, optimizer: torch.optim.Optimizer
                    ) -> dict[torch.device, torch.Tensor] | None:
@@ -226,7 +265,7 @@ class StepGuard:
             else:
                 optimizer.found_inf = theirs  # type: ignore[attr-defined]
 
-    def tensors(self) -> dict[torch.device, torch.Tensor]:
+    def tensors(self) -> dict[torch.device, list[torch.Tensor]]:
         """The fused steps' rows, flat per device, to ride along the flush copy."""
         return ride_along(*({device: row} for _, device, row in self._rows))
 
@@ -264,6 +303,18 @@ def _sumsq(optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]
             .double().square().sum()
         sumsq[where] = sumsq[where] + part if where in sumsq else part
     return sumsq
+
+
+def _dense_grads(optimizer: torch.optim.Optimizer, device: torch.device
+                 ) -> list[torch.Tensor] | None:
+    """The gradients ``optimizer`` steps with, where every one is a plain tensor on
+    ``device`` whose elements fill one block of memory (else ``None``)."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"]
+             if p.grad is not None]
+    if any(type(g) is not torch.Tensor or g.device != device or g.layout != torch.strided
+           or not dense(g) for g in grads):
+        return None
+    return grads
 
 
 def _run_closure(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],

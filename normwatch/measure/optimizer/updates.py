@@ -25,9 +25,9 @@ A non-finite gradient element outside the sample is not seen here (the norms' gr
 hooks and the loss see it). The two buffers cost 2/37 of the optimizer's local
 parameters (a shard under FSDP2) in memory: for the duration of ``step()`` on
 accelerators, kept between steps on the CPU (:data:`KEEP_ON`). A device's backend may
-sample its own way (``backend.sample``; the native backend on the CPU: one C call per
-dtype, with one kept buffer of 1/37, and the hooks' checks around it in C++,
-``backend.sampler``); :class:`Pack` is torch's.
+sample its own way (``backend.sample``, one kept buffer of 1/37: on the CPU one C call per
+dtype, with the hooks' checks around it in C++, ``backend.sampler``; on CUDA one Triton
+launch per dtype and hook); :class:`Pack` is torch's.
 Everything stays on the parameters' devices (no host sync) until the flush copies the
 rows along with the statistics. Several optimizers stepping in one training step add up
 into one row. A failure in a hook detaches the monitor with one warning; training goes
@@ -52,7 +52,7 @@ from normwatch.guarded import Part, guarded
 from normwatch.measure.backends import choose
 from normwatch.measure.model.sharding import local
 from normwatch.measure.state.backend import Backend, Sample
-from normwatch.measure.state.rows import runs, summed_dtype
+from normwatch.measure.state.rows import dense, runs, summed_dtype
 from normwatch.measure.step.losses import ride_along
 from normwatch.records import UpdateStats
 
@@ -68,20 +68,6 @@ BLOCK = 16
 of the memory too)."""
 EXACT_BELOW = 8 * SAMPLE_STRIDE * BLOCK
 """Tensors with fewer elements are copied whole (a sample of under 8 blocks says little)."""
-
-
-def dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill one block of memory in some order of its dims
-    (contiguous, channels_last, transposed): then it is read in memory order."""
-    if t.is_contiguous():
-        return True
-    expected = 1
-    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape, strict=True)
-                               if sz != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def sample(t: torch.Tensor) -> torch.Tensor:
@@ -258,8 +244,7 @@ class _Sampled:
         for index in groups.values():
             samples, scales = [self.samples[i] for i in index], [self.scales[i] for i in index]
             device = samples[0].device
-            made = backend(device).sample(samples, scales) if not self.copied \
-                and device.type in KEEP_ON else None
+            made = None if self.copied else backend(device).sample(samples, scales)
             self.packs.append((index, made or Pack(samples, scales)))
         self.kept = any(pack.keep for _, pack in self.packs)
         """Whether some buffers are kept between steps (then the versions are noted)."""
@@ -425,25 +410,25 @@ class UpdateMonitor:
                      sized: bool) -> dict[torch.device, torch.Tensor]:
         """The step's rows per device by the packs' own Python (see :meth:`_measure`)."""
         rows: dict[torch.device, torch.Tensor] = {}
-        grads = None
-        if exact is None:
-            # the gradients are read after the step: a closure (LBFGS, Lightning)
-            # computes them inside step(), after the pre-hook
-            grads = sampled.grads_alike()
-        else:
-            rows = {device: torch.stack([g, *[torch.zeros_like(g)] * 2])
-                    for device, g in exact.items()}
+        # the gradients are read after the step: a closure (LBFGS, Lightning) computes
+        # them inside step(), after the pre-hook
+        grads = sampled.grads_alike() if exact is None else None
         for index, pack in sampled.packs:
             row = pack.measure(sampled.current(index),
                                None if grads is None else [grads[i] for i in index], sized)
             if grads is None and exact is None:  # missing or sparse: one norm per tensor
                 row[0] = _grad_sumsq([sampled.params[i].grad for i in index], pack.device)
             rows[pack.device] = rows[pack.device] + row if pack.device in rows else row
+        for device, g in (exact or {}).items():  # the guard's exact |g|²
+            if device in rows:
+                rows[device][0] = g
+            else:
+                rows[device] = torch.stack([g, *[torch.zeros_like(g)] * 2])
         if sampled.kept:
             sampled.seen()
         return rows
 
-    def tensors(self) -> dict[torch.device, torch.Tensor]:
+    def tensors(self) -> dict[torch.device, list[torch.Tensor]]:
         """This interval's rows, flat per device, to ride along the flush copy."""
         return ride_along(*({device: row} for _, _, device, row, _ in self._rows))
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable
-from itertools import chain, repeat
+from collections.abc import Callable, Mapping, Sequence
+from itertools import repeat
 from typing import Any, TypeVar
 
 import torch
@@ -53,6 +53,8 @@ class Accumulator:
         self.limits = limits or Limits()
         self.max_staged_tokens = max_staged_tokens
         self._blocks: dict[torch.device, torch.Tensor] = {}
+        self._fresh: dict[torch.device, torch.Tensor] = {}
+        """Per device, a block at the identities: :meth:`reset` copies it (one op)."""
         self._staged: list[CallRows] = []
         self._staged_grads: list[GradRows] = []
         self._staged_tokens = 0
@@ -109,7 +111,12 @@ class Accumulator:
     def poisoned(self) -> list[torch.Tensor]:
         """Whether this step's calls or gradients held NaN/inf: 0-d bool tensors, per
         device and per fold since the step began (no sync)."""
-        return self._poisoned + _nonfinite(self._staged[self._step_from:], self._staged_grads)
+        return self._poisoned + _nonfinite(self.step_rows()[1])
+
+    def step_rows(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """What :meth:`poisoned` reads: the flags of the folds since the step began, and
+        the rows staged since (the calls' inputs' and outputs', the gradients')."""
+        return self._poisoned, _rows(self._staged[self._step_from:], self._staged_grads)
 
     def drop_since(self, mark: tuple[int, int]) -> bool:
         """Drop the calls staged since ``mark``; ``False`` if they were folded already."""
@@ -133,7 +140,7 @@ class Accumulator:
         are dropped even when the fold fails. ``step_over``: the step has ended (its
         poison is not asked again: not noted)."""
         if self.watch_poison and not step_over:
-            self._poisoned += _nonfinite(self._staged[self._step_from:], [])
+            self._poisoned += _nonfinite(_rows(self._staged[self._step_from:], []))
         self._step_from = 0
         groups: dict[tuple[torch.device, bool], list[CallRows]] = {}
         for call in self._staged:  # one fold per device and tier
@@ -162,7 +169,7 @@ class Accumulator:
         if not staged:
             return self.grad_buffers.give_back()
         if self.watch_poison and not step_over:
-            self._poisoned += _nonfinite([], staged)
+            self._poisoned += _nonfinite(_rows([], staged))
         norms = list(map(_norms, staged))  # (over every gradient at once, in C)
         self._staged_tokens -= sum(map(torch.Tensor.numel, norms))
         devices = set(map(_device, norms))
@@ -209,6 +216,7 @@ class Accumulator:
         block = self._blocks.get(device)
         if block is None:
             block = self._blocks[device] = _new_state(self.n_layers, device)
+            self._fresh[device] = block.clone()
             self._cuda = self._cuda or device.type == "cuda"
         return block
 
@@ -227,9 +235,10 @@ class Accumulator:
             torch.fmax(cell, value.reshape(1).to(cell.dtype), out=cell)
 
     def read(
-        self, extras: dict[torch.device, torch.Tensor] | None = None
+        self, extras: Mapping[torch.device, torch.Tensor | Sequence[torch.Tensor]] | None = None
     ) -> tuple[list[dict[str, float]], dict[torch.device, list[float]]]:
-        """Copy everything to the host: one copy per device, ``extras`` riding along.
+        """Copy everything to the host: one copy per device, ``extras`` (a tensor or flat
+        tensors per device) riding along, joined with the state as float64 in one op.
 
         Returns per-layer ``{column: value}`` dicts (combined across devices) and each
         extra as a list of floats. Does not reset.
@@ -239,20 +248,19 @@ class Accumulator:
         per_device: list[list[dict[str, float]]] = []
         out_extras: dict[torch.device, list[float]] = {}
         for device in dict.fromkeys([*self._blocks, *extras]):
-            parts = []
             block = self._blocks.get(device)
-            if block is not None:
-                parts.append(block.flatten().to(torch.float64))
             extra = extras.get(device)
-            if extra is not None:
-                parts.append(extra.detach().flatten().to(torch.float64))
-            flat = torch.cat(parts).cpu().tolist()
+            riding = [] if extra is None else [extra.detach().reshape(-1)] \
+                if isinstance(extra, torch.Tensor) else list(extra)
+            parts = riding if block is None else [block.view(-1), *riding]
+            flat = (torch.cat(parts) if len(parts) > 1 else parts[0]).to(torch.float64) \
+                .cpu().tolist()
             width = len(COLUMNS)
             if block is not None:
                 per_device.append([dict(zip(COLUMNS, flat[i * width : (i + 1) * width],
                                             strict=True)) for i in range(self.n_layers)])
             if extra is not None:
-                out_extras[device] = flat[len(flat) - extra.numel() :]
+                out_extras[device] = flat[len(flat) - sum(t.numel() for t in riding):]
         rows = [combine([d[i] for d in per_device], COLUMNS) for i in range(self.n_layers)]
         return rows, out_extras
 
@@ -266,22 +274,27 @@ class Accumulator:
         self._staged, self._staged_grads = [], []
         self._step_from = 0
         self._staged_tokens = 0
-        for block in self._blocks.values():
-            _reset(block)
+        for device, block in self._blocks.items():
+            block.copy_(self._fresh[device])
 
 
 _norms, _lo, _device = (operator.attrgetter(a) for a in ("norms", "lo", "device"))
 _where = operator.attrgetter("layer", "site", "width")
 
 
-def _nonfinite(calls: list[CallRows], grads: list[GradRows]) -> list[torch.Tensor]:
-    """Per device, whether any of the rows of ``calls`` and ``grads`` is NaN/inf (a 0-d
-    bool; a token holding NaN/inf has NaN/inf rows): rows of one shape stacked (a model's
-    calls and gradients are mostly alike), a few ops per device."""
+def _rows(calls: list[CallRows], grads: list[GradRows]) -> list[torch.Tensor]:
+    """The row tensors of ``calls`` and ``grads`` (a token holding NaN/inf has NaN/inf
+    rows)."""
+    return [*(c.v for c in calls), *(c.out for c in calls if c.out is not None),
+            *(g.norms for g in grads)]
+
+
+def _nonfinite(rows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per device, whether any of ``rows`` is NaN/inf (a 0-d bool): rows of one shape
+    stacked (a model's calls and gradients are mostly alike), a few ops per device."""
     parts: dict[torch.device, dict[tuple[object, ...], list[torch.Tensor]]] = {}
-    for rows in chain((c.v for c in calls), (c.out for c in calls if c.out is not None),
-                      (g.norms for g in grads)):
-        parts.setdefault(rows.device, {}).setdefault((rows.dtype, *rows.shape), []).append(rows)
+    for row in rows:
+        parts.setdefault(row.device, {}).setdefault((row.dtype, *row.shape), []).append(row)
     return [~(torch.cat([(torch.stack(p) if len(p) > 1 else p[0]).view(-1)
                          for p in alike.values()]).abs() < math.inf).all()
             for alike in parts.values()]

@@ -6,6 +6,7 @@ implementation per device (:mod:`normwatch.measure.backends` chooses, in one pla
     >>> norms, lo, hi = backend.grad_rows(layer, site, g, None)
     >>> lines = backend.fold(calls, plan)                 # the step's calls, one line each
     >>> backend.accumulate(lines, plan.rows, block)       # into the per-layer state
+    >>> out = backend.check(rows, grads)                  # the guard's, or None
 
 Every backend reads the same things into the same layouts (:mod:`~normwatch.measure.state.
 rows`), and may decline nothing: where its fast way does not cover a tensor (a dtype, a
@@ -100,3 +101,9 @@ class Backend(Protocol):
         """The optimizer's step hooks' work for ``params`` in native code, where every
         sample is this backend's (:class:`~normwatch.measure.backends.native.sampler.
         NativeSampler`), or ``None``: the update monitor's Python."""
+
+    def check(self, rows: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
+              ) -> torch.Tensor | None:
+        """The guard's read of a step on one device, in a launch or two: ``[|g|² of
+        grads, NaN/inf elements in the norms' rows, NaN/inf sums of grads]`` (float64, on
+        the device), or ``None``: not here (the guard's torch ops read them)."""

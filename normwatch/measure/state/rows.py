@@ -35,6 +35,20 @@ _HALF = (torch.float16, torch.bfloat16)
 _WIDE = (torch.float32, torch.float64)
 
 
+def dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill one block of memory in some order of its dims
+    (contiguous, channels_last, transposed): then it is read in memory order."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape, strict=True)
+                               if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def summed_dtype(dtype: torch.dtype) -> torch.dtype | None:
     """The ``dtype=`` for a norm or sum over a ``dtype`` tensor: fp32 for the half formats
     (their own range overflows), ``None`` (their own) for the rest."""

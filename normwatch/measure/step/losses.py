@@ -44,13 +44,13 @@ class LossBuffer:
                           "losses are not recorded", RuntimeWarning, stacklevel=4)
 
     def tensors(self) -> dict[torch.device, torch.Tensor]:
-        """The tensor losses stacked per device (float64), to ride along the flush copy:
-        losses of one dtype stacked, then converted once (one op, not one a loss)."""
+        """The tensor losses stacked per device, to ride along the flush copy (which
+        converts them to float64 with the rest): one op, not one a loss."""
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for _, value in self._losses:
             if isinstance(value, torch.Tensor):
                 by_device.setdefault(value.device, []).append(value)
-        return {d: torch.stack(v).to(torch.float64) if len({t.dtype for t in v}) == 1
+        return {d: torch.stack(v) if len({t.dtype for t in v}) == 1
                 else torch.stack([t.to(torch.float64) for t in v])
                 for d, v in by_device.items()}
 
@@ -66,11 +66,15 @@ class LossBuffer:
         self._losses.clear()
 
 
-def ride_along(*parts: Mapping[torch.device, torch.Tensor]) -> dict[torch.device, torch.Tensor]:
-    """Several per-device extras as one flat float64 tensor per device (in ``parts``
-    order: read them back in that order from iterators over the copy)."""
+def ride_along(*parts: Mapping[torch.device, torch.Tensor | list[torch.Tensor]]
+               ) -> dict[torch.device, list[torch.Tensor]]:
+    """Several per-device extras as flat tensors per device, in ``parts`` order (read
+    them back in that order from iterators over the copy): the flush's one copy per
+    device joins them with the state, as float64, in one op (no op here for a vector)."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for part in parts:
-        for device, tensor in part.items():
-            by_device.setdefault(device, []).append(tensor.flatten().to(torch.float64))
-    return {d: torch.cat(v) for d, v in by_device.items()}
+        for device, value in part.items():
+            by_device.setdefault(device, []).extend(
+                t if t.dim() == 1 else t.reshape(-1)
+                for t in ([value] if isinstance(value, torch.Tensor) else value))
+    return by_device

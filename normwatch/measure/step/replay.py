@@ -157,7 +157,7 @@ class ReplayLog:
             for key, value in position.items():
                 point["position"].setdefault(key, value)
 
-    def tensors(self) -> dict[torch.device, torch.Tensor]:
+    def tensors(self) -> dict[torch.device, list[torch.Tensor]]:
         """The interval's hashes, flat per device, to ride along the flush copy: the
         inputs of alike steps (one device, dtype and shape) hashed together."""
         hashes = []

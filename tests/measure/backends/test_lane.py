@@ -14,6 +14,7 @@ import shutil
 import sys
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -455,3 +456,39 @@ def test_in_an_eager_stretch_of_a_compiled_model_the_python_hook_is_traced(
                 (name, field)
     for w in watches:
         w.close()
+
+
+WEIGHT_HOOKED_BEFORE = """
+import torch, normwatch
+from tests.benchmarks.overhead import tiny_llama, train_step
+torch.manual_seed(0)
+model = tiny_llama(32, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+seen = []
+norm = model.model.norm.weight
+handle = norm.register_hook(lambda g: seen.append(float(g.norm())))
+handle.remove()  # (torch keeps the weight's hook list once made)
+tokens = torch.randint(0, 1024, (2, 8), generator=torch.Generator().manual_seed(0))
+for kernel in ("torch", "auto"):  # a watch closed, another made on the same weights
+    w = normwatch.watch(model, opt, report_dir=None, stats_every=1, kernel=kernel)
+    norm.register_hook(lambda g: seen.append(float(g.norm())))  # the user's, after
+    train_step(model, opt, tokens, w)
+    print(kernel, w.flush().layers["model.norm"].weight_grad_norm, seen[-1])
+    w.close()
+"""
+
+
+def test_a_weight_hooked_in_python_before_takes_the_lanes_hook_beside(built: object) -> None:
+    """A norm weight that had a Python hook (the user's, or a watch's on another kernel
+    before) gets the C++ weight hook beside it, not an abort of the process (torch's
+    ``add_hook`` asserts the weight has no hook list); the weight's gradient norm is the
+    one the user's own hook sees. (In a child process: an abort would end this one.)"""
+    import subprocess
+
+    run = subprocess.run([sys.executable, "-c", WEIGHT_HOOKED_BEFORE], capture_output=True,
+                         text=True, timeout=300, cwd=Path(__file__).resolve().parents[3])
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = [line.split() for line in run.stdout.splitlines()]
+    assert [line[0] for line in lines] == ["torch", "auto"]
+    for _, got, want in lines:
+        assert float(got) == pytest.approx(float(want), rel=1e-5)

@@ -105,13 +105,21 @@ def test_a_poisoned_step_leaves_parameters_and_state_as_if_never_taken(
     assert alarm.severity == "warning" and "skipped 1 optimizer step (step 5)" in alarm.message
 
 
-def test_on_the_fused_kernels_path_too() -> None:
-    """The CUDA path (the fused kernel's rows of calls and gradients; Triton's interpreter
-    without a GPU), every step's gradients measured: the same skip, bit-equal."""
+def test_on_the_fused_kernels_path_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path (the fused kernel's rows of calls and gradients, the check kernel's
+    read of them with the optimizer's gradients; Triton's interpreter without a GPU),
+    every step's gradients measured: the same skip, bit-equal, and torch's ops never
+    asked."""
     from normwatch.measure.backends import triton_kernel
+    from normwatch.measure.optimizer.guard import StepGuard
 
     if not triton_kernel.usable():
         pytest.skip("Triton cannot run here")
+
+    def by_torch(*args: object) -> None:
+        raise AssertionError("the guard read the step by torch's ops")
+
+    monkeypatch.setattr(StepGuard, "_read", by_torch)
     make = OPTIMIZERS["adamw-fused"]
     ref_model, _, _ = train(make, torch.float32, {BAD}, skip_bad=True)
     model, _, w = train(make, torch.float32, {BAD}, guard=True, flush_every=3,

@@ -19,18 +19,23 @@ from normwatch.measure.backends import choose
 from normwatch.measure.backends.native import lane as fastlane
 from normwatch.measure.backends.native.build import library
 from normwatch.measure.backends.native.sampler import NativePack, NativeSampler
+from normwatch.measure.backends.triton_kernel import usable
+from normwatch.measure.backends.triton_optimizer import TritonPack
 from normwatch.measure.optimizer.updates import Pack
 from tests.threads import threads
 
 BACKENDS = partial(choose, kernel="auto")
 
 NATIVE = pytest.mark.skipif(library() is None, reason="no C compiler: no native kernel")
+TRITON = pytest.mark.skipif(not usable(), reason="Triton cannot run here")
+KEPT = {"auto": NativePack, "triton": TritonPack}
+"""The pack each ``kernel=`` keeps its copies in (on the CPU; torch's: a Pack)."""
 
 
 def held(w: normwatch.Watch) -> tuple[int, set[type]]:
     """``(elements the update monitor's buffers hold now, the kinds of its packs)``."""
     packs = [pack for s in w._updates._sampled.values() for _, pack in s.packs]
-    return sum(pack.kept.numel() if isinstance(pack, NativePack) else
+    return sum(pack.kept.numel() if isinstance(pack, NativePack | TritonPack) else
                sum(b.numel() for slot in pack.buffers for b in slot if b is not None)
                for pack in packs), {type(pack) for pack in packs}
 
@@ -74,12 +79,14 @@ def exact_step(params: list[torch.nn.Parameter], opt: torch.optim.Optimizer,
 
 
 @pytest.mark.parametrize(("kept", "kernel"), [
-    pytest.param(True, "auto", marks=NATIVE), (True, "torch"), (False, "auto")],
-    ids=["copies kept, native", "copies kept, torch", "copies per step"])
+    pytest.param(True, "auto", marks=NATIVE), (True, "torch"), (False, "torch"),
+    pytest.param(True, "triton", marks=TRITON)],
+    ids=["copies kept, native", "copies kept, torch", "copies per step", "copies kept, triton"])
 def test_norms_match_a_float64_reference_with_two_optimizers_and_accumulation(
         kept: bool, kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The CPU's C kernel (copies kept: ``kernel="auto"``), torch's ops on kept copies,
-    and the accelerators' path (a transient copy per step, torch's ops)."""
+    the accelerators' torch path (a transient copy per step) and the CUDA path's Triton
+    kernel (copies kept)."""
     if not kept:  # the accelerator path: a transient copy per step
         monkeypatch.setattr(normwatch.measure.optimizer.updates, "KEEP_ON", frozenset())
     model = TinyLM(dim=32, depth=2)
@@ -123,18 +130,19 @@ def test_norms_match_a_float64_reference_with_two_optimizers_and_accumulation(
     assert w._updates._pending == set()
     elements, kinds = held(w)
     assert bool(elements) == kept  # on accelerators the copy lives for the step only
-    assert kinds == {NativePack if kept and kernel == "auto" else Pack}
+    assert kinds == {KEPT.get(kernel, Pack) if kept else Pack}
     w.close()
     assert w._updates._sampled == {}
     assert not adam._optimizer_step_pre_hooks and not sgd._optimizer_step_post_hooks
 
 
-@pytest.mark.parametrize("kernel", [pytest.param("auto", marks=NATIVE), "torch"])
+@pytest.mark.parametrize("kernel", [pytest.param("auto", marks=NATIVE), "torch",
+                                    pytest.param("triton", marks=TRITON)])
 def test_the_update_copy_holds_a_sixteenth_of_the_parameters(kernel: str) -> None:
     """What the monitor keeps between steps (CPU) or allocates for a step: every 37th
     block of the large tensors, before and after the step (torch's ops) or the values
-    read last (the C kernel); the estimated update norm within 1 % of the exact one over
-    a real loop (AdamW, a learning-rate spike included)."""
+    read last (the C kernel, the Triton kernel); the estimated update norm within 1 % of
+    the exact one over a real loop (AdamW, a learning-rate spike included)."""
     torch.manual_seed(0)
     model = TinyLM(dim=128, depth=2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -151,14 +159,15 @@ def test_the_update_copy_holds_a_sixteenth_of_the_parameters(kernel: str) -> Non
     kept, kinds = held(w)
     total = sum(p.numel() for p in params)
     assert 0 < kept <= total / (16 if kernel == "torch" else 32), (kept, total)
-    assert kinds == {NativePack if kernel == "auto" else Pack}
+    assert kinds == {KEPT.get(kernel, Pack)}
     got = [u.update_norm for u in w.flush().updates]
     assert got == pytest.approx(exact, rel=1e-2)
     assert max(got) == got[5]  # the spike stands out as it does exactly
     w.close()
 
 
-@pytest.mark.parametrize("kernel", [pytest.param("auto", marks=NATIVE), "torch"])
+@pytest.mark.parametrize("kernel", [pytest.param("auto", marks=NATIVE), "torch",
+                                    pytest.param("triton", marks=TRITON)])
 def test_a_write_between_steps_is_not_taken_for_the_update(kernel: str) -> None:
     """On the CPU the values after one step stand for the values before the next; a
     parameter written in place between steps (here: halved) is copied again, so each
@@ -194,7 +203,8 @@ def step_allocations(optimizer: str, watched: bool, guard: bool = False, dim: in
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9) \
         if optimizer == "sgd" else \
         torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=optimizer.endswith("h"))
-    w = normwatch.watch(model, opt if watched else None, report_dir=None, guard=guard)
+    w = normwatch.watch(model, opt if watched else None, report_dir=None, guard=guard,
+                        kernel="torch")  # (as on an accelerator without Triton)
     gen = torch.Generator().manual_seed(0)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(normwatch.measure.optimizer.updates, "KEEP_ON", frozenset())
@@ -232,14 +242,18 @@ def test_what_the_guard_allocates_does_not_grow_with_the_parameters() -> None:
     assert abs(large - small) <= 1024 and large <= 8192, extra
 
 
+@pytest.mark.parametrize("kernel", ["auto", pytest.param("triton", marks=TRITON)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_with_the_guard_the_gradient_norm_is_the_exact_one(dtype: torch.dtype) -> None:
-    """The guard reads every gradient before the step (its NaN check): the monitor reports
-    that exact norm, not the sample's estimate; the update is still the sample's."""
+def test_with_the_guard_the_gradient_norm_is_the_exact_one(dtype: torch.dtype,
+                                                           kernel: str) -> None:
+    """The guard reads every gradient before the step (its NaN check; on the CUDA path
+    the check kernel's sum): the monitor reports that exact norm, not the sample's
+    estimate; the update is still the sample's."""
     torch.manual_seed(0)
     model = TinyLM(dim=64, depth=2).to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    w = normwatch.watch(model, opt, guard=True, flush_every=100, report_dir=None)
+    w = normwatch.watch(model, opt, guard=True, flush_every=100, report_dir=None,
+                        kernel=kernel)
     params = [p for p in model.parameters() if p.requires_grad]
     gen = torch.Generator().manual_seed(0)
     exact = []
@@ -296,7 +310,8 @@ def test_wrappers_are_unwrapped_and_bad_input_names_the_argument() -> None:
         normwatch.watch(model, optimizer=[opt])
 
 
-@pytest.mark.parametrize("kernel", [pytest.param("auto", marks=NATIVE), "torch"])
+@pytest.mark.parametrize("kernel", [pytest.param("auto", marks=NATIVE), "torch",
+                                    pytest.param("triton", marks=TRITON)])
 def test_a_failing_hook_warns_once_and_training_goes_on(kernel: str,
                                                         monkeypatch: pytest.MonkeyPatch
                                                         ) -> None:
@@ -317,6 +332,7 @@ def test_a_failing_hook_warns_once_and_training_goes_on(kernel: str,
 
     monkeypatch.setattr(Pack, "sumsq", broken)
     monkeypatch.setattr(NativePack, "measure", broken)
+    monkeypatch.setattr(TritonPack, "measure", broken)
     monkeypatch.setattr(NativeSampler, "make", breaking)
     gen = torch.Generator().manual_seed(0)
     with warnings.catch_warnings(record=True) as caught:
@@ -396,9 +412,12 @@ def test_channels_last_and_transposed_parameters_are_measured_in_memory_order(
     w.close()
 
 
-@NATIVE
-def test_the_c_kernel_sums_the_documented_sample_in_float64() -> None:
-    """One C call per dtype (here fp32, bf16 and fp16 parameters: three packs) against
+@pytest.mark.parametrize(("kernel", "rel"), [pytest.param("auto", 1e-9, marks=NATIVE),
+                                             pytest.param("triton", 1e-6, marks=TRITON)],
+                         ids=["C", "triton"])
+def test_the_kernels_sum_the_documented_sample_in_float64(kernel: str, rel: float) -> None:
+    """One C call per dtype (here fp32, bf16 and fp16 parameters: three packs), or one
+    Triton launch (float32 per program of 1024 sampled elements, float64 across), against
     float64 sums of the documented sample, step by step: parameters stored channels_last
     and transposed (read in memory order), small ones read whole; gradients, updates and
     ``|p|`` on every step (``stats_every=1``)."""
@@ -410,7 +429,8 @@ def test_the_c_kernel_sums_the_documented_sample_in_float64() -> None:
            (torch.bfloat16, torch.float16)}
     params = [*conv.parameters(), head, *low.values()]
     opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    w = normwatch.watch(conv, opt, flush_every=100, stats_every=1, report_dir=None)
+    w = normwatch.watch(conv, opt, flush_every=100, stats_every=1, report_dir=None,
+                        kernel=kernel)
     gen = torch.Generator().manual_seed(0)
     expected = []
     for _ in range(3):
@@ -427,12 +447,13 @@ def test_the_c_kernel_sums_the_documented_sample_in_float64() -> None:
         opt.zero_grad()
         w.step()
     _, kinds = held(w)
-    assert kinds == {NativePack} and len(w._updates._sampled[id(opt)].packs) == 3
-    assert (w._updates._sampled[id(opt)].lane is None) == (fastlane.module() is None)
+    assert kinds == {KEPT[kernel]} and len(w._updates._sampled[id(opt)].packs) == 3
+    assert (w._updates._sampled[id(opt)].lane is None) == \
+        (fastlane.module() is None or kernel == "triton")
     got = [[u.grad_norm, u.update_norm, u.param_norm] for u in w.flush().updates]
     assert len(got) == 3
     for row, want in zip(got, expected, strict=True):
-        assert row == pytest.approx(want, rel=1e-9)
+        assert row == pytest.approx(want, rel=rel)
     w.close()
 
 
@@ -490,7 +511,8 @@ def test_a_shard_is_scaled_by_its_own_elements() -> None:
     assert sampled.scales == [100 * 100 / shard.numel()]
 
 
-@pytest.mark.parametrize("kernel", [pytest.param("auto", marks=NATIVE), "torch"])
+@pytest.mark.parametrize("kernel", [pytest.param("auto", marks=NATIVE), "torch",
+                                    pytest.param("triton", marks=TRITON)])
 def test_an_empty_parameter_adds_nothing(kernel: str) -> None:
     """A parameter with no elements (a zero-width layer) in the optimizer: read as nothing,
     the norms those of the others."""

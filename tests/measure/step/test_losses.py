@@ -7,7 +7,15 @@ import warnings
 import pytest
 import torch
 
-from normwatch.measure.step.losses import LossBuffer
+from normwatch.measure.backends import choose
+from normwatch.measure.state.accumulator import Accumulator
+from normwatch.measure.step.losses import LossBuffer, ride_along
+
+
+def flushed(buffer: LossBuffer) -> dict[torch.device, list[float]]:
+    """What the flush's one copy per device gives back for ``buffer``'s losses (an
+    accumulator without layers: the losses alone, joined as float64)."""
+    return Accumulator(0, choose).read(ride_along(buffer.tensors()))[1]
 
 
 def test_tensors_and_numbers_resolve_in_order() -> None:
@@ -18,10 +26,9 @@ def test_tensors_and_numbers_resolve_in_order() -> None:
     buffer.record(torch.tensor([1.25]), step=4)
     stacked = buffer.tensors()
     assert list(stacked) == [torch.device("cpu")]
-    assert stacked[torch.device("cpu")].dtype == torch.float64
+    assert stacked[torch.device("cpu")].dtype == torch.float32  # (the flush converts)
     assert not stacked[torch.device("cpu")].requires_grad
-    copied = {d: t.tolist() for d, t in stacked.items()}
-    assert buffer.resolve(copied) == ((1, 2.5), (2, 3.0), (4, 1.25))
+    assert buffer.resolve(flushed(buffer)) == ((1, 2.5), (2, 3.0), (4, 1.25))
     buffer.clear()
     assert buffer.resolve({}) == () and buffer.tensors() == {}
 
@@ -37,8 +44,7 @@ def test_losses_of_any_dtypes_are_copied_exactly(dtypes: tuple[torch.dtype, ...]
         buffer.record(torch.tensor(value, dtype=dtype), step=step)
     want = [torch.tensor(v, dtype=d).double().item() for v, d in zip(values, dtypes,
                                                                       strict=True)]
-    stacked = buffer.tensors()[torch.device("cpu")]
-    assert stacked.dtype == torch.float64 and stacked.tolist() == want
+    assert flushed(buffer) == {torch.device("cpu"): want}
     assert (2**40 + 1 in want) == (torch.int64 in dtypes)
 
 

@@ -30,7 +30,7 @@ def fingerprint(*args: object, **kwargs: object) -> str | None:
     log = ReplayLog()
     log.begin_step(1)
     log.forward(args, kwargs)
-    log.resolve({d: iter(v.tolist()) for d, v in log.tensors().items()})
+    log.resolve({d: iter(torch.cat(v).tolist()) for d, v in log.tensors().items()})
     point = log.at(1)
     assert point is not None
     return point.fingerprint
@@ -88,7 +88,7 @@ def test_an_intervals_steps_hash_at_the_flush_each_as_its_own(
             if ids.shape == buffer.shape:  # alike: one copy of both
                 buffer.fill_(-1)  # the loop reuses its buffer: what the forward read counts
         want[step] = " ".join(names)
-    log.resolve({d: iter(v.tolist()) for d, v in log.tensors().items()})
+    log.resolve({d: iter(torch.cat(v).tolist()) for d, v in log.tensors().items()})
     for step, fingerprint_ in want.items():
         point = log.at(step)
         assert point is not None and point.fingerprint == fingerprint_, step

@@ -325,7 +325,9 @@ PyObject *hook_weight(PyObject *, PyObject *args) {
     if (!w.requires_grad()) return PyErr_Format(PyExc_ValueError, "hook_weight: no grad");
     auto hook = std::make_unique<WeightHook>(*held);
     void *handle = hook.get();
-    torch::autograd::impl::add_hook(w, std::move(hook));
+    // appended beside any hook already there (impl::add_hook asserts there is none: a
+    // weight Python hooked once, by the user or a watch before, would abort the process)
+    torch::autograd::impl::hooks(w).push_back(std::move(hook));
     return PyLong_FromVoidPtr(handle);
 }
 
