@@ -285,7 +285,7 @@ class TritonBackend(TorchBackend):
 
     def check(self, rows: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
               ) -> torch.Tensor | None:
-        first = next(iter([*grads, *rows]), None)
+        first = grads[0] if grads else rows[0] if rows else None
         return None if first is None or not (first.is_cuda or interpreted()) else \
             check_step(rows, grads)
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -110,7 +111,7 @@ class TritonPack:
         lengths = [s.numel() for s in samples]
         blocks = [(s.shape[1], s.stride(0)) if s.dim() == 2 else (CHUNK, CHUNK)
                   for s in samples]  # (a flat sample: one run of its elements)
-        offsets = [sum(lengths[:i]) for i in range(len(samples))]
+        offsets = [0, *accumulate(lengths)][:-1]
         programs = _programs(lengths)
         self._n = len(programs) // 2
         self._meta = device_table([v for n, (width, stride), at in zip(
@@ -243,7 +244,7 @@ def check_step(rows: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
         part = [tensors[i] for i in picked]
         key = (*_addresses(part), *(t.numel() for t in part), *(modes[i] for i in picked))
         table = tables.of(key, _check_table)
-        launch_check(table, out, len(part), len(_programs([t.numel() for t in part])) // 2,
+        launch_check(table, out, len(part), sum(-(-t.numel() // CHUNK) for t in part),
                      _CHECKED[dtype])
     return out
 

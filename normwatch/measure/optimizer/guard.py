@@ -197,9 +197,12 @@ class StepGuard:
         """:meth:`_flags` by the backend's check of the staged rows and the gradients
         together (a launch or two, however many tensors); ``None``: not covered (a fold
         earlier in the step, tensors on several devices, a sparse gradient...)."""
-        earlier, rows = self._staged() if self._staged is not None else ([], [])
-        grads = [] if clipped is not None else _dense_grads(optimizer, device)
-        if self._staged is None or earlier or grads is None:
+        if self._staged is None:
+            return None
+        earlier, rows = self._staged()
+        grads = None if earlier else [] if clipped is not None else \
+            _dense_grads(optimizer, device)
+        if grads is None:
             return None
         out = self._backend(device).check(rows, grads)
         if out is None:
