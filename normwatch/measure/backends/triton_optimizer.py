@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from normwatch.measure.state.rows import dense
+from normwatch.measure.state.rows import dense, plain_samples
 
 CHUNK = 1024
 """Sampled elements per program."""
@@ -90,10 +90,16 @@ def _addresses(tensors: list[torch.Tensor]) -> tuple[int, ...]:
     return tuple(map(torch.Tensor.data_ptr, tensors))
 
 
-def _programs(lengths: list[int]) -> list[int]:
-    """Each program's tensor and first element (:data:`CHUNK` elements a program), flat."""
-    return [v for i, n in enumerate(lengths) for start in range(0, n, CHUNK)
-            for v in (i, start)]
+def _starts(lengths: list[int]) -> list[int]:
+    """Each tensor's first program (:data:`CHUNK` elements a program); a program finds its
+    tensor by a binary search of these (:func:`_find`), so a table grows with the tensors,
+    not with their elements."""
+    return [0, *accumulate(-(-n // CHUNK) for n in lengths)][:-1]
+
+
+def _steps(n: int) -> int:
+    """The binary search's steps over ``n`` tensors."""
+    return max(n - 1, 0).bit_length()
 
 
 class TritonPack:
@@ -112,13 +118,13 @@ class TritonPack:
         blocks = [(s.shape[1], s.stride(0)) if s.dim() == 2 else (CHUNK, CHUNK)
                   for s in samples]  # (a flat sample: one run of its elements)
         offsets = [0, *accumulate(lengths)][:-1]
-        programs = _programs(lengths)
-        self._n = len(programs) // 2
+        self._n = sum(-(-n // CHUNK) for n in lengths)
+        self._tensors = len(samples)
         self._meta = device_table([v for n, (width, stride), at in zip(
             lengths, blocks, offsets, strict=True) for v in (n, width, stride, at)],
             torch.int64, self.device)
         self._scale = device_table(list(scales), torch.float64, self.device)
-        self._programs = device_table(programs, torch.int64, self.device)
+        self._starts = device_table(_starts(lengths), torch.int64, self.device)
         self._params = device_table([s.data_ptr() for s in samples], torch.int64, self.device)
         self._grads = Tables(self.device)
         self.kept = torch.empty(sum(lengths), dtype=first.dtype, device=self.device)
@@ -131,12 +137,8 @@ class TritonPack:
         that is not a plain strided view read along its last dim (its blocks of
         ``(blocks, width)``, or the whole tensor flat)."""
         first = samples[0]
-        if first.dtype not in _TYPES or any(
-                type(s) is not torch.Tensor or s.layout != torch.strided
-                or (s.dim() == 2 and s.stride(1) != 1)
-                or (s.dim() != 2 and not s.is_contiguous()) for s in samples):
-            return None
-        return cls(samples, scales)
+        return cls(samples, scales) if first.dtype in _TYPES and plain_samples(samples) \
+            else None
 
     def store(self, values: list[torch.Tensor] | None = None, unchanged: bool = False) -> None:
         """Read the parameters' samples into :attr:`kept` (nothing measured), unless
@@ -161,37 +163,55 @@ class TritonPack:
             return
         table = self._params if grads is None else self._grads.of(_addresses(grads), list)
         launch_sample(self._params, table, self.kept, self._scale, self._meta,
-                      self._programs, row, self._n, self._type, mode)
+                      self._starts, row, self._n, self._tensors, self._type, mode)
 
 
 def launch_sample(params: torch.Tensor, grads: torch.Tensor, kept: torch.Tensor,
-                  scale: torch.Tensor, meta: torch.Tensor, programs: torch.Tensor,
-                  row: torch.Tensor, n: int, dtype: str, mode: int) -> None:
-    """One launch of the sample kernel: ``n`` programs (``programs``: each one's tensor and
-    first sampled element), the parameters' and the gradients' address tables, the
-    ``kept`` values, each tensor's ``scale`` and ``meta`` (sample length, block width,
-    elements between blocks, place in ``kept``), into ``row`` (:data:`KEPT`, ... ``mode``)."""
+                  scale: torch.Tensor, meta: torch.Tensor, starts: torch.Tensor,
+                  row: torch.Tensor, n: int, tensors: int, dtype: str, mode: int) -> None:
+    """One launch of the sample kernel: ``n`` programs over ``tensors`` tensors
+    (``starts``: each one's first program), the parameters' and the gradients' address
+    tables, the ``kept`` values, each tensor's ``scale`` and ``meta`` (sample length,
+    block width, elements between blocks, place in ``kept``), into ``row``
+    (:data:`KEPT`, ... ``mode``)."""
     import triton.language as tl
 
-    _kernel()[(n,)](params, grads, kept, scale, meta, programs, row,
-                    KEEP=bool(mode & KEPT), MEASURE=bool(mode & MEASURE),
-                    SIZE=bool(mode & SIZE), GRADS=bool(mode & GRADS),
-                    DTYPE=getattr(tl, dtype), CHUNK=CHUNK)
+    _kernels()[0][(n,)](params, grads, kept, scale, meta, starts, tensors, row,
+                        KEEP=bool(mode & KEPT), MEASURE=bool(mode & MEASURE),
+                        SIZE=bool(mode & SIZE), GRADS=bool(mode & GRADS),
+                        DTYPE=getattr(tl, dtype), CHUNK=CHUNK, STEPS=_steps(tensors))
 
 
 @functools.cache
-def _kernel() -> Any:
+def _kernels() -> tuple[Any, Any]:
+    """The sample's kernel and the check's."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def sample_kernel(params_ptr, grads_ptr, kept_ptr, scale_ptr, meta_ptr, programs_ptr,
-                      row_ptr, KEEP: tl.constexpr, MEASURE: tl.constexpr,
+    def find(starts_ptr, n, p, STEPS: tl.constexpr):
+        """The tensor of program ``p``: the last of the ``n`` whose first program is at
+        most ``p`` (``STEPS``: ceil(log2(n)))."""
+        lo = p * 0
+        hi = lo + n
+        for _ in tl.static_range(STEPS):
+            mid = (lo + hi) // 2
+            below = tl.load(starts_ptr + mid) <= p
+            lo = tl.where(below, mid, lo)
+            hi = tl.where(below, hi, mid)
+        return lo
+
+    global _find  # (Triton finds a kernel's helpers among its module's globals)
+    _find = find
+
+    @triton.jit
+    def sample_kernel(params_ptr, grads_ptr, kept_ptr, scale_ptr, meta_ptr, starts_ptr,
+                      n_tensors, row_ptr, KEEP: tl.constexpr, MEASURE: tl.constexpr,
                       SIZE: tl.constexpr, GRADS: tl.constexpr, DTYPE: tl.constexpr,
-                      CHUNK: tl.constexpr):
+                      CHUNK: tl.constexpr, STEPS: tl.constexpr):
         p = tl.program_id(0).to(tl.int64)
-        t = tl.load(programs_ptr + 2 * p)
-        j = tl.load(programs_ptr + 2 * p + 1) + tl.arange(0, CHUNK)
+        t = _find(starts_ptr, n_tensors, p, STEPS)
+        j = (p - tl.load(starts_ptr + t)) * CHUNK + tl.arange(0, CHUNK)
         length = tl.load(meta_ptr + 4 * t)
         width = tl.load(meta_ptr + 4 * t + 1)
         stride = tl.load(meta_ptr + 4 * t + 2)
@@ -214,9 +234,28 @@ def _kernel() -> Any:
         if KEEP:
             tl.store(kept_at, value, mask=inside)
 
-    return sample_kernel
+    @triton.jit
+    def check_kernel(table_ptr, out_ptr, n, DTYPE: tl.constexpr, CHUNK: tl.constexpr,
+                     STEPS: tl.constexpr):
+        p = tl.program_id(0).to(tl.int64)
+        t = _find(table_ptr + 3 * n, n, p, STEPS)
+        i = (p - tl.load(table_ptr + 3 * n + t)) * CHUNK + tl.arange(0, CHUNK)
+        tensor = tl.load(table_ptr + 3 * t).to(tl.pointer_type(DTYPE))
+        inside = i < tl.load(table_ptr + 3 * t + 1)
+        x = tl.load(tensor + i, mask=inside, other=0.0).to(tl.float32)
+        if tl.load(table_ptr + 3 * t + 2) == 0:  # a gradient: its sum of squares
+            total = tl.sum(x * x, 0)
+            tl.atomic_add(out_ptr, total.to(tl.float64))
+            tl.atomic_add(out_ptr + 2, tl.where(total < float("inf"), 0.0, 1.0).to(tl.float64))
+        else:  # a norm's rows: NaN/inf elements
+            bad = inside & ~(tl.abs(x) < float("inf"))
+            tl.atomic_add(out_ptr + 1, tl.sum(bad.to(tl.float64), 0))
+
+    return sample_kernel, check_kernel
 
 
+_find: Any = None
+"""The kernels' binary search (:func:`_kernels` defines it)."""
 _CHECK_TABLES: dict[torch.device, Tables] = {}
 
 
@@ -251,10 +290,10 @@ def check_step(rows: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
 
 def _check_table(key: tuple[int, ...]) -> list[int]:
     """A check's table from its key (addresses, lengths, modes): per tensor its address,
-    length and mode, then each program's tensor and first element."""
+    length and mode, then each tensor's first program (:func:`_starts`)."""
     n = len(key) // 3
     return [*(v for i in range(n) for v in (key[i], key[n + i], key[2 * n + i])),
-            *_programs(list(key[n:2 * n]))]
+            *_starts(list(key[n:2 * n]))]
 
 
 def launch_check(table: torch.Tensor, out: torch.Tensor, n: int, programs: int,
@@ -263,28 +302,5 @@ def launch_check(table: torch.Tensor, out: torch.Tensor, n: int, programs: int,
     (:func:`_check_table`), ``programs`` programs, into ``out``."""
     import triton.language as tl
 
-    _check_kernel()[(programs,)](table, out, n, DTYPE=getattr(tl, dtype), CHUNK=CHUNK)
-
-
-@functools.cache
-def _check_kernel() -> Any:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def check_kernel(table_ptr, out_ptr, n, DTYPE: tl.constexpr, CHUNK: tl.constexpr):
-        p = tl.program_id(0).to(tl.int64)
-        t = tl.load(table_ptr + 3 * n + 2 * p)
-        i = tl.load(table_ptr + 3 * n + 2 * p + 1) + tl.arange(0, CHUNK)
-        tensor = tl.load(table_ptr + 3 * t).to(tl.pointer_type(DTYPE))
-        inside = i < tl.load(table_ptr + 3 * t + 1)
-        x = tl.load(tensor + i, mask=inside, other=0.0).to(tl.float32)
-        if tl.load(table_ptr + 3 * t + 2) == 0:  # a gradient: its sum of squares
-            total = tl.sum(x * x, 0)
-            tl.atomic_add(out_ptr, total.to(tl.float64))
-            tl.atomic_add(out_ptr + 2, tl.where(total < float("inf"), 0.0, 1.0).to(tl.float64))
-        else:  # a norm's rows: NaN/inf elements
-            bad = inside & ~(tl.abs(x) < float("inf"))
-            tl.atomic_add(out_ptr + 1, tl.sum(bad.to(tl.float64), 0))
-
-    return check_kernel
+    _kernels()[1][(programs,)](table, out, n, DTYPE=getattr(tl, dtype), CHUNK=CHUNK,
+                               STEPS=_steps(n))

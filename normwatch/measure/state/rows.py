@@ -49,6 +49,15 @@ def dense(t: torch.Tensor) -> bool:
     return True
 
 
+def plain_samples(samples: Sequence[torch.Tensor]) -> bool:
+    """Whether a kernel reads ``samples`` (the update monitor's) as they are: plain strided
+    tensors, each blocks ``(blocks, width)`` along a unit last stride or one contiguous
+    run."""
+    return all(type(s) is torch.Tensor and s.layout == torch.strided
+               and (s.stride(1) == 1 if s.dim() == 2 else s.is_contiguous())
+               for s in samples)
+
+
 def summed_dtype(dtype: torch.dtype) -> torch.dtype | None:
     """The ``dtype=`` for a norm or sum over a ``dtype`` tensor: fp32 for the half formats
     (their own range overflows), ``None`` (their own) for the rest."""

@@ -102,3 +102,16 @@ def test_a_table_is_made_once_for_tensors_that_stay_in_place() -> None:
     moved = [g.clone() for g in grads]
     triton_optimizer.check_step(staged, moved)
     assert len(set(tables._tables) - set(kept)) == 2  # fp32's and bf16's
+
+
+def test_each_program_finds_its_tensor_among_many() -> None:
+    """37 gradients of uneven lengths (empty ones among them, several programs each), each
+    filled with its own value: a program that read another tensor, or another part of its
+    own, would change the sum. The table grows with the tensors, not their elements."""
+    lengths = [(i * 997) % 5000 if i % 7 else 0 for i in range(37)]
+    grads = [torch.full((n,), float(i + 1), device=DEVICE) for i, n in enumerate(lengths)]
+    out = triton_optimizer.check_step([], grads)
+    assert out is not None
+    assert float(out[0]) == sum(n * (i + 1) ** 2 for i, n in enumerate(lengths))
+    key = (*range(37), *lengths, *[triton_optimizer.GRAD] * 37)
+    assert len(triton_optimizer._check_table(key)) == 4 * 37

@@ -42,6 +42,7 @@ import torch
 from normwatch.measure.backends.native import lane
 from normwatch.measure.backends.native.build import library, pointers, threaded
 from normwatch.measure.backends.native.readers import KINDS, PLAIN
+from normwatch.measure.state.rows import plain_samples
 
 MEASURE, SIZE = 1, 2
 """``normwatch_sample``'s mode bits: sum the change against the kept values; sum |p|²."""
@@ -84,11 +85,8 @@ class NativePack:
         """A pack for ``samples`` (views of the parameters, all of one dtype), or ``None``
         where the kernel cannot read them (see the module docstring) or is unavailable."""
         first = samples[0]
-        if first.device.type != "cpu" or first.dtype not in KINDS or any(
-                type(s) is not torch.Tensor or s.layout != torch.strided
-                or (s.dim() == 2 and s.stride(1) != 1) or (s.dim() == 1 and not
-                                                           s.is_contiguous())
-                for s in samples):
+        if first.device.type != "cpu" or first.dtype not in KINDS or \
+                not plain_samples(samples):
             return None
         lib = library()
         return None if lib is None else cls(lib, samples, scales)
