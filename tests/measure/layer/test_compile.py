@@ -416,3 +416,21 @@ def test_the_programs_own_writes_survive_the_traced_hooks() -> None:
     assert all(torch.equal(a, b) for a, b in zip(got[2], want[2], strict=True))
     assert (watch.flush().layers["2.norm"].grad_hidden_rms or 0) > 0  # the hook ran
     watch.close()
+
+
+@pytest.mark.parametrize("per_block", [False, True], ids=["whole", "per block"])
+def test_a_watched_compiled_step_generates_no_kernel_beyond_the_unwatched_ones(
+        per_block: bool) -> None:
+    """Counted in inductor's code for one training step (``tests/benchmarks/
+    compiled_kernels.py``): as many graphs as unwatched (one block's serve every block),
+    no kernel more, and normwatch's operators at most 3 per norm call (its forward call and
+    two gradients), none in the unwatched code."""
+    from tests.benchmarks.compiled_kernels import one_step
+
+    plain, watched = one_step(False, per_block), one_step(True, per_block)
+    calls = 2 if per_block else 5  # the norm calls a graph holds: a block's, or the model's
+    assert plain.kernels and plain.normwatch_calls == ()
+    assert watched.graphs == plain.graphs == 2
+    assert len(watched.kernels) <= len(plain.kernels)
+    assert watched.normwatch_calls.count("observe") == calls
+    assert len(watched.normwatch_calls) <= 3 * calls

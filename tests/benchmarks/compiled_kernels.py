@@ -1,0 +1,104 @@
+"""What inductor generates for a watched model against the unwatched one (deterministic:
+counted in the generated code, not timed).
+
+Run: ``python tests/benchmarks/compiled_kernels.py [--depth 2] [--dim 64]``.
+
+One training step (forward and backward) of a pre-norm ``TinyLM`` (``nn.RMSNorm``)
+compiled with ``fullgraph=True``, the whole model or each block, watched at defaults and
+unwatched. From the code inductor writes (``run_and_get_code``) per configuration:
+
+- *graphs*: the compiled graphs (forward and backward: one block's serve every block);
+- *kernels*: the kernels it generates (CPU: C++ functions, CUDA: Triton kernels). Where
+  normwatch's statistics fuse with the norm's own loops this does not grow; each norm that
+  gets a kernel of its own adds one;
+- *extern calls*: the library calls (matmuls, attention);
+- *normwatch calls*: the calls of normwatch's operators in the graphs (``normwatch::observe``
+  and ``observe_grad``): each runs Python at run time, and each is a point inductor cannot
+  fuse across or capture in a CUDA graph (#49: the target is none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # before torch loads
+
+import torch
+from torch._inductor.utils import run_and_get_code
+
+import normwatch
+from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
+
+_KERNEL = re.compile(r"^(\w+) = async_compile\.(?:cpp_pybinding|cpp|triton)\(", re.M)
+_EXTERN = re.compile(r"\bextern_kernels\.\w+\(")
+_NORMWATCH = re.compile(r"\btorch\.ops\.normwatch\.\w+")
+
+
+@dataclass(frozen=True)
+class Generated:
+    """What inductor wrote for one step (see the module docstring)."""
+
+    graphs: int
+    kernels: tuple[str, ...]
+    extern_calls: int
+    normwatch_calls: tuple[str, ...]
+
+
+def generated(code: Sequence[str]) -> Generated:
+    """Count the generated ``code`` of a run's graphs."""
+    text = "\n".join(code)
+    return Generated(len(code), tuple(_KERNEL.findall(text)), len(_EXTERN.findall(text)),
+                     tuple(m.rsplit(".", 1)[1] for m in _NORMWATCH.findall(text)))
+
+
+def one_step(watched: bool, per_block: bool, depth: int = 2, dim: int = 64) -> Generated:
+    """Compile and run one training step of a fresh ``TinyLM`` (see the module docstring)."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = TinyLM(dim=dim, depth=depth, norm="rmsnorm")
+    watch = normwatch.watch(model, report_dir=None) if watched else None
+    try:
+        if per_block:
+            for block in model.blocks:
+                block.compile(fullgraph=True)
+            run = model
+        else:
+            run = torch.compile(model, fullgraph=True)  # type: ignore[assignment]
+        tokens = synthetic_batch(torch.Generator().manual_seed(0), batch=4, seq=32)
+        _, code = run_and_get_code(lambda: lm_loss(run(tokens), tokens).backward())
+    finally:
+        if watch is not None:
+            watch.close()
+        torch.compiler.reset()
+    return generated(code)
+
+
+def main(argv: Sequence[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--depth", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=64)
+    args = parser.parse_args(argv)
+    norms = 2 * args.depth + 1
+    lines = [f"TinyLM, {args.depth} blocks, {norms} norm calls a step "
+             f"({torch.__version__}, {'CUDA' if torch.cuda.is_available() else 'CPU'} "
+             "inductor)", "",
+             "| compile | watched | graphs | kernels | extern calls | normwatch calls |",
+             "|---|---|---:|---:|---:|---:|"]
+    for per_block in (False, True):
+        for watched in (False, True):
+            g = one_step(watched, per_block, args.depth, args.dim)
+            lines.append(f"| {'per block' if per_block else 'whole'} | "
+                         f"{'yes' if watched else 'no'} | {g.graphs} | {len(g.kernels)} | "
+                         f"{g.extern_calls} | {len(g.normwatch_calls)} |")
+            print(lines[-1], flush=True)
+    text = "\n".join(lines)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
