@@ -12,9 +12,10 @@ unwatched. From the code inductor writes (``run_and_get_code``) per configuratio
   normwatch's statistics fuse with the norm's own loops this does not grow; each norm that
   gets a kernel of its own adds one;
 - *extern calls*: the library calls (matmuls, attention);
-- *normwatch calls*: the calls of normwatch's operators in the graphs (``normwatch::observe``
-  and ``observe_grad``): each runs Python at run time, and each is a point inductor cannot
-  fuse across or capture in a CUDA graph (#49: the target is none).
+- *normwatch calls*: the calls of normwatch's operator in the graphs
+  (``normwatch::observe``, the forward's): each runs Python at run time, and each is a
+  point inductor cannot fuse across or capture in a CUDA graph (#49: the target is none;
+  the gradients already fold inside the graph).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import argparse
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # before torch loads
 
@@ -46,6 +47,9 @@ class Generated:
     kernels: tuple[str, ...]
     extern_calls: int
     normwatch_calls: tuple[str, ...]
+    gradients_measured: int = 0
+    """Watched: the layers whose three gradients (output, through the norm, hidden
+    state) were measured in that step."""
 
 
 def generated(code: Sequence[str]) -> Generated:
@@ -70,11 +74,16 @@ def one_step(watched: bool, per_block: bool, depth: int = 2, dim: int = 64) -> G
             run = torch.compile(model, fullgraph=True)  # type: ignore[assignment]
         tokens = synthetic_batch(torch.Generator().manual_seed(0), batch=4, seq=32)
         _, code = run_and_get_code(lambda: lm_loss(run(tokens), tokens).backward())
+        measured = 0
+        if watch is not None:
+            layers = watch.flush().layers.values()
+            measured = sum(None not in (s.grad_out_rms, s.grad_in_rms, s.grad_hidden_rms)
+                           for s in layers)
     finally:
         if watch is not None:
             watch.close()
         torch.compiler.reset()
-    return generated(code)
+    return replace(generated(code), gradients_measured=measured)
 
 
 def main(argv: Sequence[str] | None = None) -> str:

@@ -92,6 +92,7 @@ def test_a_table_is_made_once_for_tensors_that_stay_in_place() -> None:
     """The check's table of addresses is kept for tensors at the same places (steady
     state: no copy to the device); a moved tensor makes a new one."""
     grads, staged = gradients(), rows(0)
+    triton_optimizer._CHECK_TABLES.pop(DEVICE, None)  # (earlier tests' tables: freed places)
     first = triton_optimizer.check_step(staged, grads)
     tables = triton_optimizer._CHECK_TABLES[DEVICE]
     kept = dict(tables._tables)

@@ -251,3 +251,30 @@ def test_fp16_with_a_grad_scaler_goes_on_as_if_the_bad_batch_was_never_seen() ->
     assert [(e.step, e.skipped) for e in w.guard.events] == [(BAD, True)]
     _, _, plain, _ = train_fp16({BAD})  # unwatched, the scaler lowers its scale
     assert plain.get_scale() == ref_scaler.get_scale() / 2
+
+
+def test_a_compiled_models_poisoned_gradient_alone_is_caught_in_the_norms() -> None:
+    """A finite forward and loss whose backward sends inf into the norms (the sqrt of an
+    exact 0): the compiled backward's step block holds the poison, and the guard names
+    the norms' gradients among its reasons."""
+    torch.compiler.reset()
+    model = mlp(torch.float32)
+    model.compile(fullgraph=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    w = normwatch.watch(model, opt, report_dir=None, guard=True, stats_every=1)
+    assert w.guard is not None
+    for step, (x, y) in enumerate(batches(torch.float32, set()), start=1):
+        out = model(x)
+        loss = (out - y).square().mean()
+        if step == BAD:  # forward 0, its gradient inf
+            loss = loss + torch.sqrt(out - out.detach()).sum()
+        assert torch.isfinite(loss)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        w.step(loss)
+    w.finish()
+    [event] = w.guard.events
+    assert (event.step, event.skipped) == (BAD, True)
+    assert "a watched norm's input, output or gradient" in event.reasons
+    assert all(torch.isfinite(p).all() for p in model.parameters())
