@@ -1,7 +1,7 @@
 """What inductor generates for a watched model against the unwatched one (deterministic:
 counted in the generated code, not timed).
 
-Run: ``python tests/benchmarks/compiled_kernels.py [--depth 2] [--dim 64]``.
+Run: ``python -m tests.benchmarks.compiled_kernels [--depth 2] [--dim 64]``.
 
 One training step (forward and backward) of a pre-norm ``TinyLM`` (``nn.RMSNorm``)
 compiled with ``fullgraph=True``, the whole model or each block, watched at defaults and
@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # before torch loads
@@ -31,8 +31,8 @@ os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # before torch
 import torch
 from torch._inductor.utils import run_and_get_code
 
-import normwatch
-from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
+from normwatch.demos.toymodel import lm_loss, synthetic_batch
+from tests.benchmarks.compile_time import compiled_tinylm, table
 
 _KERNEL = re.compile(r"^(\w+) = async_compile\.(?:cpp_pybinding|cpp|triton)\(", re.M)
 _EXTERN = re.compile(r"\bextern_kernels\.\w+\(")
@@ -61,17 +61,7 @@ def generated(code: Sequence[str]) -> Generated:
 
 def one_step(watched: bool, per_block: bool, depth: int = 2, dim: int = 64) -> Generated:
     """Compile and run one training step of a fresh ``TinyLM`` (see the module docstring)."""
-    torch.compiler.reset()
-    torch.manual_seed(0)
-    model = TinyLM(dim=dim, depth=depth, norm="rmsnorm")
-    watch = normwatch.watch(model, report_dir=None) if watched else None
-    try:
-        if per_block:
-            for block in model.blocks:
-                block.compile(fullgraph=True)
-            run = model
-        else:
-            run = torch.compile(model, fullgraph=True)  # type: ignore[assignment]
+    with compiled_tinylm(depth, dim, watched, per_block) as (_, run, watch):
         tokens = synthetic_batch(torch.Generator().manual_seed(0), batch=4, seq=32)
         _, code = run_and_get_code(lambda: lm_loss(run(tokens), tokens).backward())
         measured = 0
@@ -79,10 +69,6 @@ def one_step(watched: bool, per_block: bool, depth: int = 2, dim: int = 64) -> G
             layers = watch.flush().layers.values()
             measured = sum(None not in (s.grad_out_rms, s.grad_in_rms, s.grad_hidden_rms)
                            for s in layers)
-    finally:
-        if watch is not None:
-            watch.close()
-        torch.compiler.reset()
     return replace(generated(code), gradients_measured=measured)
 
 
@@ -92,19 +78,19 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--dim", type=int, default=64)
     args = parser.parse_args(argv)
     norms = 2 * args.depth + 1
-    lines = [f"TinyLM, {args.depth} blocks, {norms} norm calls a step "
-             f"({torch.__version__}, {'CUDA' if torch.cuda.is_available() else 'CPU'} "
-             "inductor)", "",
-             "| compile | watched | graphs | kernels | extern calls | normwatch calls |",
-             "|---|---|---:|---:|---:|---:|"]
-    for per_block in (False, True):
-        for watched in (False, True):
-            g = one_step(watched, per_block, args.depth, args.dim)
-            lines.append(f"| {'per block' if per_block else 'whole'} | "
-                         f"{'yes' if watched else 'no'} | {g.graphs} | {len(g.kernels)} | "
-                         f"{g.extern_calls} | {len(g.normwatch_calls)} |")
-            print(lines[-1], flush=True)
-    text = "\n".join(lines)
+    title = (f"TinyLM, {args.depth} blocks, {norms} norm calls a step ({torch.__version__}, "
+             f"{'CUDA' if torch.cuda.is_available() else 'CPU'} inductor)")
+
+    def rows() -> Iterator[str]:
+        for per_block in (False, True):
+            for watched in (False, True):
+                g = one_step(watched, per_block, args.depth, args.dim)
+                yield f"| {'per block' if per_block else 'whole'} | " \
+                      f"{'yes' if watched else 'no'} | {g.graphs} | {len(g.kernels)} | " \
+                      f"{g.extern_calls} | {len(g.normwatch_calls)} |"
+
+    text = title + "\n\n" + table("compile | watched | graphs: | kernels: | extern calls: | "
+                                   "normwatch calls:", rows())
     print(text)
     return text
 

@@ -76,7 +76,8 @@ torch.library._register_effectful_op("normwatch::observe", EffectType.ORDERED)
 class Noted(Protocol):
     """What compiled code folds gradients for (an accumulator)."""
 
-    traced_grads: bool
+    def traced_now(self) -> None:
+        """A graph that folds gradients was traced (run while tracing)."""
 
 
 _NOTED: WeakValueDictionary[int, Noted] = WeakValueDictionary()
@@ -94,5 +95,5 @@ def note_traced_grads(key: int) -> int:
     gradients for the target of ``key`` (:func:`noted`)."""
     target = _NOTED.get(key)
     if target is not None:
-        target.traced_grads = True
+        target.traced_now()
     return key

@@ -82,8 +82,8 @@ class Accumulator:
         """Per device, the step block compiled backward passes fold their gradients into
         (:mod:`~normwatch.measure.state.grad_fold`) and one at its identities."""
         self.traced_grads = False
-        """Whether a compiled graph that folds gradients into a step block was traced (set
-        while tracing): then each step's is folded into the state."""
+        """Whether a compiled graph that folds gradients into a step block was traced
+        (:meth:`traced_now`): then each step's is folded into the state."""
         self._gate = False
         """The gate asked for (:meth:`gate_grads`); a step block is made with it."""
         self._filled: bool | None = None
@@ -241,11 +241,17 @@ class Accumulator:
             self._gates.append(step[TRACED_GATE])
         return self._steps[device][0][:, row]
 
+    def traced_now(self) -> None:
+        """A graph that folds gradients into the step blocks was traced: they get the
+        gate asked for before it runs (run while tracing, eagerly: real tensors)."""
+        self.traced_grads = True
+        self._filled = None
+        self.gate_grads(self._gate)
+
     def gate_grads(self, on: bool) -> None:
         """Whether compiled backward passes fold their gradients from now on: one fill a
         device where it changes, once a graph that folds them was traced (until then the
-        step blocks keep the gate they were made with; the step a first graph is traced
-        in, its backward folds by that gate)."""
+        step blocks keep the gate they were made with: :meth:`traced_now` fills it)."""
         self._gate = on
         if self.traced_grads and on is not self._filled:
             self._filled = on

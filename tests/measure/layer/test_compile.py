@@ -460,3 +460,25 @@ def test_a_skipped_steps_compiled_gradients_are_dropped_as_eager_ones_are() -> N
     norm = compiled.layers["blocks.0.norm1"]
     assert norm.grad_out_rms is not None and norm.grad_out_rms < 1.0
     assert norm.grad_out_nonfinite == norm.grad_hidden_nonfinite == 0
+
+
+def test_a_model_first_compiled_on_a_sentinel_step_measures_no_gradient_there() -> None:
+    """Eager step 1 (full tier, gradients measured), then step 2 (sentinel tier) is the
+    first to run compiled: its backward folds nothing, as eager's measures nothing (the
+    gate its step block was made with, on, is switched off while the graph is traced)."""
+    def run(compiled: bool) -> Snapshot:
+        torch.manual_seed(0)
+        model = TinyLM(dim=16, depth=1)
+        w = normwatch.watch(model, report_dir=None, stats_every=2, flush_every=2)
+        gen = torch.Generator().manual_seed(0)
+        for fwd in (model, whole(model) if compiled else model):
+            tokens = synthetic_batch(gen, batch=2, seq=8)
+            lm_loss(fwd(tokens), tokens).backward()
+            snap = w.step()
+        w.close()
+        assert snap is not None
+        return snap
+
+    eager, compiled = run(False), run(True)
+    assert_same_stats([eager], [compiled])
+    assert compiled.layers["blocks.0.norm1"].grad_out_rms is not None  # step 1's
