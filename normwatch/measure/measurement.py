@@ -60,7 +60,6 @@ class Measurement:
         self._rt = Runtime(Accumulator(len(pairs), backend, limits), count_eval=count_eval,
                            output_checks=output_checks, gradients=gradients)
         self._rt.accumulator.watch_poison = poison
-        self._rt.accumulator.gate_grads(self._rt.grads_now)  # (the step blocks' first)
         self.replay = ReplayLog()
         """Each step's batch fingerprint and RNG states (:mod:`~normwatch.measure.step.replay`)."""
         self.replay.begin_step(1)
@@ -106,7 +105,6 @@ class Measurement:
         rt.accumulator.begin_step()
         self.replay.begin_step(step)
         rt.update(step=step, calls_this_step=0, full_stats=full)
-        rt.accumulator.gate_grads(rt.grads_now)
         if self._find_unsharded:
             self._follow_unsharded()
         measured = rt.gradients and full
@@ -269,12 +267,10 @@ class Measurement:
     def paused(self) -> Iterator[None]:
         """Hooks stand aside (e.g. while a probe runs a copy of a layer)."""
         self._rt.update(paused=True)
-        self._rt.accumulator.gate_grads(False)
         try:
             yield
         finally:
             self._rt.update(paused=False)
-            self._rt.accumulator.gate_grads(self._rt.grads_now)
 
     @property
     def forward_order(self) -> list[str]:
@@ -293,7 +289,6 @@ class Measurement:
         """Remove every hook (harmless twice). Code compiled while watched keeps the
         hooks' tensor ops until it recompiles: they are switched off here."""
         self._rt.update(paused=True)
-        self._rt.accumulator.gate_grads(False)
         for hook in self._hooks:
             hook.remove()
         for handle in self._root_handles:

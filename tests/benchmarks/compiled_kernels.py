@@ -8,14 +8,16 @@ compiled with ``fullgraph=True``, the whole model or each block, watched at defa
 unwatched. From the code inductor writes (``run_and_get_code``) per configuration:
 
 - *graphs*: the compiled graphs (forward and backward: one block's serve every block);
-- *kernels*: the kernels it generates (CPU: C++ functions, CUDA: Triton kernels). Where
-  normwatch's statistics fuse with the norm's own loops this does not grow; each norm that
-  gets a kernel of its own adds one;
+- *kernels*: the kernels it generates (CPU: C++ functions, CUDA: Triton kernels), each
+  once however often it runs;
+- *launches*: the kernels' calls in a step. Where normwatch's statistics fuse with the
+  norm's own loops this does not grow; each norm call that gets a kernel of its own adds
+  one.
 - *extern calls*: the library calls (matmuls, attention);
-- *normwatch calls*: the calls of normwatch's operator in the graphs
-  (``normwatch::observe``, the forward's): each runs Python at run time, and each is a
-  point inductor cannot fuse across or capture in a CUDA graph (#49: the target is none;
-  the gradients already fold inside the graph).
+- *normwatch calls*: calls of normwatch's operators in the graphs
+  (``normwatch::observe``, ``normwatch::observe_grad``): each runs Python at run time,
+  and each is a point inductor cannot fuse across or capture in a CUDA graph (#49: the
+  target is none, with compile time kept: ``compile_time.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from normwatch.demos.toymodel import lm_loss, synthetic_batch
 from tests.benchmarks.compile_time import compiled_tinylm, table
 
 _KERNEL = re.compile(r"^(\w+) = async_compile\.(?:cpp_pybinding|cpp|triton)\(", re.M)
+_CALL = re.compile(r"^\s+(\w+)(?:\.run)?\(", re.M)
 _EXTERN = re.compile(r"\bextern_kernels\.\w+\(")
 _NORMWATCH = re.compile(r"\btorch\.ops\.normwatch\.\w+")
 
@@ -45,17 +48,24 @@ class Generated:
 
     graphs: int
     kernels: tuple[str, ...]
+    launches: tuple[int, ...]
+    """Per graph (forward, backward)."""
     extern_calls: int
     normwatch_calls: tuple[str, ...]
     gradients_measured: int = 0
     """Watched: the layers whose three gradients (output, through the norm, hidden
     state) were measured in that step."""
+    calls_measured: int = 0
+    """Watched: the layers whose calls' statistics (tokens, RMS) were measured in it."""
 
 
 def generated(code: Sequence[str]) -> Generated:
     """Count the generated ``code`` of a run's graphs."""
     text = "\n".join(code)
-    return Generated(len(code), tuple(_KERNEL.findall(text)), len(_EXTERN.findall(text)),
+    kernels = tuple(_KERNEL.findall(text))
+    called = set(kernels)
+    launches = tuple(sum(name in called for name in _CALL.findall(c)) for c in code)
+    return Generated(len(code), kernels, launches, len(_EXTERN.findall(text)),
                      tuple(m.rsplit(".", 1)[1] for m in _NORMWATCH.findall(text)))
 
 
@@ -64,12 +74,13 @@ def one_step(watched: bool, per_block: bool, depth: int = 2, dim: int = 64) -> G
     with compiled_tinylm(depth, dim, watched, per_block) as (_, run, watch):
         tokens = synthetic_batch(torch.Generator().manual_seed(0), batch=4, seq=32)
         _, code = run_and_get_code(lambda: lm_loss(run(tokens), tokens).backward())
-        measured = 0
+        measured = calls = 0
         if watch is not None:
             layers = watch.flush().layers.values()
             measured = sum(None not in (s.grad_out_rms, s.grad_in_rms, s.grad_hidden_rms)
                            for s in layers)
-    return replace(generated(code), gradients_measured=measured)
+            calls = sum(s.tokens == 4 * 32 and s.rms_max is not None for s in layers)
+    return replace(generated(code), gradients_measured=measured, calls_measured=calls)
 
 
 def main(argv: Sequence[str] | None = None) -> str:
@@ -87,10 +98,12 @@ def main(argv: Sequence[str] | None = None) -> str:
                 g = one_step(watched, per_block, args.depth, args.dim)
                 yield f"| {'per block' if per_block else 'whole'} | " \
                       f"{'yes' if watched else 'no'} | {g.graphs} | {len(g.kernels)} | " \
+                      f"{' + '.join(map(str, g.launches))} | " \
                       f"{g.extern_calls} | {len(g.normwatch_calls)} |"
 
-    text = title + "\n\n" + table("compile | watched | graphs: | kernels: | extern calls: | "
-                                   "normwatch calls:", rows())
+    header = ("compile | watched | graphs: | kernels: | launches (fwd + bwd): | "
+              "extern calls: | normwatch calls:")
+    text = title + "\n\n" + table(header, rows())
     print(text)
     return text
 

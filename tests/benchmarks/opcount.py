@@ -9,8 +9,7 @@ Per path the table gives the *kernels* (ops that compute or allocate: what costs
 launch on a GPU and a dispatch on the CPU) and the *views* (metadata-only ops: reshape,
 detach, select). Forward rows are the ops a watched call adds to an unwatched one
 (``norm(x)`` watched minus unwatched); gradient rows are one hook's ops on one gradient;
-compiled rows are what the forward operator's body runs at run time, plus the operator
-itself (compiled gradients fold inside the graph: nothing runs for them).
+compiled rows are what the operators' bodies run at run time, plus the operator itself.
 """
 
 from __future__ import annotations
@@ -248,6 +247,20 @@ def _plus(a: Count, b: Count) -> Count:
     return Count(a.kernels + b.kernels, a.views + b.views)
 
 
+def compiled_grad(through: bool, kind: str = "rmsnorm", d: int = 256,
+                  tokens: int = 512) -> Count:
+    """The run-time ops of one compiled output gradient (with the gradient through the
+    norm from it, ``through``): the operator and its body."""
+    norm = _norm(kind, d)
+    x = torch.randn(tokens // 8, 8, d)
+    g = torch.randn_like(x)
+    with watched(norm) as hook:
+        hook.rt.update(full_stats=True)
+        return _plus(count(lambda: hook.compiled.compiled_grad(
+            "grad_out", g, x if through else None, norm.weight.detach() if through else None)),
+            _OPERATOR)
+
+
 PHASES = ("forward", "backward", "optimizer", "watch.step")
 """A training step's parts, as :func:`step` counts them: the model's forward (the norm
 calls), its backward (the gradient hooks), the optimizer's step (the update monitor,
@@ -336,6 +349,8 @@ def rows() -> list[tuple[str, Count]]:
         ("gradient grad_out + grad_in computed (fp32)", computed()),
         ("compiled call, sentinel", compiled_call()),
         ("compiled call, full", compiled_call(full=True)),
+        ("compiled gradient (grad_out)", compiled_grad(False)),
+        ("compiled gradient (grad_out + grad_in by formula)", compiled_grad(True)),
     ]
     if usable():
         out += [("fused kernel forward, sentinel", forward_call(kernel="triton", steady=True)),

@@ -48,6 +48,9 @@ BUDGETS = {  # path: (kernels, views), as measured on 2026-12-01 (the sentinel: 
     "weight gradient": ((lambda: opcount.gradient("weight")), (2, 0) if NATIVE else (1, 1)),
     "compiled sentinel": ((lambda: opcount.compiled_call()), (6, 0 if NATIVE else 2)),
     "compiled full": ((lambda: opcount.compiled_call(full=True)), (8, 0 if NATIVE else 2)),
+    "compiled grad_out": ((lambda: opcount.compiled_grad(False)), (3, 1)),
+    "compiled grad_out + grad_in": ((lambda: opcount.compiled_grad(True)),
+                                    (4, 1) if NATIVE else (17, 7)),  # (C: 2026-12-03)
     "grad_out + grad_in computed": ((lambda: opcount.computed()),
                                     (3, 0) if NATIVE else (16, 6)),
 }

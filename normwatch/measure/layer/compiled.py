@@ -4,8 +4,7 @@ compiled graph's operators run.
 Inside ``torch.compile`` the hook's traced body reads no Python value that changes
 between steps and writes no Python state: it hands the call to one opaque operator
 (``normwatch::observe``, :mod:`~normwatch.measure.layer.operators`) whose body, at run
-time, is the eager recorder's (:meth:`CompiledPath.compiled_call`); its gradients fold
-inside the graph (:meth:`GradHooks.watch_output`). The compiled graph neither
+time, is the eager recorder's (:meth:`CompiledPath.compiled_call`). The compiled graph neither
 breaks nor recompiles, inside activation checkpoints too; compiling it costs what
 compiling the model costs; and compiled and eager calls share one path.
 """
@@ -22,6 +21,7 @@ from normwatch.guarded import guarded
 from normwatch.measure.layer.calls import input_of, other_tensor, output_of
 from normwatch.measure.layer.operators import observe
 from normwatch.measure.layer.recorder import Recorder
+from normwatch.measure.state.rows import SITES
 
 
 class CompiledPath:
@@ -92,3 +92,11 @@ class CompiledPath:
                 torch._C._current_graph_task_id() != -1:
             return
         recorder.record(recorder.module, x, y, alone)
+
+    def compiled_grad(self, at: str, g: torch.Tensor, x: torch.Tensor | None,
+                      weight: torch.Tensor | None) -> None:
+        """The body of a compiled gradient's operator, at run time (see
+        :meth:`GradHooks.measure`)."""
+        recorder = self.recorder
+        if recorder.grads is not None and recorder.failed is None:
+            recorder.grads.measure(SITES.index(at), g, x, weight)

@@ -21,12 +21,12 @@ CPU one pass of the C kernel, which also adds two parts of ``grad_in`` as it rea
 and stage them; the accumulator folds every staged gradient at once when the step ends
 (:mod:`~normwatch.measure.state.grad_fold`). Compiled code taps the output with
 :class:`_Tap` instead (an autograd function traced into the backward graph), whose
-backward folds ``dL/dy`` and, from it, the gradient through the norm
-(:func:`through_formula`) by plain ops the compiled backward fuses, into the layer's
-column of a step block (:func:`~normwatch.measure.state.grad_fold.fold_traced_grad`: no
-Python at run time, a device gate for the steps not measured); the hidden state's tensor
-hook, traced, folds the same way. No host sync. Hooks and taps live on the step's
-autograd graph and go with it: no tensor is kept past the step.
+backward hands ``dL/dy`` to one opaque operator (``normwatch::observe_grad``,
+:mod:`~normwatch.measure.layer.operators`) whose body, at run time,
+measures it and, from it, the gradient through the norm (:func:`through_formula`) as
+eager hooks do (:meth:`GradHooks.measure`); the hidden state keeps its tensor hook. No
+host sync. Hooks and taps live on the step's autograd graph and go with it: no tensor is
+kept past the step.
 
 The weight's gradient is measured by a hook on the parameter, registered for the steps
 whose backward is measured (:meth:`GradHooks.arm`, between steps): it fires with each
@@ -46,11 +46,10 @@ from torch.utils.hooks import RemovableHandle
 from normwatch.guarded import guarded
 from normwatch.measure.backends.native.lane import GradLane, WeightHandle
 from normwatch.measure.backends.native.readers import PLAIN
-from normwatch.measure.layer.operators import note_traced_grads
+from normwatch.measure.layer.operators import observe_grad
 from normwatch.measure.model.sharding import local
 from normwatch.measure.state.backend import Backend
-from normwatch.measure.state.grad_fold import fold_traced_grad
-from normwatch.measure.state.rows import HIDDEN, IN, OUT, WEIGHT, LayerRows
+from normwatch.measure.state.rows import HIDDEN, IN, OUT, SITES, WEIGHT, LayerRows
 
 Target = Callable[[], "torch.Tensor | None"]
 Stage = Callable[[int, "tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]", int],
@@ -158,32 +157,30 @@ def through_formula(kind: str, eps: float, one_plus_w: bool) -> Through | None:
 
 
 class _Tap(torch.autograd.Function):
-    """Identity on a norm's output whose backward folds the gradient, and from it with the
-    norm's input and weight (detached: no edge to them) the gradient through the norm,
-    into the layer's ``cells`` (:meth:`GradHooks.fold`)."""
+    """Identity on a norm's output whose backward hands the gradient, with the norm's
+    input and weight (detached: no edge to them), to ``normwatch::observe_grad``; the
+    layer's row (what names it to the operator) travels on ``ctx``."""
 
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, cells: torch.Tensor, hooks: GradHooks,
-                x: torch.Tensor | None = None, weight: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        ctx.cells, ctx.hooks, ctx.x, ctx.weight = cells, hooks, x, weight
+    def forward(ctx: Any, t: torch.Tensor, row: torch.Tensor, x: torch.Tensor | None = None,
+                weight: torch.Tensor | None = None) -> torch.Tensor:
+        ctx.row, ctx.x, ctx.weight = row, x, weight
         # The norm's output goes on into the model, which may modify it in place: a copy
         # (a view of a custom Function's output may not be).
         return t.clone()
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        ctx.hooks.fold(ctx.cells, OUT, g, ctx.x, ctx.weight)
-        return g, None, None, None, None
+        observe_grad(g, ctx.row, "grad_out", ctx.x, ctx.weight)
+        return g, None, None, None
 
 
 class GradHooks:
     """The gradient side of one layer's hook (see the module docstring).
 
     ``rows``: the layer's (what the backends read with), ``backend(device)`` the backend
-    of a device; ``target()`` is ``None`` while this step's backward is not measured;
-    ``cells()`` the layer's column of the step block compiled code folds into, and
-    ``ident`` its accumulator's (:func:`note_traced_grads`); ``stage``
+    of a device; ``target()`` gives the row naming the layer to the compiled operators,
+    or ``None`` while nothing is measured (eager: this step is not measured); ``stage``
     takes an eager hook's rows; ``fail`` disables the layer on an exception (eager only:
     a traced hook must not touch Python state). ``computable``: the gradient through the
     norm may be computed from its output's (:meth:`computes`; given with ``through``).
@@ -192,8 +189,7 @@ class GradHooks:
     def __init__(self, rows: LayerRows, backend: Callable[[torch.device], Backend],
                  target: Target, stage: Stage, fail: Callable[[Exception], None],
                  through: Through | None = None, computable: bool = False,
-                 lane: Callable[[GradHooks], GradLane | None] | None = None,
-                 cells: Target | None = None, ident: int = 0) -> None:
+                 lane: Callable[[GradHooks], GradLane | None] | None = None) -> None:
         self.rows = rows
         self.tokens = rows.tokens
         self.backend = backend
@@ -203,8 +199,6 @@ class GradHooks:
         """Compiled code: the gradient through the norm from its output's
         (:func:`through_formula`; ``None``: not measured compiled)."""
         self._target = target
-        self._cells = cells or (lambda: None)
-        self._ident = ident
         self._stage = stage
         self._fail = fail
         self._weight: torch.Tensor | None = None
@@ -312,8 +306,7 @@ class GradHooks:
     def watch_hidden(self, x: torch.Tensor) -> None:
         """Compiled: hook ``x``, the hidden state's gradient (a tensor hook: no node in
         the graph; the gradient through the norm comes from :meth:`watch_output`)."""
-        if not isinstance(x, nn.Parameter) and self._cells() is not None:
-            note_traced_grads(self._ident)
+        if not isinstance(x, nn.Parameter):
             x.register_hook(self._hidden)  # type: ignore[no-untyped-call]
 
     def watch_output(self, y: torch.Tensor, x: torch.Tensor | None = None,
@@ -321,26 +314,13 @@ class GradHooks:
         """Hook the norm's output (the gradient arriving at it); returns the tensor the
         model must go on with (compiled code: a tap in its place, which with the norm's
         input ``x`` and ``weight`` also folds the gradient through the norm)."""
-        cells = self._cells() if torch.compiler.is_compiling() else None
-        if cells is None:
+        row = self._target() if torch.compiler.is_compiling() else None
+        if row is None:
             y.register_hook(self._out)  # type: ignore[no-untyped-call]
             return y
-        note_traced_grads(self._ident)
         through = x.detach() if x is not None and self.through is not None else None
-        return _Tap.apply(y, cells, self, through,  # type: ignore[no-any-return, no-untyped-call]
+        return _Tap.apply(y, row, through,  # type: ignore[no-any-return, no-untyped-call]
                           None if weight is None else weight.detach())
-
-    def fold(self, cells: torch.Tensor, site: int, g: torch.Tensor,
-             x: torch.Tensor | None = None, weight: torch.Tensor | None = None) -> None:
-        """Traced: fold gradient ``g`` at ``site`` into ``cells``; given the norm's input
-        ``x`` (and ``weight``), ``g`` is its output's gradient and the gradient through
-        the norm (:func:`through_formula`) is folded too."""
-        if not g.numel():
-            return
-        g = g.detach()
-        fold_traced_grad(cells, site, self.tokens(g))
-        if x is not None and self.through is not None:
-            fold_traced_grad(cells, IN, self.through(self.tokens(g), self.tokens(x), weight))
 
     def watch_weight(self, weight: object) -> None:
         """Hook the layer's weight once (again when the module's weight is replaced, as
@@ -388,6 +368,22 @@ class GradHooks:
     def _hidden(self, g: torch.Tensor) -> None:
         self._measure(HIDDEN, g)
 
+    def measure(self, site: int, g: torch.Tensor, x: torch.Tensor | None = None,
+                weight: torch.Tensor | None = None) -> None:
+        """Measure gradient ``g`` at ``site`` (what a compiled gradient's operator runs);
+        given the norm's input ``x`` (and ``weight``), ``g`` is the output's gradient and
+        the gradient through the norm (:func:`through_formula`) is measured too. Nothing
+        when this backward is not measured."""
+        if self._target() is None:
+            return
+        if x is not None and self.through is not None and site == OUT:
+            backend = self.backend(g.device)
+            self._out_through(g, x, weight, backend.through_rows(self.rows, g, x, weight)
+                              if self._computed and x.shape[-1] == self.width
+                              and backend.covers_through(self.rows, x, weight) else None)
+        else:
+            self._measure(site, g)
+
     @guarded
     def _through(self, through: Through, g: torch.Tensor, x: torch.Tensor,
                  weight: torch.Tensor | None) -> None:
@@ -399,11 +395,10 @@ class GradHooks:
         # guarded as @guarded does, in place, and the common case in few frames: inside a
         # backward each frame costs several µs, and a full step runs four of these a norm
         try:
-            if torch.compiler.is_compiling():  # traced (the hidden state's hook; an
-                cells = self._cells()           # eager one under compiled autograd)
-                if cells is not None:
-                    note_traced_grads(self._ident)
-                    self.fold(cells, site, sum(parts, g))  # (parts: as autograd sums them)
+            if torch.compiler.is_compiling():  # traced (the hidden state's hook)
+                row = self._target()
+                if row is not None:
+                    observe_grad(g, row, SITES[site], None, None)
                 return
             if not g.numel() or self._target() is None:
                 return

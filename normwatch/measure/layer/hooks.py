@@ -27,7 +27,7 @@ from normwatch.measure.backends.native.backend import through_reader
 from normwatch.measure.layer.calls import input_of, other_tensor, output_of
 from normwatch.measure.layer.compiled import CompiledPath
 from normwatch.measure.layer.gradients import GradHooks, through_formula
-from normwatch.measure.layer.operators import disown, noted, own
+from normwatch.measure.layer.operators import disown, own
 from normwatch.measure.layer.recorder import Recorder, Runtime
 from normwatch.records import NormLayer
 
@@ -76,8 +76,7 @@ class LayerHook:
         recorder = self.recorder
         grads = recorder.grads = GradHooks(rows, rt.backend, recorder.grad_target,
                                            recorder.stage_grad, recorder.fail, through,
-                                           computable, lane, recorder.grad_cells_of,
-                                           noted(rt.accumulator))
+                                           computable, lane)
         grads.watch_weight(weight)
         self._pre_handle = module.register_forward_pre_hook(
             native_lane.pre_hook_for(self.compiled.pre, self._lane_state), with_kwargs=True)
@@ -94,7 +93,6 @@ class LayerHook:
         if recorder.state is not None:
             disown(recorder.state, self.compiled)
         recorder.state = self.rt.accumulator.row_state(device, self.row)
-        recorder.grad_cells = self.rt.accumulator.grad_cells(device, self.row)
         own(recorder.state, self.compiled)
 
     def remove(self) -> None:

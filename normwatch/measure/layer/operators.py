@@ -1,25 +1,22 @@
-"""What compiled hooks call: an opaque operator whose body is the eager recorder's, and a
-note taken while tracing.
+"""What compiled hooks call: two opaque operators whose bodies are the eager recorder's.
 
 Traced inline, a norm call's measurement (row reductions, fold, output check; in the
 backward, the gradient folds) added a few dozen small ops at every call site: inductor
 generated, compiled and linked code for each (a two-block model took 87 s to compile
 watched, 10 s unwatched; six blocks did not finish in 18 minutes), and the ops ran
-every step whatever the tier. Here a compiled forward hook makes one ``torch.library``
-call, ``normwatch::observe`` (the call's input and output), and the compiler sees one
-extern call per site. (The gradients fold in the graph, by plain ops the backward fuses:
-:mod:`~normwatch.measure.layer.gradients`; :func:`note_traced_grads` tells the
-accumulator so while tracing.) At run time its body finds
+every step whatever the tier. Here a compiled hook makes one ``torch.library`` call,
+``normwatch::observe`` (the call's input and output) or ``normwatch::observe_grad`` (a
+gradient), and the compiler sees one extern call per site. At run time its body finds
 the layer's compiled path by the address of the layer's accumulator row (a graph input,
 the same tensor every step: no per-layer constant reaches the graph, so a block
 compiled once serves every layer) and runs what an eager call runs: the flags, counters
 and staging are plain Python again, and compiled and eager calls give the same numbers
 by construction.
 
-The operator is *effectful* (ordered, never dead-code eliminated; a forward call's body
+The operators are *effectful* (ordered, never dead-code eliminated; a forward call's body
 that runs inside the backward, an activation checkpoint's recompute, counts nothing) and
-mutates nothing the graph sees; it is marked unsafe for CUDA graphs (its body runs
-Python), so ``mode="reduce-overhead"`` leaves the graph holding it to run without CUDA
+mutate nothing the graph sees; they are marked unsafe for CUDA graphs (their bodies run
+Python), so ``mode="reduce-overhead"`` leaves the graph holding them to run without CUDA
 graphs.
 """
 
@@ -37,6 +34,10 @@ class Owner(Protocol):
 
     def compiled_call(self, x: torch.Tensor, y: torch.Tensor | None, alone: bool) -> None:
         """Measure one compiled call (input and output detached)."""
+
+    def compiled_grad(self, at: str, g: torch.Tensor, x: torch.Tensor | None,
+                      weight: torch.Tensor | None) -> None:
+        """Measure one gradient of a compiled call (see :func:`observe_grad`)."""
 
 
 _OWNERS: WeakValueDictionary[int, Owner] = WeakValueDictionary()
@@ -70,30 +71,22 @@ def _(x: torch.Tensor, y: torch.Tensor | None, row: torch.Tensor, alone: bool) -
     return None
 
 
-torch.library._register_effectful_op("normwatch::observe", EffectType.ORDERED)
+@torch.library.custom_op("normwatch::observe_grad", mutates_args=(), tags=_TAGS)
+def observe_grad(g: torch.Tensor, row: torch.Tensor, at: str, x: torch.Tensor | None,
+                 weight: torch.Tensor | None) -> None:
+    """A gradient of a compiled call at site ``at``; given the norm's input ``x`` (and
+    ``weight``), ``g`` is its output's gradient and the gradient through the norm is
+    measured from it too. ``row`` names the layer."""
+    owner = _OWNERS.get(row.data_ptr())
+    if owner is not None:
+        owner.compiled_grad(at, g, x, weight)
 
 
-class Noted(Protocol):
-    """What compiled code folds gradients for (an accumulator)."""
-
-    def traced_now(self) -> None:
-        """A graph that folds gradients was traced (run while tracing)."""
-
-
-_NOTED: WeakValueDictionary[int, Noted] = WeakValueDictionary()
+@observe_grad.register_fake
+def _(g: torch.Tensor, row: torch.Tensor, at: str, x: torch.Tensor | None,
+      weight: torch.Tensor | None) -> None:
+    return None
 
 
-def noted(target: Noted) -> int:
-    """The key :func:`note_traced_grads` takes for ``target``."""
-    _NOTED[id(target)] = target
-    return id(target)
-
-
-@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
-def note_traced_grads(key: int) -> int:
-    """While tracing (run by the compiler, then gone from the graph): graphs now fold
-    gradients for the target of ``key`` (:func:`noted`)."""
-    target = _NOTED.get(key)
-    if target is not None:
-        target.traced_now()
-    return key
+for _name in ("normwatch::observe", "normwatch::observe_grad"):
+    torch.library._register_effectful_op(_name, EffectType.ORDERED)

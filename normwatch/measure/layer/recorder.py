@@ -134,9 +134,6 @@ class Recorder:
         self.state: torch.Tensor | None = None
         """This layer's accumulator row on its home device: what names the layer to the
         operators compiled calls make (:mod:`~normwatch.measure.layer.compiled`)."""
-        self.grad_cells: torch.Tensor | None = None
-        """This layer's column of the step block on its home device: what compiled
-        backward passes fold its gradients into (:mod:`~normwatch.measure.state.grad_fold`)."""
         buffers = runtime.accumulator
         self.rows = LayerRows.of(layer, row, buffers.buffers.take, buffers.grad_buffers.take)
         """What the backends read this layer's calls and gradients with."""
@@ -218,13 +215,11 @@ class Recorder:
             self.record_dtypes(module, x, y)
 
     def grad_target(self) -> torch.Tensor | None:
-        """The row naming this layer, for the eager gradient hooks: ``None`` when this
-        backward is not measured."""
-        return self.state if self.rt.grads_now else None
-
-    def grad_cells_of(self) -> torch.Tensor | None:
-        """This layer's column of the step block, for compiled gradients."""
-        return self.grad_cells
+        """The row naming this layer, for the gradient hooks: traced, always (the
+        operator's body decides); eager, ``None`` when this backward is not measured."""
+        if torch.compiler.is_compiling() or self.rt.grads_now:
+            return self.state
+        return None
 
     def stage_grad(self, site: int,
                    rows: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],

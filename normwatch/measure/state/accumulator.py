@@ -20,14 +20,7 @@ from normwatch.catalog import COLUMNS, MAX_COLUMNS, SUM_COLUMNS, combine
 from normwatch.measure.state.backend import Backend
 from normwatch.measure.state.buffers import RowBuffers
 from normwatch.measure.state.fold import FoldPlan, fold_plan
-from normwatch.measure.state.grad_fold import (
-    TRACED_GATE,
-    TRACED_POISON,
-    GradPlan,
-    fold_traced,
-    grad_plan,
-    traced_fresh,
-)
+from normwatch.measure.state.grad_fold import GradPlan, grad_plan
 from normwatch.measure.state.rows import CallRows, GradRows
 from normwatch.records import Limits
 
@@ -78,18 +71,6 @@ class Accumulator:
         """Where the C reader's calls put their rows (lent until :meth:`commit` folds them)."""
         self.grad_buffers = RowBuffers()
         """Where the C reader's gradients go (lent until :meth:`commit_grads` folds them)."""
-        self._steps: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        """Per device, the step block compiled backward passes fold their gradients into
-        (:mod:`~normwatch.measure.state.grad_fold`) and one at its identities."""
-        self.traced_grads = False
-        """Whether a compiled graph that folds gradients into a step block was traced
-        (:meth:`traced_now`): then each step's is folded into the state."""
-        self._gate = False
-        """The gate asked for (:meth:`gate_grads`); a step block is made with it."""
-        self._filled: bool | None = None
-        """The gate the step blocks were last filled with (``None``: never)."""
-        self._gates: list[torch.Tensor] = []
-        """The step blocks' gate rows (views made once)."""
 
     def stage(self, call: CallRows) -> None:
         """Queue one call's rows; no tensor op (the fold is a few dozen ops per step). The
@@ -109,16 +90,12 @@ class Accumulator:
 
     @property
     def has_staged_grads(self) -> bool:
-        """Whether gradients wait for :meth:`commit_grads` (staged, or maybe in a step
-        block)."""
-        return bool(self._staged_grads) or self.traced_grads
+        """Whether gradients wait for :meth:`commit_grads`."""
+        return bool(self._staged_grads)
 
     def drop_grads(self) -> None:
-        """Drop the staged gradients (not yet folded), and the step blocks'."""
+        """Drop the staged gradients (not yet folded)."""
         self._staged_grads = []
-        if self.traced_grads:
-            for step, fresh in self._steps.values():
-                step[:TRACED_GATE].copy_(fresh[:TRACED_GATE])
         self.grad_buffers.give_back()
         self._staged_tokens = sum(c.n for c in self._staged)
 
@@ -139,15 +116,7 @@ class Accumulator:
     def step_rows(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """What :meth:`poisoned` reads: the flags of the folds since the step began, and
         the rows staged since (the calls' inputs' and outputs', the gradients')."""
-        return self._poisoned, [*_rows(self._staged[self._step_from:], self._staged_grads),
-                                *self._traced_poison()]
-
-    def _traced_poison(self) -> list[torch.Tensor]:
-        """The step blocks' poison rows (NaN where a compiled backward's gradient held
-        NaN/inf), where compiled code folds gradients."""
-        if not self.traced_grads:
-            return []
-        return [step[TRACED_POISON] for step, _ in self._steps.values()]
+        return self._poisoned, _rows(self._staged[self._step_from:], self._staged_grads)
 
     def drop_since(self, mark: tuple[int, int]) -> bool:
         """Drop the calls staged since ``mark``; ``False`` if they were folded already."""
@@ -196,8 +165,6 @@ class Accumulator:
         kept from one step to the next slow the model's own allocations: 1.040x against
         1.023x for folding each step, measured), and at every :meth:`commit`
         (``step_over``: as there)."""
-        if self.traced_grads:
-            self._fold_traced(step_over)
         staged, self._staged_grads = self._staged_grads, []
         if not staged:
             return self.grad_buffers.give_back()
@@ -218,45 +185,6 @@ class Accumulator:
                                                 self._grad_plan(device, group))
         finally:
             self.grad_buffers.give_back()  # (the rows were read: folded, or dropped)
-
-    def _fold_traced(self, step_over: bool) -> None:
-        """Fold the step blocks into the state (a few ops a device; ``step_over``: as
-        :meth:`commit_grads`)."""
-        if self.watch_poison and not step_over:
-            self._poisoned += _nonfinite(self._traced_poison())
-        for device, (step, fresh) in self._steps.items():
-            fold_traced(self._block(device), step, fresh)
-
-    def grad_cells(self, device: torch.device, row: int) -> torch.Tensor:
-        """Layer ``row``'s column of the step block on ``device`` (made ahead of the first
-        call, like :meth:`row_state`: compiled backward passes fold their gradients into
-        it)."""
-        if device not in self._steps:
-            dtype = self._block(device).dtype
-            fresh = traced_fresh(self.n_layers, device, dtype)
-            step = fresh.clone()
-            step[TRACED_GATE] = float(self._gate)
-            torch._dynamo.mark_static_address(step)
-            self._steps[device] = step, fresh
-            self._gates.append(step[TRACED_GATE])
-        return self._steps[device][0][:, row]
-
-    def traced_now(self) -> None:
-        """A graph that folds gradients into the step blocks was traced: they get the
-        gate asked for before it runs (run while tracing, eagerly: real tensors)."""
-        self.traced_grads = True
-        self._filled = None
-        self.gate_grads(self._gate)
-
-    def gate_grads(self, on: bool) -> None:
-        """Whether compiled backward passes fold their gradients from now on: one fill a
-        device where it changes, once a graph that folds them was traced (until then the
-        step blocks keep the gate they were made with: :meth:`traced_now` fills it)."""
-        self._gate = on
-        if self.traced_grads and on is not self._filled:
-            self._filled = on
-            for gate in self._gates:
-                gate.fill_(float(on))
 
     def _plan(self, device: torch.device, calls: list[CallRows]) -> FoldPlan:
         """The fold's constant vectors, cached: the same forward pass stages the same
@@ -348,9 +276,6 @@ class Accumulator:
         self._staged_tokens = 0
         for device, block in self._blocks.items():
             block.copy_(self._fresh[device])
-        if self.traced_grads:
-            for step, fresh in self._steps.values():
-                step[:TRACED_GATE].copy_(fresh[:TRACED_GATE])
 
 
 _norms, _lo, _device = (operator.attrgetter(a) for a in ("norms", "lo", "device"))

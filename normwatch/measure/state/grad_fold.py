@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from normwatch.catalog import COLUMNS, GRAD_SITES, GRAD_SUMS
-from normwatch.measure.state.rows import SITES, WEIGHT, GradRows, runs, summed_dtype
+from normwatch.measure.state.rows import SITES, WEIGHT, GradRows, runs
 
 SUM_AT = {site: COLUMNS.index(f"{site}_tokens") for site in GRAD_SITES}
 """Where each site's summed columns start (adjacent, :data:`GRAD_SUMS` order)."""
@@ -185,60 +185,3 @@ def _norms_and_peaks(acts: Sequence[GradRows]) -> tuple[torch.Tensor, torch.Tens
         if all(s.norms.shape == shape for s in acts) else \
         torch.cat([s.norms.reshape(-1).float() for s in acts])  # one op when alike
     return norms, torch.maximum(bounds[:, 1], -bounds[:, 0])
-
-
-# -- gradients folded inside compiled graphs -----------------------------------------------
-
-TRACED_PEAKS = len(SITES) * len(GRAD_SUMS)
-"""The *step block* (``(TRACED_ROWS, layers)``, one column a layer, a static input of the
-compiled graphs) that compiled backward passes fold their gradients into: each site's
-summed cells first (:data:`GRAD_SUMS` order, site after site), then the sites' peaks
-from here, then :data:`TRACED_POISON` and :data:`TRACED_GATE`."""
-TRACED_POISON = TRACED_PEAKS + len(SITES)
-"""NaN where a gradient of the step held NaN/inf (or a token's sum of squares overflowed),
-else 0: what the guard reads as one more row."""
-TRACED_GATE = TRACED_POISON + 1
-"""1 where this step's backward is measured, else 0: steered from the host, read by the
-graphs (no recompile)."""
-TRACED_ROWS = TRACED_GATE + 1
-
-
-def fold_traced_grad(cells: torch.Tensor, site: int, t: torch.Tensor) -> None:
-    """Fold one gradient's ``(tokens, elements)`` view ``t`` at ``site`` into a layer's
-    column ``cells`` of the step block, by plain ops a compiled graph fuses (traced
-    code: no host sync, no Python at run time); as :func:`fold_grads` folds a staged
-    one, where the gate is on."""
-    norms = torch.linalg.vector_norm(t, dim=1, dtype=summed_dtype(t.dtype))
-    peak = t.abs().amax().float()  # NaN/inf: the gradient holds them
-    whole = peak < math.inf
-    ok = (norms < math.inf) | whole
-    finite = ok.float().sum()
-    line = torch.stack([finite.new_full((), float(t.shape[0])), finite,
-                        torch.where(ok, norms * norms, 0.0).sum(), finite * t.shape[1]])
-    on = cells[TRACED_GATE] > 0
-    at = site * len(GRAD_SUMS)
-    sums = cells[at:at + len(GRAD_SUMS)]
-    sums.copy_(torch.where(on, sums + line.to(cells.dtype), sums))
-    peak_cell = cells[TRACED_PEAKS + site]
-    known = torch.where(whole, peak, -math.inf).to(cells.dtype)
-    peak_cell.copy_(torch.where(on, torch.fmax(peak_cell, known), peak_cell))
-    poison = cells[TRACED_POISON]
-    bad = on & ~(norms.abs() < math.inf).all()
-    poison.copy_(torch.where(bad, math.nan, poison))
-
-
-def traced_fresh(n_layers: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A step block at its identities, the gate off."""
-    step = torch.zeros(TRACED_ROWS, n_layers, dtype=dtype, device=device)
-    step[TRACED_PEAKS:TRACED_POISON] = -math.inf
-    return step
-
-
-def fold_traced(block: torch.Tensor, step: torch.Tensor, fresh: torch.Tensor) -> None:
-    """Fold a step block into ``block`` (in place) and return it to ``fresh``'s
-    identities, its gate as it is."""
-    sums_at, peaks_at = SUM_AT[SITES[0]], PEAK_AT[SITES[0]]  # every site's, adjacent
-    block[:, sums_at:sums_at + TRACED_PEAKS] += step[:TRACED_PEAKS].T
-    cells = block[:, peaks_at:peaks_at + len(SITES)]
-    torch.fmax(cells, step[TRACED_PEAKS:TRACED_POISON].T, out=cells)
-    step[:TRACED_GATE].copy_(fresh[:TRACED_GATE])

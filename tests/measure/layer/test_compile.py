@@ -423,9 +423,8 @@ def test_a_watched_compiled_step_generates_no_kernel_beyond_the_unwatched_ones(
         per_block: bool) -> None:
     """Counted in inductor's code for one training step (``tests/benchmarks/
     compiled_kernels.py``): as many graphs as unwatched (one block's serve every block),
-    no kernel more, one normwatch operator per norm call (its forward's) and none in the
-    unwatched code: every gradient folds inside the graph, fused into the backward's
-    kernels, and is measured."""
+    no kernel more, and normwatch's operators at most 3 per norm call (its forward call and
+    two gradients), none in the unwatched code."""
     from tests.benchmarks.compiled_kernels import one_step
 
     plain, watched = one_step(False, per_block), one_step(True, per_block)
@@ -433,14 +432,15 @@ def test_a_watched_compiled_step_generates_no_kernel_beyond_the_unwatched_ones(
     assert plain.kernels and plain.normwatch_calls == ()
     assert watched.graphs == plain.graphs == 2
     assert len(watched.kernels) <= len(plain.kernels)
-    assert watched.normwatch_calls == ("observe",) * calls
-    assert watched.gradients_measured == 5  # every norm's three gradients
+    assert watched.normwatch_calls.count("observe") == calls
+    assert len(watched.normwatch_calls) <= 3 * calls
+    assert watched.gradients_measured == watched.calls_measured == 5  # every norm's
 
 
 def test_a_skipped_steps_compiled_gradients_are_dropped_as_eager_ones_are() -> None:
     """A loss scaler's skipped step (gradients scaled past fp16): the gradients the
-    compiled backward folded into its step block are dropped, as eager's staged ones; the
-    interval's gradient statistics are step 1's in both."""
+    compiled backward measured are dropped, as eager's staged ones; the interval's
+    gradient statistics are step 1's in both."""
     def run(compiled: bool) -> Snapshot:
         torch.manual_seed(0)
         model = TinyLM(dim=16, depth=1)
@@ -464,8 +464,7 @@ def test_a_skipped_steps_compiled_gradients_are_dropped_as_eager_ones_are() -> N
 
 def test_a_model_first_compiled_on_a_sentinel_step_measures_no_gradient_there() -> None:
     """Eager step 1 (full tier, gradients measured), then step 2 (sentinel tier) is the
-    first to run compiled: its backward folds nothing, as eager's measures nothing (the
-    gate its step block was made with, on, is switched off while the graph is traced)."""
+    first to run compiled: its backward measures nothing, as eager's measures nothing."""
     def run(compiled: bool) -> Snapshot:
         torch.manual_seed(0)
         model = TinyLM(dim=16, depth=1)
