@@ -255,8 +255,8 @@ def test_fp16_with_a_grad_scaler_goes_on_as_if_the_bad_batch_was_never_seen() ->
 
 def test_a_compiled_models_poisoned_gradient_alone_is_caught_in_the_norms() -> None:
     """A finite forward and loss whose backward sends inf into the norms (the sqrt of an
-    exact 0): the compiled backward's step block holds the poison, and the guard names
-    the norms' gradients among its reasons."""
+    exact 0): the compiled backward's gradients hold the poison, and the guard names the
+    norms' gradients among its reasons."""
     torch.compiler.reset()
     model = mlp(torch.float32)
     model.compile(fullgraph=True)
