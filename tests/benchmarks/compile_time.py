@@ -32,11 +32,11 @@ from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
 @contextmanager
 def compiled_tinylm(depth: int, dim: int, watched: bool, per_block: bool,
                     **options: Any) -> Iterator[tuple[TinyLM, Callable[..., torch.Tensor],
-                                                      normwatch.Watch | None]]:
+                                                      normwatch.Watch | None, torch.Tensor]]:
     """A fresh pre-norm ``TinyLM`` (``nn.RMSNorm``), watched with ``options`` or not,
     compiled ``fullgraph=True`` whole or per block, after ``torch.compiler.reset()``:
-    ``(model, what runs it, the watch)``; the watch closed and the compiler reset
-    after."""
+    ``(model, what runs it, the watch, a batch of 4 x 32 tokens)``; the watch closed and
+    the compiler reset after."""
     torch.compiler.reset()
     torch.manual_seed(0)
     model = TinyLM(dim=dim, depth=depth, norm="rmsnorm")
@@ -48,7 +48,8 @@ def compiled_tinylm(depth: int, dim: int, watched: bool, per_block: bool,
             run: Callable[..., torch.Tensor] = model
         else:
             run = torch.compile(model, fullgraph=True)
-        yield model, run, watch
+        yield model, run, watch, synthetic_batch(torch.Generator().manual_seed(0), batch=4,
+                                                 seq=32)
     finally:
         if watch is not None:
             watch.close()
@@ -58,9 +59,8 @@ def compiled_tinylm(depth: int, dim: int, watched: bool, per_block: bool,
 def first_step_seconds(depth: int, dim: int, watched: bool, per_block: bool) -> float:
     """Seconds of the first compiled training step (compilation included)."""
     with compiled_tinylm(depth, dim, watched, per_block, flush_every=8, stats_every=2) \
-            as (model, run, watch):
+            as (model, run, watch, tokens):
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        tokens = synthetic_batch(torch.Generator().manual_seed(0), batch=4, seq=32)
         start = time.perf_counter()
         lm_loss(run(tokens), tokens).backward()
         opt.step()

@@ -33,7 +33,7 @@ os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # before torch
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from normwatch.demos.toymodel import lm_loss, synthetic_batch
+from normwatch.demos.toymodel import lm_loss
 from tests.benchmarks.compile_time import compiled_tinylm, table
 
 _KERNEL = re.compile(r"^(\w+) = async_compile\.(?:cpp_pybinding|cpp|triton)\(", re.M)
@@ -71,15 +71,14 @@ def generated(code: Sequence[str]) -> Generated:
 
 def one_step(watched: bool, per_block: bool, depth: int = 2, dim: int = 64) -> Generated:
     """Compile and run one training step of a fresh ``TinyLM`` (see the module docstring)."""
-    with compiled_tinylm(depth, dim, watched, per_block) as (_, run, watch):
-        tokens = synthetic_batch(torch.Generator().manual_seed(0), batch=4, seq=32)
+    with compiled_tinylm(depth, dim, watched, per_block) as (_, run, watch, tokens):
         _, code = run_and_get_code(lambda: lm_loss(run(tokens), tokens).backward())
         measured = calls = 0
         if watch is not None:
             layers = watch.flush().layers.values()
             measured = sum(None not in (s.grad_out_rms, s.grad_in_rms, s.grad_hidden_rms)
                            for s in layers)
-            calls = sum(s.tokens == 4 * 32 and s.rms_max is not None for s in layers)
+            calls = sum(s.tokens == tokens.numel() and s.rms_max is not None for s in layers)
     return replace(generated(code), gradients_measured=measured, calls_measured=calls)
 
 
