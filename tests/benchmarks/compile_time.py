@@ -89,6 +89,8 @@ def main(argv: Sequence[str] | None = None) -> str:
     args = parser.parse_args(argv)
 
     def rows() -> Iterator[str]:
+        first_step_seconds(1, args.dim, False, False)  # untimed: the process's first compile
+        # loads the compiler (~9 s), which would count against the first row's unwatched
         for mode in args.modes.split(","):
             for depth in (int(d) for d in args.depths.split(",")):
                 plain = first_step_seconds(depth, args.dim, False, mode == "per-block")
