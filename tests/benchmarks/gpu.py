@@ -1,35 +1,96 @@
-"""GPU benchmark (runs only where CUDA exists; prepared to finish in under 5 minutes).
+"""GPU benchmark: #48's table and #49's compiled rows in one run, each part on its own.
 
-    python tests/benchmarks/gpu.py            # prints the tables
+    python tests/benchmarks/gpu.py                          # every part, on CUDA
+    python tests/benchmarks/gpu.py --parts eager,compiled    # some of them
+    python tests/benchmarks/gpu.py --device cpu --tiny       # the script's own check (CI)
 
-(a) achieved bandwidth of the fused Triton kernel on a [32768, 2048] bf16 input against a
-    plain device-to-device copy of the same tensor (target: >= 80 % of the copy), and the
-    whole per-call statistics (reductions + fold) two ways: the fused kernel in eager, and
-    the torch reductions compiled by inductor (what a compiled hook runs);
-(b) step overhead of normwatch at defaults on a ~125M-parameter Llama-style bf16 training
-    step, interleaved with an unmonitored copy of the model (target: <= 1 %), eager,
-    compiled, and compiled with ``mode="reduce-overhead"`` (CUDA graphs; skips counted);
-(c) ``torch.cuda.set_sync_debug_mode("error")`` over 50 monitored steps raises nothing,
-    eager and compiled;
-(d) the optimizer watched (``watch(model, optimizer)``): step ratio against an unmonitored
-    copy and the peak memory of a step (``max_memory_allocated``) with and without the
-    watch, against 1/16 of the parameters' bytes.
+The model is the issues' step: a Hugging Face ``LlamaForCausalLM`` of ~125M parameters
+(hidden 768, 12 layers, 25 norms), fp32 master weights, bf16 autocast, fused AdamW,
+8 x 1024 tokens. Every mode trains its own copy; the copies step in turn, a block of
+``--steps`` steps each per round in a shuffled order, and each block is divided by the
+unmonitored copy's of the same round (:func:`tests.benchmarks.overhead.run`; a second
+unmonitored copy, ``unmonitored (control)``, says how far two copies differ anyway).
+
+Parts (``--parts``, in this order; a part that fails prints its traceback and the next
+one runs):
+
+- ``bandwidth``: the per-call kernel against a device copy of the same bytes, on a
+  125M call's input ([8192, 768] bf16) and a large one ([32768, 2048]); CUDA only.
+- ``eager``: every watch mode of #48's table, and HF's ``DebugUnderflowOverflow`` and
+  ``detect_anomaly`` for comparison.
+- ``ops``: per step, the aten ops and kernel launches (``torch.profiler``) of a watched
+  copy (``watch(model, optimizer)``) against an unwatched one, and per norm call.
+- ``compiled``: ``torch.compile`` default mode (defaults; optimizer and guard) and
+  ``mode="reduce-overhead"`` (defaults; optimizer): step ratios, graphs, graph breaks,
+  recompiles, cudagraph skips, and the first step's seconds (the compile) watched and not.
+- ``sync``: ``torch.cuda.set_sync_debug_mode("error")`` over 30 guarded steps, eager and
+  compiled; CUDA only.
+- ``memory``: the optimizer step's peak memory with and without the watch; CUDA only.
+- ``1b``: defaults at ~1B parameters (hidden 2048, 16 layers; 16 x 2048 tokens where the
+  device has over 100 GB, else 8 x 2048).
+
+``--tiny`` shrinks every model and count so that the whole script runs on a CPU in
+seconds: it checks the script, not the numbers.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import statistics
 import sys
+import time
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import cast
 
 import torch
 
 import normwatch
-from normwatch.measure.backends.triton_kernel import row_stats_triton
+from tests.benchmarks import overhead
+from tests.benchmarks.overhead import Setup, tiny_llama
 
 
-def time_cuda(fn, repeat: int = 50) -> float:  # type: ignore[no-untyped-def]
+@dataclass(frozen=True)
+class Plan:
+    """What each part runs: the setups and the counts (``--tiny`` shrinks them)."""
+
+    step: Setup
+    big: Setup
+    rounds: int = 6
+    steps: int = 10
+    big_rounds: int = 4
+    big_steps: int = 2
+    sync_steps: int = 30
+    norms: int = 25
+    """Norm calls per forward of ``step``'s model (2 per layer and the final one)."""
+
+
+def plan(device: str, tiny: bool) -> Plan:
+    """The issues' setups on ``device`` (``tiny``: a 1-layer model and one step a round)."""
+    cuda = device == "cuda"
+    dtype = torch.bfloat16 if cuda else None
+    if tiny:
+        def small() -> torch.nn.Module:
+            return tiny_llama(64, 1)
+        setup = Setup(small, 2, 16, device=device, autocast=dtype, fused=cuda)
+        return Plan(setup, setup, rounds=1, steps=1, big_rounds=1, big_steps=1, sync_steps=2,
+                    norms=3)
+
+    def llama_125m() -> torch.nn.Module:
+        return tiny_llama(768, 12, vocab=32000, intermediate=2048, heads=12, kv_heads=12)
+
+    def llama_1b() -> torch.nn.Module:
+        return tiny_llama(2048, 16, vocab=32000, intermediate=5632, heads=16, kv_heads=16)
+
+    roomy = cuda and torch.cuda.get_device_properties(0).total_memory > 100e9
+    return Plan(Setup(llama_125m, 8, 1024, 32000, device, dtype, cuda),
+                Setup(llama_1b, 16 if roomy else 8, 2048, 32000, device, dtype, cuda))
+
+
+def time_cuda(fn: Callable[[], object], repeat: int = 50) -> float:
     """Median milliseconds of ``fn`` measured with CUDA events."""
     times = []
     for _ in range(5):
@@ -44,191 +105,214 @@ def time_cuda(fn, repeat: int = 50) -> float:  # type: ignore[no-untyped-def]
     return statistics.median(times)
 
 
-def bandwidth() -> str:
-    x = torch.randn(32768, 2048, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    copy_ms = time_cuda(lambda: y.copy_(x))
-    kernel_ms = time_cuda(lambda: row_stats_triton(x))
-    nbytes = x.numel() * x.element_size()
-    copy_bw = 2 * nbytes / copy_ms / 1e6  # read + write, GB/s
-    kernel_bw = nbytes / kernel_ms / 1e6  # read once
-    return ("| (a) [32768, 2048] bf16 | ms | GB/s |\n|---|---:|---:|\n"
-            f"| device-to-device copy | {copy_ms:.3f} | {copy_bw:.0f} |\n"
-            f"| fused kernel (read once) | {kernel_ms:.3f} | {kernel_bw:.0f} |\n"
-            f"| kernel / copy bandwidth | | {kernel_bw / copy_bw:.1%} |\n"
-            f"{per_call_statistics(x)}")
-
-
-def per_call_statistics(x: torch.Tensor) -> str:
-    """One norm call's statistics, reductions and fold: fused kernel vs inductor."""
-    from normwatch.measure.backends.torchops import reduce_call
+def bandwidth(p: Plan) -> str:
+    """The fused per-call kernel's bandwidth against a copy (input and output read)."""
     from normwatch.measure.backends.triton_kernel import TRITON
-    from normwatch.measure.state.fold import fold_calls, fold_plan
     from normwatch.measure.state.rows import LayerRows
-    from normwatch.records import Limits, NormLayer
+    from normwatch.records import NormLayer
 
-    plan = fold_plan([reduce_call(x, x, "rmsnorm", 1e-6, True, 0, 0.0)], Limits())
-    rows = LayerRows.of(NormLayer("norm", "rmsnorm", 1e-6, (x.shape[1],), "w", "RMSNorm"), 0)
-
-    def fused() -> torch.Tensor:
-        return fold_calls([TRITON.call_rows(rows, x, x, 0.0, True)], plan)
-
-    def torch_path(x: torch.Tensor) -> torch.Tensor:
-        return fold_calls([reduce_call(x, x, "rmsnorm", 1e-6, True, 0, 0.0)], plan)
-
-    compiled = torch.compile(torch_path, fullgraph=True)
-    fused_ms = time_cuda(fused)
-    inductor_ms = time_cuda(lambda: compiled(x))
-    return (f"| per call, input and output (fold included): fused kernel, eager | {fused_ms:.3f}"
-            f" | |\n| per call: torch reductions compiled by inductor | {inductor_ms:.3f} | |")
-
-
-def llama_125m() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048,
-                         num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
-                         max_position_embeddings=2048)
-    return LlamaForCausalLM(config).to("cuda", torch.bfloat16)
+    lines = ["| per-call kernel, input and output read | kernel (ms) | copy (ms) | "
+             "kernel / copy bandwidth |", "|---|---:|---:|---:|"]
+    for tokens, width in ((8192, 768), (32768, 2048)):
+        x = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
+        y = torch.randn_like(x)
+        out = torch.empty_like(x)
+        rows = LayerRows.of(NormLayer("norm", "rmsnorm", 1e-6, (width,), "w", "RMSNorm"), 0)
+        for full in (False, True):
+            kernel = time_cuda(partial(TRITON.call_rows, rows, x, y, 0.0, full))
+            # the kernel reads x and y, as many bytes as a copy of x reads and writes
+            copy_ms = time_cuda(partial(out.copy_, x))
+            lines.append(f"| [{tokens}, {width}] bf16, {'full tier' if full else 'sentinel'} | "
+                         f"{kernel:.4f} | {copy_ms:.4f} | {copy_ms / kernel:.1%} |")
+    return "\n".join(lines)
 
 
-def overhead(mode: str | None = None, rounds: int = 20, steps: int = 5) -> str:
-    """``mode``: ``None`` (eager) or a ``torch.compile`` mode for both models."""
-    from torch._dynamo.utils import counters
+EAGER = ("unmonitored (control)", "normwatch (defaults)", "normwatch + optimizer",
+         "normwatch + optimizer + guard", "normwatch stats_every=1",
+         "normwatch gradients=False", "normwatch sentinel only", "normwatch kernel=torch",
+         "DebugUnderflowOverflow", "detect_anomaly")
+"""#48's table: every mode against the unmonitored copy."""
+COMPILED = ("compiled + normwatch (defaults)", "compiled + normwatch + optimizer + guard",
+            "compiled (reduce-overhead) + normwatch (defaults)",
+            "compiled (reduce-overhead) + normwatch + optimizer")
+"""#49's rows (the baselines, compiled unwatched in each mode, come with them)."""
 
+
+def steps_table(p: Plan, names: tuple[str, ...], big: bool = False) -> str:
+    setup = p.big if big else p.step
+    if setup.device == "cpu":  # CUDA graphs are a GPU's
+        names = tuple(n for n in names if "reduce-overhead" not in n)
+    rows = overhead.run(p.big_rounds if big else p.rounds, p.big_steps if big else p.steps,
+                        setup, list(names))
+    return (f"{setup.label()}, {p.big_rounds if big else p.rounds} rounds x "
+            f"{p.big_steps if big else p.steps} steps\n\n{overhead.table(rows)}")
+
+
+def eager(p: Plan) -> str:
+    return steps_table(p, EAGER)
+
+
+def compiled(p: Plan) -> str:
     torch.compiler.reset()
-    counters.clear()
-    torch.manual_seed(0)
-    base = llama_125m()
-    plain, watched = base, copy.deepcopy(base)
-    w = normwatch.watch(watched, report_dir=None)
-    opts = {id(m): torch.optim.AdamW(m.parameters(), lr=1e-5) for m in (plain, watched)}
-    calls = {id(m): m if mode is None else torch.compile(m, mode=mode)
-             for m in (plain, watched)}
-    tokens = torch.randint(0, 32000, (8, 1024), device="cuda")
+    # untimed: the process's first compile loads the compiler (seconds), which would
+    # count against the unwatched baseline's first step
+    torch.compile(lambda t: (t * 2).sum())(torch.ones(4, device=p.step.device))
+    return steps_table(p, COMPILED)
 
-    def run(model: torch.nn.Module) -> float:
-        def body() -> None:
+
+def billion(p: Plan) -> str:
+    return steps_table(p, ("unmonitored (control)", "normwatch (defaults)"), big=True)
+
+
+def ops(p: Plan, steps: int = 4) -> str:
+    """Aten ops and kernel launches per step, unwatched and ``watch(model, optimizer)``,
+    over ``steps`` steps (a ``stats_every`` cycle: sentinel and full-tier steps alike),
+    and the difference per norm call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    setup = p.step
+    torch.manual_seed(0)
+    base = setup.model().to(setup.device)
+    tokens = torch.randint(0, setup.vocab, (setup.batch, setup.seq), device=setup.device)
+    counts = {}
+    for watched in (False, True):
+        model = copy.deepcopy(base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=setup.fused or None)
+        w = normwatch.watch(model, opt, report_dir=None, flush_every=10**9) if watched else None
+        for _ in range(4):  # warm: the first calls plan, build and allocate
+            overhead.train_step(model, opt, tokens, w, autocast=setup.autocast)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                               if setup.device == "cuda" else [])
+        with profile(activities=activities) as prof:
             for _ in range(steps):
-                loss = calls[id(model)](tokens, labels=tokens).loss
-                loss.backward()
-                opts[id(model)].step()
-                opts[id(model)].zero_grad(set_to_none=True)
-                if model is watched:
-                    w.step(loss)
-        return time_cuda(body, repeat=1) / steps
-
-    ratios, times = [], {"plain": [], "watched": []}
-    for r in range(rounds + 1):
-        order = (plain, watched) if r % 2 else (watched, plain)
-        got = {id(m): run(m) for m in order}
-        if r:
-            times["plain"].append(got[id(plain)])
-            times["watched"].append(got[id(watched)])
-            ratios.append(got[id(watched)] / got[id(plain)])
-    params = sum(p.numel() for p in base.parameters()) / 1e6
-    label = "eager" if mode is None else f"compiled ({mode})"
-    compiled = "" if mode is None else (
-        f"| graphs / graph breaks / cudagraph skips | {counters['stats']['unique_graphs']} / "
-        f"{sum(counters['graph_break'].values())} / "
-        f"{sum(counters['inductor'].get(k, 0) for k in counters['inductor'] if 'skip' in k)} |\n")
-    w.close()
-    return (f"| (b) Llama {params:.0f}M bf16, 8 x 1024 tokens, {label} | median step (ms) |\n"
-            f"|---|---:|\n"
-            f"| unmonitored | {statistics.median(times['plain']):.1f} |\n"
-            f"| normwatch (defaults) | {statistics.median(times['watched']):.1f} |\n"
-            f"{compiled}| median paired ratio | {statistics.median(ratios):.4f}x |")
-
-
-def sync_free(steps: int = 50, compiled: bool = False) -> str:
-    torch.compiler.reset()
-    torch.manual_seed(0)
-    model = llama_125m()
-    w = normwatch.watch(model, report_dir=None, flush_every=10**9)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-5)
-    tokens = torch.randint(0, 32000, (4, 512), device="cuda")
-    call = torch.compile(model) if compiled else model
-    for _ in range(3):  # warm up (first calls allocate on the device, or compile)
-        call(tokens, labels=tokens).loss.backward()
-        w.step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(steps):
-            loss = call(tokens, labels=tokens).loss
-            loss.backward()
-            w.step(loss)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    opt.zero_grad()
-    assert not w.disabled, w.disabled
-    assert w.flush().layers["model.norm"].calls == steps + 3
-    w.close()
-    return (f"(c) set_sync_debug_mode('error') over {steps} monitored steps"
-            f"{' (compiled)' if compiled else ''}: no sync raised")
-
-
-def optimizer_watch(rounds: int = 10, steps: int = 5) -> str:
-    """(d): each model steps alone between peak-memory resets, so each peak is its own."""
-    torch.manual_seed(0)
-    base = llama_125m()
-    plain, watched = base, copy.deepcopy(base)
-    opts = {id(m): torch.optim.AdamW(m.parameters(), lr=1e-5) for m in (plain, watched)}
-    w = normwatch.watch(watched, opts[id(watched)], report_dir=None)
-    tokens = torch.randint(0, 32000, (8, 1024), device="cuda")
-    peaks: dict[int, list[int]] = {id(plain): [], id(watched): []}
-
-    def run(model: torch.nn.Module) -> float:
-        def body() -> None:
-            for _ in range(steps):
-                loss = model(tokens, labels=tokens).loss
-                loss.backward()
+                overhead.train_step(model, opt, tokens, w, autocast=setup.autocast)
+            if setup.device == "cuda":
                 torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                before = torch.cuda.memory_allocated()
-                opts[id(model)].step()  # the monitor's copy lives inside step()
-                torch.cuda.synchronize()
-                peaks[id(model)].append(torch.cuda.max_memory_allocated() - before)
-                opts[id(model)].zero_grad(set_to_none=True)
-                if model is watched:
-                    w.step(loss)
-        return time_cuda(body, repeat=1) / steps
-
-    ratios = []
-    for r in range(rounds + 1):
-        order = (plain, watched) if r % 2 else (watched, plain)
-        got = {id(m): run(m) for m in order}
-        if r:
-            ratios.append(got[id(watched)] / got[id(plain)])
-    w.close()
-    nbytes = sum(p.numel() * p.element_size() for p in base.parameters())
-    extra = statistics.median(peaks[id(watched)][steps:]) - \
-        statistics.median(peaks[id(plain)][steps:])
-    return (f"| (d) optimizer watched, Llama {nbytes / 2e6:.0f}M bf16 | |\n|---|---:|\n"
-            f"| median paired step ratio | {statistics.median(ratios):.4f}x |\n"
-            f"| optimizer step peak, unmonitored (MiB) | "
-            f"{statistics.median(peaks[id(plain)][steps:]) / 2**20:.1f} |\n"
-            f"| what the watch adds to it (MiB) | {extra / 2**20:.1f} |\n"
-            f"| 1/16 of the parameters (MiB) | {nbytes / 16 / 2**20:.1f} |")
+        events = prof.events()
+        aten = sum(1 for e in events if e.name.startswith("aten::"))
+        launches = sum(1 for e in events if "LaunchKernel" in e.name)
+        counts[watched] = (aten / steps, launches / steps)
+        if w is not None:
+            w.close()
+    (a0, k0), (a1, k1) = counts[False], counts[True]
+    return ("| per step (`watch(model, optimizer)`) | aten ops | kernel launches |\n"
+            "|---|---:|---:|\n"
+            f"| unmonitored | {a0:.0f} | {k0:.0f} |\n"
+            f"| watched | {a1:.0f} | {k1:.0f} |\n"
+            f"| added per norm call ({p.norms} a forward; cross-layer work included) | "
+            f"{(a1 - a0) / p.norms:.1f} | {(k1 - k0) / p.norms:.1f} |")
 
 
-def main() -> int:
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to measure")
-        return 0
-    print(torch.cuda.get_device_name(), torch.__version__)
-    parts = (bandwidth, overhead, lambda: overhead("default", rounds=10),
-             lambda: overhead("reduce-overhead", rounds=10), sync_free,
-             lambda: sync_free(compiled=True), optimizer_watch)
-    for part in parts:  # each on its own: one failure does not lose the others
+def sync(p: Plan) -> str:
+    """No host sync over guarded steps, eager and compiled (the flush, the one sync
+    there is, kept out of the steps)."""
+    setup = p.step
+    lines = []
+    for compile_it in (False, True):
+        torch.compiler.reset()
+        torch.manual_seed(0)
+        model = setup.model().to(setup.device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=setup.fused or None)
+        w = normwatch.watch(model, opt, report_dir=None, guard=True, flush_every=10**9)
+        run = cast(torch.nn.Module, torch.compile(model)) if compile_it else model
+        tokens = torch.randint(0, setup.vocab, (setup.batch, setup.seq), device=setup.device)
+        for _ in range(3):  # warm up (first calls allocate on the device, or compile)
+            overhead.train_step(run, opt, tokens, w, autocast=setup.autocast)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
         try:
-            print(part(), flush=True)
-        except Exception:  # (printed, then the next part)
-            traceback.print_exc()
-            sys.stdout.flush()
-        print(flush=True)
-    return 0
+            for _ in range(p.sync_steps):
+                overhead.train_step(run, opt, tokens, w, autocast=setup.autocast)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert not w.disabled, w.disabled
+        calls = w.flush().layers["model.norm"].calls
+        assert calls == p.sync_steps + 3, calls
+        w.close()
+        lines.append(f"set_sync_debug_mode('error'), {p.sync_steps} guarded steps"
+                     f"{' compiled' if compile_it else ''}: no sync")
+    return "\n".join(lines)
+
+
+def memory(p: Plan, steps: int = 4) -> str:
+    """The optimizer step's peak memory, unwatched and watched with the optimizer (the
+    update monitor's kept samples live inside the step)."""
+    setup = p.step
+    torch.manual_seed(0)
+    base = setup.model().to(setup.device)
+    tokens = torch.randint(0, setup.vocab, (setup.batch, setup.seq), device=setup.device)
+    peaks = {}
+    for watched in (False, True):
+        model = copy.deepcopy(base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=setup.fused or None)
+        w = normwatch.watch(model, opt, report_dir=None) if watched else None
+        got = []
+        for _ in range(steps):
+            with torch.autocast("cuda", setup.autocast or torch.float32,
+                                enabled=setup.autocast is not None):
+                loss = model(tokens, labels=tokens, use_cache=False).loss
+            loss.backward()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            opt.step()
+            torch.cuda.synchronize()
+            got.append(torch.cuda.max_memory_allocated() - before)
+            opt.zero_grad(set_to_none=True)
+            if w is not None:
+                w.step(loss)
+        peaks[watched] = statistics.median(got[1:])
+        if w is not None:
+            w.close()
+        del model, opt
+    nbytes = sum(t.numel() * t.element_size() for t in base.parameters())
+    return ("| optimizer step peak memory | MiB |\n|---|---:|\n"
+            f"| unmonitored | {peaks[False] / 2**20:.1f} |\n"
+            f"| what `watch(model, optimizer)` adds | {(peaks[True] - peaks[False]) / 2**20:.1f} |"
+            f"\n| 1/16 of the parameters | {nbytes / 16 / 2**20:.1f} |")
+
+
+PARTS: dict[str, tuple[Callable[[Plan], str], bool]] = {
+    "bandwidth": (bandwidth, True), "eager": (eager, False), "ops": (ops, False),
+    "compiled": (compiled, False), "sync": (sync, True), "memory": (memory, True),
+    "1b": (billion, False)}
+"""Each part: what runs it, and whether it needs CUDA."""
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes: checks the script")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated, of {', '.join(PARTS)}")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure")
+        return ""
+    chosen = args.parts.split(",")
+    unknown = [name for name in chosen if name not in PARTS]
+    if unknown:
+        parser.error(f"--parts: expected names of {', '.join(PARTS)}; got {unknown}")
+    p = plan(args.device, args.tiny)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
+    out = [f"{device}, torch {torch.__version__}, normwatch {normwatch.__version__}"]
+    print(out[0], flush=True)
+    for name in chosen:  # each on its own: one failure does not lose the others
+        part, cuda_only = PARTS[name]
+        start = time.perf_counter()
+        if cuda_only and args.device != "cuda":
+            text = "(CUDA only: skipped)"
+        else:
+            try:
+                text = part(p)
+            except Exception:  # (printed, then the next part)
+                text = traceback.format_exc()
+        text = f"## {name} ({time.perf_counter() - start:.0f} s)\n\n{text}\n"
+        print(text, flush=True)
+        out.append(text)
+    return "\n".join(out)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
+    sys.exit(0)

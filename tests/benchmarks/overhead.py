@@ -32,8 +32,13 @@ import torch
 
 import normwatch
 
-Row = tuple[str, float, float, "tuple[int, int, int] | None"]
-"""``(mode, median step ms, median paired ratio, compiled: (graphs, breaks, recompiles))``"""
+Row = tuple[str, float, float, "tuple[int, int, int, int, float] | None"]
+"""``(mode, median step ms, median paired ratio, compiled: (graphs, breaks, recompiles,
+cudagraph skips, first step s))``"""
+
+BASELINES = {None: "unmonitored", "default": "compiled",
+             "reduce-overhead": "compiled (reduce-overhead)"}
+"""Each compile mode's unmonitored mode (``None``: eager): what its modes are divided by."""
 
 
 @dataclass
@@ -41,19 +46,47 @@ class Mode:
     name: str
     attach: Callable[[torch.nn.Module, torch.optim.Optimizer], object]
     context: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext
-    compiled: bool = False
+    compiled: str | None = None
+    """``torch.compile``'s mode for this mode's model (``None``: eager)."""
     times: list[float] = field(default_factory=list)
     graphs: int = 0
     breaks: int = 0
     recompiles: int = 0
+    skips: int = 0
+    first: float = 0.0
+    """Seconds of its first step (a compiled mode's compile included)."""
 
 
-def tiny_llama(hidden: int, layers: int) -> torch.nn.Module:
+@dataclass(frozen=True)
+class Setup:
+    """What the modes of :func:`run` train, and where: each mode a copy of ``model()``
+    on ``device``, on batches of ``batch`` x ``seq`` tokens below ``vocab``; ``autocast``:
+    the forward under ``torch.autocast`` to that dtype (fp32 master weights); ``fused``:
+    a fused AdamW."""
+
+    model: Callable[[], torch.nn.Module]
+    batch: int
+    seq: int
+    vocab: int = 1024
+    device: str = "cpu"
+    autocast: torch.dtype | None = None
+    fused: bool = False
+
+    def label(self) -> str:
+        params = sum(p.numel() for p in self.model().parameters()) / 1e6
+        return (f"Llama {params:.1f}M on {self.device}"
+                f"{f', {self.autocast} autocast' if self.autocast else ''}"
+                f"{', fused AdamW' if self.fused else ''}, {self.batch} x {self.seq} tokens")
+
+
+def tiny_llama(hidden: int, layers: int, vocab: int = 1024, intermediate: int | None = None,
+               heads: int = 8, kv_heads: int = 4) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
-                         max_position_embeddings=512)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden,
+                         intermediate_size=intermediate or 2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, max_position_embeddings=4096)
     return LlamaForCausalLM(config)
 
 
@@ -85,6 +118,7 @@ def guarded(m: torch.nn.Module, o: torch.optim.Optimizer) -> object:
 def modes() -> list[Mode]:
     return [
         Mode("unmonitored", lambda m, o: None),
+        Mode("unmonitored (control)", lambda m, o: None),
         Mode("normwatch (defaults)", watching()),
         Mode("normwatch + optimizer", optimizer_and()),
         Mode("normwatch + optimizer + guard", guarded),
@@ -93,35 +127,47 @@ def modes() -> list[Mode]:
         Mode("normwatch gradients=False", watching(gradients=False)),
         Mode("normwatch stats_every=1 gradients=False", watching(stats_every=1, gradients=False)),
         Mode("normwatch sentinel only", watching(stats_every=1 << 30, gradients=False)),
+        Mode("normwatch kernel=torch", watching(kernel="torch")),
         Mode("normwatch + optimizer stats_every=8", optimizer_and(stats_every=8)),
         Mode("normwatch + optimizer gradients=False", optimizer_and(gradients=False)),
         Mode("normwatch + optimizer stats_every=1", optimizer_and(stats_every=1)),
         Mode("DebugUnderflowOverflow", lambda m, o: debug_underflow_overflow(m)),
         Mode("detect_anomaly", lambda m, o: None, anomaly),
-        Mode("compiled", lambda m, o: None, compiled=True),
-        Mode("compiled + normwatch (defaults)", watching(), compiled=True),
-        Mode("compiled + normwatch + optimizer", optimizer_and(), compiled=True),
-        Mode("compiled + normwatch gradients=False", watching(gradients=False), compiled=True),
-        Mode("compiled + normwatch stats_every=1", watching(stats_every=1), compiled=True),
+        Mode("compiled", lambda m, o: None, compiled="default"),
+        Mode("compiled + normwatch (defaults)", watching(), compiled="default"),
+        Mode("compiled + normwatch + optimizer", optimizer_and(), compiled="default"),
+        Mode("compiled + normwatch + optimizer + guard", guarded, compiled="default"),
+        Mode("compiled + normwatch gradients=False", watching(gradients=False),
+             compiled="default"),
+        Mode("compiled + normwatch stats_every=1", watching(stats_every=1), compiled="default"),
         Mode("compiled + normwatch output_check_every=0", watching(output_check_every=0),
-             compiled=True),
+             compiled="default"),
+        Mode("compiled (reduce-overhead)", lambda m, o: None, compiled="reduce-overhead"),
+        Mode("compiled (reduce-overhead) + normwatch (defaults)", watching(),
+             compiled="reduce-overhead"),
+        Mode("compiled (reduce-overhead) + normwatch + optimizer", optimizer_and(),
+             compiled="reduce-overhead"),
     ]
 
 
-def _compile_counts() -> tuple[int, int]:
+def _compile_counts() -> tuple[int, int, int]:
+    """Graphs compiled, graph breaks and cudagraph skips so far in this process."""
     from torch._dynamo.utils import counters
 
-    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    return (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()),
+            counters["inductor"]["cudagraph_skips"])
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor,
                watcher: object, clip: bool = False,
                context: Callable[[], contextlib.AbstractContextManager[object]] =
-               contextlib.nullcontext) -> torch.Tensor:
+               contextlib.nullcontext, autocast: torch.dtype | None = None) -> torch.Tensor:
     """One training step of the benchmark loop, its loss returned; ``clip``: clip the
     gradients first (a loop without a normwatch watch calls torch's own
-    ``clip_grad_norm_``, not the wrapper another mode's watch installed in this process)."""
-    with context():
+    ``clip_grad_norm_``, not the wrapper another mode's watch installed in this process);
+    ``autocast``: the forward under ``torch.autocast`` to that dtype."""
+    with context(), torch.autocast(tokens.device.type, autocast or torch.float32,
+                                   enabled=autocast is not None):
         loss = model(tokens, labels=tokens, use_cache=False).loss
         loss.backward()
     if clip:
@@ -136,58 +182,81 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch
     return loss
 
 
-def run(rounds: int, steps: int, hidden: int, layers: int, batch: int, seq: int,
-        only: list[str] | None = None, clip: bool = False) -> list[Row]:
-    """Return ``(mode, median step ms, median paired ratio, compile counts)`` rows;
-    ``clip``: every loop clips its gradients (``clip_grad_norm_``) before the step."""
+def run(rounds: int, steps: int, setup: Setup, only: list[str] | None = None,
+        clip: bool = False) -> list[Row]:
+    """Return ``(mode, median step ms, median paired ratio, compile counts)`` rows (a
+    watched mode's graphs serve the next watched mode of its compile mode, so the first
+    of them has the compile: its first step against its baseline's is the compile time);
+    ``only``: these modes and their baselines (``None``: all, but CUDA graphs only on a
+    GPU); ``clip``: every loop clips
+    its gradients (``clip_grad_norm_``) before the step."""
     torch.manual_seed(0)
-    base = tiny_llama(hidden, layers)
-    selected = [m for m in modes() if only is None or m.name in only or
-                m.name in ("unmonitored", "compiled")]
-    if not any(m.compiled and m.name != "compiled" for m in selected):
-        selected = [m for m in selected if m.name != "compiled"]
+    base = setup.model().to(setup.device)
+    chosen = [m for m in modes() if m.name in only] if only is not None else [
+        m for m in modes() if m.compiled != "reduce-overhead" or setup.device != "cpu"]
+    wanted = {BASELINES[m.compiled] for m in chosen} | {m.name for m in chosen}
+    selected = [m for m in modes() if m.name in wanted]
     runs = []
     for mode in selected:
         model = copy.deepcopy(base)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=setup.fused or None)
         watcher = mode.attach(model, opt)
-        runs.append((mode, torch.compile(model) if mode.compiled else model, opt, watcher))
+        runs.append((mode, torch.compile(model, mode=mode.compiled) if mode.compiled
+                     else model, opt, watcher))
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 1024, (batch, seq), generator=gen)
+    tokens = torch.randint(0, setup.vocab, (setup.batch, setup.seq), generator=gen)
+    tokens = tokens.to(setup.device)
+    cuda = tokens.device.type == "cuda"
     order = list(range(len(runs)))
-    for r in range(rounds + 1):  # round 0 warms up and is discarded
-        random.Random(r).shuffle(order)
+    for r in range(rounds + 1):  # round 0 warms up (and compiles) and is discarded
+        if r:  # round 0 in order: each baseline compiles before its watched modes
+            random.Random(r).shuffle(order)
         for i in order:
             mode, model, opt, watcher = runs[i]
-            graphs, breaks = _compile_counts()
+            counts = _compile_counts()
+            if cuda:
+                torch.cuda.synchronize()
             start = time.perf_counter()
-            for _ in range(steps):
-                train_step(model, opt, tokens, watcher, clip, mode.context)
+            for k in range(steps):
+                train_step(model, opt, tokens, watcher, clip, mode.context, setup.autocast)
+                if r == 0 and k == 0:
+                    if cuda:
+                        torch.cuda.synchronize()
+                    mode.first = time.perf_counter() - start
+            if cuda:
+                torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
-            new_graphs, new_breaks = (a - b for a, b in zip(_compile_counts(), (graphs, breaks),
-                                                            strict=True))
-            mode.graphs += new_graphs
-            mode.breaks += new_breaks
+            graphs, breaks, skips = (a - b for a, b in zip(_compile_counts(), counts,
+                                                           strict=True))
+            mode.graphs += graphs
+            mode.breaks += breaks
+            mode.skips += skips
             if r:
                 mode.times.append(elapsed / steps)
-                mode.recompiles += new_graphs
-    baselines = {m.compiled: m.times for m, *_ in runs if m.name in ("unmonitored", "compiled")}
+                mode.recompiles += graphs
+    baselines = {m.compiled: m.times for m, *_ in runs if m.name == BASELINES[m.compiled]}
     rows = []
-    for mode, *_ in runs:
+    for mode, _, _, watcher in runs:
+        if isinstance(watcher, normwatch.Watch):
+            watcher.close()
         base = baselines[mode.compiled]
         ratios = [t / b for t, b in zip(mode.times, base, strict=True)]
-        counts = (mode.graphs, mode.breaks, mode.recompiles) if mode.compiled else None
+        counts = None if mode.compiled is None else (mode.graphs, mode.breaks,
+                                                       mode.recompiles, mode.skips, mode.first)
         rows.append((mode.name, statistics.median(mode.times) * 1e3, statistics.median(ratios),
                      counts))
     return rows
 
 
 def table(rows: list[Row]) -> str:
-    lines = ["| mode | median step (ms) | median paired ratio | graphs / breaks / recompiles |",
-             "|---|---:|---:|---:|"]
+    """:func:`run`'s rows as a markdown table (compiled modes: what was compiled, and the
+    first step's seconds, its compile included)."""
+    lines = ["| mode | median step (ms) | median paired ratio | graphs / breaks / recompiles / "
+             "cudagraph skips | first step (s) |", "|---|---:|---:|---:|---:|"]
     lines += [f"| {name} | {ms:.1f} | {ratio:.3f}x | "
-              f"{'' if counts is None else ' / '.join(map(str, counts))} |"
-              for name, ms, ratio, counts in rows]
+              f"{'' if c is None else ' / '.join(map(str, c[:4]))} | "
+              f"{'' if c is None else f'{c[4]:.1f}'} |"
+              for name, ms, ratio, c in rows]
     return "\n".join(lines)
 
 
@@ -423,8 +492,8 @@ def main(argv: list[str] | None = None) -> str:
                 f"{sweep(args.sweep, clip=args.clip)}")
         print(text)
         return text
-    rows = run(args.rounds, args.steps, args.hidden, args.layers, args.batch, args.seq,
-               args.only, args.clip)
+    setup = Setup(lambda: tiny_llama(args.hidden, args.layers), args.batch, args.seq)
+    rows = run(args.rounds, args.steps, setup, args.only, args.clip)
     text = (f"tiny Llama (hidden {args.hidden}, {args.layers} layers, batch {args.batch} x "
             f"{args.seq} tokens{', clipped' if args.clip else ''}), {args.rounds} rounds x "
             f"{args.steps} steps, "

@@ -78,3 +78,19 @@ def test_the_lane_benchmark_runs() -> None:
     text = lane.run(32, 1, 2, 8, steps=10, stats_every=2, optimizer=True, warmup=0)
     for row in ("| C++ lane |", "| Python hook |", "| C++ lane / Python hook |"):
         assert row in text
+
+
+def test_the_gpu_benchmark_runs_on_a_cpu() -> None:
+    """Every part of ``gpu.py`` a CPU can run, at tiny sizes: a device session's minutes
+    are not lost to a broken script (the CUDA-only parts say so)."""
+    from tests.benchmarks import gpu
+
+    text = gpu.main(["--device", "cpu", "--tiny"])
+    assert "Traceback" not in text, text
+    for part in gpu.PARTS:
+        assert f"## {part} (" in text
+    for mode in (*gpu.EAGER, "compiled + normwatch (defaults)",
+                 "compiled + normwatch + optimizer + guard"):
+        assert f"| {mode} |" in text
+    assert "| compiled | " in text and "(reduce-overhead)" not in text  # CPU: no CUDA graphs
+    assert text.count("(CUDA only: skipped)") == 3 and "| added per norm call" in text
