@@ -107,7 +107,7 @@ def time_cuda(fn: Callable[[], object], repeat: int = 50) -> float:
 
 def bandwidth(p: Plan) -> str:
     """The fused per-call kernel's bandwidth against a copy (input and output read)."""
-    from normwatch.measure.backends.triton_kernel import TRITON
+    from normwatch.measure.backends.triton_kernel import TRITON, launch, row_count
     from normwatch.measure.state.rows import LayerRows
     from normwatch.records import NormLayer
 
@@ -118,12 +118,18 @@ def bandwidth(p: Plan) -> str:
         y = torch.randn_like(x)
         out = torch.empty_like(x)
         rows = LayerRows.of(NormLayer("norm", "rmsnorm", 1e-6, (width,), "w", "RMSNorm"), 0)
+        # the kernel reads x and y, as many bytes as a copy of x reads and writes
+        copy_ms = time_cuda(partial(out.copy_, x))
         for full in (False, True):
             kernel = time_cuda(partial(TRITON.call_rows, rows, x, y, 0.0, full))
-            # the kernel reads x and y, as many bytes as a copy of x reads and writes
-            copy_ms = time_cuda(partial(out.copy_, x))
             lines.append(f"| [{tokens}, {width}] bf16, {'full tier' if full else 'sentinel'} | "
                          f"{kernel:.4f} | {copy_ms:.4f} | {copy_ms / kernel:.1%} |")
+            v = torch.empty(row_count(True, full), tokens, device="cuda")
+            for warps in (1, 2, 8, 16):  # the call's launch has 4: is that the limit?
+                kernel = time_cuda(partial(launch, x, y, v, tokens, width, (width, 1, width, 1),
+                                           True, full, True, warps))
+                lines.append(f"| the same, {warps} warps a program | {kernel:.4f} | | "
+                             f"{copy_ms / kernel:.1%} |")
     return "\n".join(lines)
 
 

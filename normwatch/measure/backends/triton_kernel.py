@@ -92,12 +92,13 @@ def row_stats_triton(tokens: torch.Tensor, out: torch.Tensor | None = None, full
 
 
 def launch(x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, n_tokens: int, width: int,
-           strides: tuple[int, int, int, int], has_out: bool, full: bool, centred: bool
-           ) -> None:
+           strides: tuple[int, int, int, int], has_out: bool, full: bool, centred: bool,
+           warps: int = 4) -> None:
     """One launch of the kernel: ``n_tokens`` tokens of ``width`` elements of ``x`` (and
     of ``y`` with ``has_out``) at ``strides`` (token, element; ``x``'s then ``y``'s) into
-    ``rows`` (``(row_count, n_tokens)`` float32); no tensor op on the way (the host's
-    whole cost of a call)."""
+    ``rows`` (``(row_count, n_tokens)`` float32), by programs of ``warps`` warps (the
+    GPU benchmark tries others); no tensor op on the way (the host's whole cost of a
+    call)."""
     if n_tokens == 0:
         return
     import triton
@@ -106,7 +107,7 @@ def launch(x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, n_tokens: int, 
         x, y = x.detach(), y.detach()
     block = min(MAX_BLOCK_D, triton.next_power_of_2(max(width, 1)))
     _kernel()[(n_tokens,)](x, y, rows, n_tokens, width, *strides, HAS_OUT=has_out,
-                           FULL=full, CENTRED=centred, BLOCK_D=block)
+                           FULL=full, CENTRED=centred, BLOCK_D=block, num_warps=warps)
 
 
 def launch_grad(g: torch.Tensor, part: torch.Tensor | None, rows: torch.Tensor,
