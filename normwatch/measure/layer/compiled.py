@@ -19,7 +19,7 @@ from torch import nn
 
 from normwatch.guarded import guarded
 from normwatch.measure.layer.calls import input_of, other_tensor, output_of
-from normwatch.measure.layer.operators import observe
+from normwatch.measure.layer.operators import observe, ticket
 from normwatch.measure.layer.recorder import Recorder
 from normwatch.measure.state.rows import SITES
 
@@ -69,7 +69,7 @@ class CompiledPath:
         # Python state is neither read nor written here (a checkpointed region is a
         # higher-order op that refuses side effects): the operator's body does that
         observe(x.detach(), None if y is None else y.detach(), recorder.state,
-                not other_tensor(args, kwargs, x))
+                ticket(recorder.state), not other_tensor(args, kwargs, x))
         grads = recorder.grads
         if grads is not None and y is not None and y.requires_grad \
                 and isinstance(output, torch.Tensor):

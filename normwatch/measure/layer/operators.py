@@ -13,11 +13,15 @@ compiled once serves every layer) and runs what an eager call runs: the flags, c
 and staging are plain Python again, and compiled and eager calls give the same numbers
 by construction.
 
-The operators are *effectful* (ordered, never dead-code eliminated; a forward call's body
-that runs inside the backward, an activation checkpoint's recompute, counts nothing) and
-mutate nothing the graph sees; they are marked unsafe for CUDA graphs (their bodies run
-Python), so ``mode="reduce-overhead"`` leaves the graph holding them to run without CUDA
-graphs.
+Every call says it writes its device's *ticket* (:func:`ticket`: one element, written by
+none): so the calls are never dead code and run in program order, one after another,
+and the graphs holding them stay cacheable (an effectful operator, the other way to say
+it, makes inductor's FX graph cache pass the graph by: every process compiled the
+watched model anew, 8.5 s where the unwatched one loaded in 3.8). They mutate nothing
+else the graph sees; a forward call's body that runs inside the backward (an activation
+checkpoint's recompute) counts nothing. They are marked unsafe for CUDA graphs (their
+bodies run Python), so ``mode="reduce-overhead"`` leaves the graph holding them to run
+without CUDA graphs.
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ from typing import Protocol
 from weakref import WeakValueDictionary
 
 import torch
-from torch._library.effects import EffectType
 
 
 class Owner(Protocol):
@@ -41,11 +44,20 @@ class Owner(Protocol):
 
 
 _OWNERS: WeakValueDictionary[int, Owner] = WeakValueDictionary()
+_TICKETS: dict[torch.device, torch.Tensor] = {}
 
 
 def own(row: torch.Tensor, owner: Owner) -> None:
-    """Make ``owner`` the path the operators call for ``row`` (a layer's accumulator row)."""
+    """Make ``owner`` the path the operators call for ``row`` (a layer's accumulator row;
+    outside any graph: its device's ticket is made here)."""
     _OWNERS[row.data_ptr()] = owner
+    if row.device not in _TICKETS:
+        _TICKETS[row.device] = torch.zeros(1, device=row.device)
+
+
+def ticket(row: torch.Tensor) -> torch.Tensor:
+    """The ticket of ``row``'s device, which every operator call says it writes."""
+    return _TICKETS[row.device]
 
 
 def disown(row: torch.Tensor, owner: Owner) -> None:
@@ -57,26 +69,29 @@ def disown(row: torch.Tensor, owner: Owner) -> None:
 _TAGS = (torch.Tag.cudagraph_unsafe,)
 
 
-@torch.library.custom_op("normwatch::observe", mutates_args=(), tags=_TAGS)
-def observe(x: torch.Tensor, y: torch.Tensor | None, row: torch.Tensor, alone: bool) -> None:
+@torch.library.custom_op("normwatch::observe", mutates_args=("order",), tags=_TAGS)
+def observe(x: torch.Tensor, y: torch.Tensor | None, row: torch.Tensor, order: torch.Tensor,
+            alone: bool) -> None:
     """A compiled norm call: input ``x``, output ``y`` (detached), ``alone``: ``x`` was its
-    only tensor input. ``row`` names the layer."""
+    only tensor input. ``row`` names the layer; ``order`` is its device's ticket."""
     owner = _OWNERS.get(row.data_ptr())
     if owner is not None:  # none: the watch closed while compiled code still calls
         owner.compiled_call(x, y, alone)
 
 
 @observe.register_fake
-def _(x: torch.Tensor, y: torch.Tensor | None, row: torch.Tensor, alone: bool) -> None:
+def _(x: torch.Tensor, y: torch.Tensor | None, row: torch.Tensor, order: torch.Tensor,
+      alone: bool) -> None:
     return None
 
 
-@torch.library.custom_op("normwatch::observe_grad", mutates_args=(), tags=_TAGS)
+@torch.library.custom_op("normwatch::observe_grad", mutates_args=("g",), tags=_TAGS)
 def observe_grad(g: torch.Tensor, row: torch.Tensor, at: str, x: torch.Tensor | None,
                  weight: torch.Tensor | None) -> None:
     """A gradient of a compiled call at site ``at``; given the norm's input ``x`` (and
     ``weight``), ``g`` is its output's gradient and the gradient through the norm is
-    measured from it too. ``row`` names the layer."""
+    measured from it too. ``row`` names the layer. It says it writes ``g`` (it does
+    not): what comes after in the backward then waits for it."""
     owner = _OWNERS.get(row.data_ptr())
     if owner is not None:
         owner.compiled_grad(at, g, x, weight)
@@ -86,7 +101,3 @@ def observe_grad(g: torch.Tensor, row: torch.Tensor, at: str, x: torch.Tensor | 
 def _(g: torch.Tensor, row: torch.Tensor, at: str, x: torch.Tensor | None,
       weight: torch.Tensor | None) -> None:
     return None
-
-
-for _name in ("normwatch::observe", "normwatch::observe_grad"):
-    torch.library._register_effectful_op(_name, EffectType.ORDERED)

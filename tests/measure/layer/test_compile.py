@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -481,3 +482,30 @@ def test_a_model_first_compiled_on_a_sentinel_step_measures_no_gradient_there() 
     eager, compiled = run(False), run(True)
     assert_same_stats([eager], [compiled])
     assert compiled.layers["blocks.0.norm1"].grad_out_rms is not None  # step 1's
+
+
+def test_a_watched_models_graphs_are_cached_as_an_unwatched_models_are(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor's FX graph cache stores the watched graphs and the next compile loads
+    them (an effectful operator made it pass them by: every process compiled a watched
+    model anew, 2.2x the unwatched one's time with warm caches)."""
+    from torch._inductor import config
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(config, "fx_graph_cache", True)
+    monkeypatch.setattr(config, "force_disable_caches", False)
+    torch.manual_seed(0)
+    model = TinyLM(dim=32, depth=1, norm="rmsnorm")
+    w = normwatch.watch(model, report_dir=None, stats_every=1)
+    tokens = synthetic_batch(torch.Generator().manual_seed(0), batch=2, seq=8)
+    for attempt in range(2):
+        torch.compiler.reset()
+        counters.clear()
+        lm_loss(torch.compile(model, fullgraph=True)(tokens), tokens).backward()
+        w.step()
+        found = counters["inductor"]
+        assert not found["fxgraph_cache_bypass"], dict(found)
+        assert found["fxgraph_cache_hit" if attempt else "fxgraph_cache_miss"] == 2, dict(found)
+    snap = w.flush()
+    assert snap.layers["blocks.0.norm1"].calls == 2 and snap.layers["blocks.0.norm1"].grad_out_rms
+    w.close()
