@@ -93,4 +93,4 @@ def test_the_gpu_benchmark_runs_on_a_cpu() -> None:
                  "compiled + normwatch + optimizer + guard"):
         assert f"| {mode} |" in text
     assert "| compiled | " in text and "(reduce-overhead)" not in text  # CPU: no CUDA graphs
-    assert text.count("(CUDA only: skipped)") == 3 and "| added per norm call" in text
+    assert text.count("(CUDA only: skipped)") == 4 and "| added per norm call" in text
