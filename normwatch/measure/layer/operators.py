@@ -52,7 +52,10 @@ def own(row: torch.Tensor, owner: Owner) -> None:
     outside any graph: its device's ticket is made here)."""
     _OWNERS[row.data_ptr()] = owner
     if row.device not in _TICKETS:
-        _TICKETS[row.device] = torch.zeros(1, device=row.device)
+        made = _TICKETS[row.device] = torch.zeros(1, device=row.device)
+        # the same tensor every call: CUDA graphs take its writes as a buffer's, not as
+        # an input's (which would keep the graph from being captured)
+        torch._dynamo.mark_static_address(made)
 
 
 def ticket(row: torch.Tensor) -> torch.Tensor:
