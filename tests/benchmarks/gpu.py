@@ -42,10 +42,10 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -176,6 +176,27 @@ def billion(p: Plan) -> str:
     return steps_table(p, ("unmonitored (control)", "normwatch (defaults)"), big=True)
 
 
+def copies(setup: Setup, **options: Any) -> Iterator[tuple[bool, torch.nn.Module,
+                                                           torch.optim.Optimizer,
+                                                           normwatch.Watch | None,
+                                                           torch.Tensor]]:
+    """``(watched, model, optimizer, watch, batch)``: an unwatched copy of ``setup``'s
+    model, then one watched with its optimizer (``options``), each with its AdamW, on one
+    batch (the watch closed after)."""
+    torch.manual_seed(0)
+    base = setup.model().to(setup.device)
+    tokens = torch.randint(0, setup.vocab, (setup.batch, setup.seq), device=setup.device)
+    for watched in (False, True):
+        model = copy.deepcopy(base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=setup.fused or None)
+        w = normwatch.watch(model, opt, report_dir=None, **options) if watched else None
+        try:
+            yield watched, model, opt, w, tokens
+        finally:
+            if w is not None:
+                w.close()
+
+
 def ops(p: Plan, steps: int = 4) -> str:
     """Aten ops and kernel launches per step, unwatched and ``watch(model, optimizer)``,
     over ``steps`` steps (a ``stats_every`` cycle: sentinel and full-tier steps alike),
@@ -183,14 +204,8 @@ def ops(p: Plan, steps: int = 4) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     setup = p.step
-    torch.manual_seed(0)
-    base = setup.model().to(setup.device)
-    tokens = torch.randint(0, setup.vocab, (setup.batch, setup.seq), device=setup.device)
     counts = {}
-    for watched in (False, True):
-        model = copy.deepcopy(base)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=setup.fused or None)
-        w = normwatch.watch(model, opt, report_dir=None, flush_every=10**9) if watched else None
+    for watched, model, opt, w, tokens in copies(setup, flush_every=10**9):
         for _ in range(4):  # warm: the first calls plan, build and allocate
             overhead.train_step(model, opt, tokens, w, autocast=setup.autocast)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
@@ -204,8 +219,6 @@ def ops(p: Plan, steps: int = 4) -> str:
         aten = sum(1 for e in events if e.name.startswith("aten::"))
         launches = sum(1 for e in events if "LaunchKernel" in e.name)
         counts[watched] = (aten / steps, launches / steps)
-        if w is not None:
-            w.close()
     (a0, k0), (a1, k1) = counts[False], counts[True]
     return ("| per step (`watch(model, optimizer)`) | aten ops | kernel launches |\n"
             "|---|---:|---:|\n"
@@ -250,14 +263,8 @@ def memory(p: Plan, steps: int = 4) -> str:
     """The optimizer step's peak memory, unwatched and watched with the optimizer (the
     update monitor's kept samples live inside the step)."""
     setup = p.step
-    torch.manual_seed(0)
-    base = setup.model().to(setup.device)
-    tokens = torch.randint(0, setup.vocab, (setup.batch, setup.seq), device=setup.device)
     peaks = {}
-    for watched in (False, True):
-        model = copy.deepcopy(base)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=setup.fused or None)
-        w = normwatch.watch(model, opt, report_dir=None) if watched else None
+    for watched, model, opt, w, tokens in copies(setup):
         got = []
         for _ in range(steps):
             with torch.autocast("cuda", setup.autocast or torch.float32,
@@ -274,10 +281,7 @@ def memory(p: Plan, steps: int = 4) -> str:
             if w is not None:
                 w.step(loss)
         peaks[watched] = statistics.median(got[1:])
-        if w is not None:
-            w.close()
-        del model, opt
-    nbytes = sum(t.numel() * t.element_size() for t in base.parameters())
+        nbytes = sum(t.numel() * t.element_size() for t in model.parameters())
     return ("| optimizer step peak memory | MiB |\n|---|---:|\n"
             f"| unmonitored | {peaks[False] / 2**20:.1f} |\n"
             f"| what `watch(model, optimizer)` adds | {(peaks[True] - peaks[False]) / 2**20:.1f} |"
