@@ -492,8 +492,6 @@ def test_a_watched_models_graphs_are_cached_as_an_unwatched_models_are(
     from torch._inductor import config
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(config, "fx_graph_cache", True)
-    monkeypatch.setattr(config, "force_disable_caches", False)
     torch.manual_seed(0)
     model = TinyLM(dim=32, depth=1, norm="rmsnorm")
     w = normwatch.watch(model, report_dir=None, stats_every=1)
@@ -501,7 +499,8 @@ def test_a_watched_models_graphs_are_cached_as_an_unwatched_models_are(
     for attempt in range(2):
         torch.compiler.reset()
         counters.clear()
-        lm_loss(torch.compile(model, fullgraph=True)(tokens), tokens).backward()
+        with config.patch(fx_graph_cache=True):
+            lm_loss(torch.compile(model, fullgraph=True)(tokens), tokens).backward()
         w.step()
         found = counters["inductor"]
         assert not found["fxgraph_cache_bypass"], dict(found)
