@@ -13,12 +13,13 @@ compiled once serves every layer) and runs what an eager call runs: the flags, c
 and staging are plain Python again, and compiled and eager calls give the same numbers
 by construction.
 
-Every call says it writes its device's *ticket* (:func:`ticket`: one element, written by
-none): so the calls are never dead code and run in program order, one after another,
-and the graphs holding them stay cacheable (an effectful operator, the other way to say
-it, makes inductor's FX graph cache pass the graph by: every process compiled the
-watched model anew, 8.5 s where the unwatched one loaded in 3.8). They mutate nothing
-else the graph sees; a forward call's body that runs inside the backward (an activation
+Each call says it writes something, and writes nothing: a forward call its device's
+*ticket* (:func:`ticket`: one element), a gradient's call the gradient it reads. So the
+calls are never dead code and run in order (the forward's one after another, the
+backward's before what comes after them), and the graphs holding them stay cacheable (an
+effectful operator, the other way to say it, makes inductor's FX graph cache pass the
+graph by: every process compiled the watched model anew, 8.5 s where the unwatched one
+loaded in 3.8). A forward call's body that runs inside the backward (an activation
 checkpoint's recompute) counts nothing. They are marked unsafe for CUDA graphs (their
 bodies run Python), so ``mode="reduce-overhead"`` leaves the graph holding them to run
 without CUDA graphs.
