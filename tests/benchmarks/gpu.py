@@ -65,8 +65,6 @@ class Plan:
     big_rounds: int = 4
     big_steps: int = 2
     sync_steps: int = 30
-    norms: int = 25
-    """Norm calls per forward of ``step``'s model (2 per layer and the final one)."""
 
 
 def plan(device: str, tiny: bool) -> Plan:
@@ -77,8 +75,7 @@ def plan(device: str, tiny: bool) -> Plan:
         def small() -> torch.nn.Module:
             return tiny_llama(64, 1)
         setup = Setup(small, 2, 16, device=device, autocast=dtype, fused=cuda)
-        return Plan(setup, setup, rounds=1, steps=1, big_rounds=1, big_steps=1, sync_steps=2,
-                    norms=3)
+        return Plan(setup, setup, rounds=1, steps=1, big_rounds=1, big_steps=1, sync_steps=2)
 
     def llama_125m() -> torch.nn.Module:
         return tiny_llama(768, 12, vocab=32000, intermediate=2048, heads=12, kv_heads=12)
@@ -149,11 +146,10 @@ them)."""
 
 
 def steps_table(p: Plan, names: tuple[str, ...], big: bool = False) -> str:
-    setup = p.big if big else p.step
-    rows = overhead.run(p.big_rounds if big else p.rounds, p.big_steps if big else p.steps,
-                        setup, list(names))
-    return (f"{setup.label()}, {p.big_rounds if big else p.rounds} rounds x "
-            f"{p.big_steps if big else p.steps} steps\n\n{overhead.table(rows)}")
+    setup, rounds, steps = (p.big, p.big_rounds, p.big_steps) if big else \
+        (p.step, p.rounds, p.steps)
+    rows = overhead.run(rounds, steps, setup, list(names))
+    return f"{setup.label()}, {rounds} rounds x {steps} steps\n\n{overhead.table(rows)}"
 
 
 def eager(p: Plan) -> str:
@@ -219,13 +215,15 @@ def ops(p: Plan, steps: int = 4) -> str:
         aten = sum(1 for e in events if e.name.startswith("aten::"))
         launches = sum(1 for e in events if "LaunchKernel" in e.name)
         counts[watched] = (aten / steps, launches / steps)
+        if w is not None:  # a Llama calls each norm once a forward
+            norms = len(w.flush().layers)
     (a0, k0), (a1, k1) = counts[False], counts[True]
     return ("| per step (`watch(model, optimizer)`) | aten ops | kernel launches |\n"
             "|---|---:|---:|\n"
             f"| unmonitored | {a0:.0f} | {k0:.0f} |\n"
             f"| watched | {a1:.0f} | {k1:.0f} |\n"
-            f"| added per norm call ({p.norms} a forward; cross-layer work included) | "
-            f"{(a1 - a0) / p.norms:.1f} | {(k1 - k0) / p.norms:.1f} |")
+            f"| added per norm call ({norms} a forward; cross-layer work included) | "
+            f"{(a1 - a0) / norms:.1f} | {(k1 - k0) / norms:.1f} |")
 
 
 def sync(p: Plan) -> str:

@@ -73,7 +73,8 @@ class Setup:
     fused: bool = False
 
     def label(self) -> str:
-        params = sum(p.numel() for p in self.model().parameters()) / 1e6
+        with torch.device("meta"):  # counted, not built
+            params = sum(p.numel() for p in self.model().parameters()) / 1e6
         return (f"Llama {params:.1f}M on {self.device}"
                 f"{f', {self.autocast} autocast' if self.autocast else ''}"
                 f"{', fused AdamW' if self.fused else ''}, {self.batch} x {self.seq} tokens")
@@ -188,8 +189,7 @@ def run(rounds: int, steps: int, setup: Setup, only: list[str] | None = None,
     watched mode's graphs serve the next watched mode of its compile mode, so the first
     of them has the compile: its first step against its baseline's is the compile time);
     ``only``: these modes and their baselines (``None``: all, but CUDA graphs only on a
-    GPU); ``clip``: every loop clips
-    its gradients (``clip_grad_norm_``) before the step."""
+    GPU); ``clip``: every loop clips its gradients (``clip_grad_norm_``) before the step."""
     torch.manual_seed(0)
     base = setup.model().to(setup.device)
     chosen = [m for m in modes() if m.name in only] if only is not None else [
