@@ -3,8 +3,7 @@ hidden state's gradient where it reads it; and its weight's gradient.
 
     >>> hooks = GradHooks(rows, backend, target, stage, fail)  # one per norm layer
     >>> hooks.watch_call(x, y)        # forward hook, eager
-    >>> hooks.watch_hidden(x)         # forward pre-hook, compiled
-    >>> y = hooks.watch_output(y, x)  # forward hook, compiled: the model goes on with y
+    >>> hooks.measure(site, g, x, w)  # a compiled gradient's operator, at run time
 
 Hooks registered in the forward (on full-tier steps) fire in the backward with
 ``dL/dy`` (``grad_out``, a pre-hook on the node that made the output: what a tensor hook
@@ -19,14 +18,13 @@ stays as unwatched. Eager hooks have their device's backend read each into its t
 L2 norms and its min and max (``backend.grad_rows``: torch's two reductions, or on the
 CPU one pass of the C kernel, which also adds two parts of ``grad_in`` as it reads them)
 and stage them; the accumulator folds every staged gradient at once when the step ends
-(:mod:`~normwatch.measure.state.grad_fold`). Compiled code taps the output with
-:class:`_Tap` instead (an autograd function traced into the backward graph), whose
-backward hands ``dL/dy`` to one opaque operator (``normwatch::observe_grad``,
-:mod:`~normwatch.measure.layer.operators`) whose body, at run time,
-measures it and, from it, the gradient through the norm (:func:`through_formula`) as
-eager hooks do (:meth:`GradHooks.measure`); the hidden state keeps its tensor hook. No
-host sync. Hooks and taps live on the step's autograd graph and go with it: no tensor is
-kept past the step.
+(:mod:`~normwatch.measure.state.grad_fold`). Compiled code taps the output instead
+and hooks the input (:mod:`~normwatch.measure.layer.compiled`); one opaque operator
+(``normwatch::observe_grad``, :mod:`~normwatch.measure.layer.operators`) hands each
+gradient to :meth:`GradHooks.measure`, which measures it and, from the output's, the
+gradient through the norm (:func:`through_formula`) as eager hooks do. No host sync.
+Hooks and taps live on the step's autograd graph and go with it: no tensor is kept past
+the step.
 
 The weight's gradient is measured by a hook on the parameter, registered for the steps
 whose backward is measured (:meth:`GradHooks.arm`, between steps): it fires with each
@@ -156,25 +154,6 @@ def through_formula(kind: str, eps: float, one_plus_w: bool) -> Through | None:
     return through
 
 
-class _Tap(torch.autograd.Function):
-    """Identity on a norm's output whose backward hands the gradient, with the norm's
-    input and weight (detached: no edge to them), to ``normwatch::observe_grad``; the
-    layer's row (what names it to the operator) travels on ``ctx``."""
-
-    @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, row: torch.Tensor, x: torch.Tensor | None = None,
-                weight: torch.Tensor | None = None) -> torch.Tensor:
-        ctx.row, ctx.x, ctx.weight = row, x, weight
-        # The norm's output goes on into the model, which may modify it in place: a copy
-        # (a view of a custom Function's output may not be).
-        return t.clone()
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        observe_grad(g, ctx.row, "grad_out", ctx.x, ctx.weight)
-        return g, None, None, None
-
-
 class GradHooks:
     """The gradient side of one layer's hook (see the module docstring).
 
@@ -302,25 +281,6 @@ class GradHooks:
         g = grads[k]
         if g is not None:
             self._measure(site, g)
-
-    def watch_hidden(self, x: torch.Tensor) -> None:
-        """Compiled: hook ``x``, the hidden state's gradient (a tensor hook: no node in
-        the graph; the gradient through the norm comes from :meth:`watch_output`)."""
-        if not isinstance(x, nn.Parameter):
-            x.register_hook(self._hidden)  # type: ignore[no-untyped-call]
-
-    def watch_output(self, y: torch.Tensor, x: torch.Tensor | None = None,
-                     weight: torch.Tensor | None = None) -> torch.Tensor:
-        """Hook the norm's output (the gradient arriving at it); returns the tensor the
-        model must go on with (compiled code: a tap in its place, which with the norm's
-        input ``x`` and ``weight`` also folds the gradient through the norm)."""
-        row = self._target() if torch.compiler.is_compiling() else None
-        if row is None:
-            y.register_hook(self._out)  # type: ignore[no-untyped-call]
-            return y
-        through = x.detach() if x is not None and self.through is not None else None
-        return _Tap.apply(y, row, through,  # type: ignore[no-any-return, no-untyped-call]
-                          None if weight is None else weight.detach())
 
     def watch_weight(self, weight: object) -> None:
         """Hook the layer's weight once (again when the module's weight is replaced, as

@@ -27,7 +27,6 @@ from normwatch.measure.backends.native.backend import through_reader
 from normwatch.measure.layer.calls import input_of, other_tensor, output_of
 from normwatch.measure.layer.compiled import CompiledPath
 from normwatch.measure.layer.gradients import GradHooks, through_formula
-from normwatch.measure.layer.operators import disown, own
 from normwatch.measure.layer.recorder import Recorder, Runtime
 from normwatch.records import NormLayer
 
@@ -54,14 +53,12 @@ class LayerHook:
         CPU builds nothing): see :mod:`~normwatch.measure.backends.native.lane`."""
         self.handle: RemovableHandle | None = module.register_forward_hook(
             native_lane.hook_for(self, self._lane_state), with_kwargs=True)
-        self._pre_handle: RemovableHandle | None = None
         if runtime.gradients:
             self._hook_gradients(native)
 
     def _hook_gradients(self, native: bool) -> None:
         """The layer's gradient hooks (in C++ where the forward's lane is: the layer on
-        the CPU, tokens its last dim), and the pre-hook compiled code hooks the hidden
-        state's gradient from."""
+        the CPU, tokens its last dim)."""
         layer, module, rows, rt = self.layer, self.module, self.recorder.rows, self.rt
         through = None if layer.token_size is None else \
             through_formula(layer.kind, rows.eps, rows.one_plus_w)
@@ -78,8 +75,7 @@ class LayerHook:
                                            recorder.stage_grad, recorder.fail, through,
                                            computable, lane)
         grads.watch_weight(weight)
-        self._pre_handle = module.register_forward_pre_hook(
-            native_lane.pre_hook_for(self.compiled.pre, self._lane_state), with_kwargs=True)
+        self.compiled.hook_grads(through is not None)
 
     @property
     def grads(self) -> GradHooks | None:
@@ -89,24 +85,17 @@ class LayerHook:
     def home(self, device: torch.device) -> None:
         """Place this layer's row on ``device`` (outside any graph): compiled calls name
         the layer by it."""
-        recorder = self.recorder
-        if recorder.state is not None:
-            disown(recorder.state, self.compiled)
-        recorder.state = self.rt.accumulator.row_state(device, self.row)
-        own(recorder.state, self.compiled)
+        state = self.recorder.state = self.rt.accumulator.row_state(device, self.row)
+        self.compiled.place(state)
 
     def remove(self) -> None:
         """Detach from the module (harmless twice)."""
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
-        if self._pre_handle is not None:
-            self._pre_handle.remove()
-            self._pre_handle = None
         if self.recorder.grads is not None:
             self.recorder.grads.close()
-        if self.recorder.state is not None:
-            disown(self.recorder.state, self.compiled)
+        self.compiled.remove()
 
     @property
     def disabled_reason(self) -> str | None:

@@ -62,39 +62,37 @@ def _registered(model: torch.nn.Module) -> list[object]:
 
 
 def _pre_registered(model: torch.nn.Module) -> list[object]:
-    """The layers' pre-hooks: ``CompiledPath.pre``, or the lane's bound to it."""
-    return [h for m in model.modules() for h in m._forward_pre_hooks.values()
-            if getattr(h, "__func__", None) is CompiledPath.pre or (
-                isinstance(h, functools.partial)
-                and getattr(h.args[0], "__func__", None) is CompiledPath.pre)]
+    """The forward pre-hooks of the model's norms (normwatch registers none on a layer:
+    compiled code hooks the hidden state from the forward hook)."""
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert len(norms) == 3
+    return [h for m in norms for h in m._forward_pre_hooks.values()]
 
 
 def test_the_lane_is_registered_where_it_is_built_and_the_python_hook_elsewhere(
         rebuilt: None, built: object, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The forward hooks and the pre-hooks alike: the lane's where it is built and the
-    C reader is used, else the Python ones."""
+    """The forward hooks: the lane's where it is built and the C reader is used, else
+    the Python ones; no pre-hook on a layer either way."""
     model = tiny_llama(32, 1)
     w = normwatch.watch(model, report_dir=None)
-    hooks, pres = _registered(model), _pre_registered(model)
+    hooks = _registered(model)
     assert len(hooks) == 3 and all(isinstance(h, functools.partial) and h.func is built.hook  # type: ignore[attr-defined]
                                    for h in hooks)
-    assert len(pres) == 3 and all(isinstance(h, functools.partial) and h.func is built.pre  # type: ignore[attr-defined]
-                                  for h in pres)
+    assert not _pre_registered(model)
     w.close()
     assert not _registered(model) and not _pre_registered(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         w = normwatch.watch(model, report_dir=None, kernel="torch")  # (no C reader)
     assert [type(h) for h in _registered(model)] == [LayerHook] * 3
-    assert not any(isinstance(h, functools.partial) for h in _pre_registered(model))
+    assert not _pre_registered(model)
     w.close()
     monkeypatch.setenv("NORMWATCH_LANE", "0")
     fastlane.module.cache_clear()
     assert fastlane.module() is None
     w = normwatch.watch(model, report_dir=None)
     assert [type(h) for h in _registered(model)] == [LayerHook] * 3
-    pres = _pre_registered(model)
-    assert len(pres) == 3 and not any(isinstance(h, functools.partial) for h in pres)
+    assert not _pre_registered(model)
     w.close()
 
 
@@ -238,8 +236,8 @@ def test_the_lanes_borrow_and_stage_with_no_python_frame(built: object) -> None:
     one's fold), and the forward's lane hooks a full-tier call's gradients and checks its
     dtypes itself: no frame of ``RowBuffers.take``, ``Accumulator.stage``,
     ``.stage_grad``, ``LayerHook._tail`` or what it calls (the recorder's rest of a call,
-    the gradient hooks' placing, the walk over a norm's nodes), nor of the pre-hook
-    ``CompiledPath.pre`` (the lane's returns in eager code) in three steps of both tiers,
+    the gradient hooks' placing, the walk over a norm's nodes), nor of the compiled
+    path's ``CompiledPath.trace`` (traced code only) in three steps of both tiers,
     yet every call and gradient is staged (what they stage, against the recorder's:
     tests/measure/layer/test_hooks.py::test_the_lane_measures_as_the_general_path)."""
     from normwatch.measure.layer.gradients import GradHooks, through_nodes
@@ -258,7 +256,7 @@ def test_the_lanes_borrow_and_stage_with_no_python_frame(built: object) -> None:
     python = (RowBuffers.take, Accumulator.stage, Accumulator.stage_grad, LayerHook._tail,
               Recorder.after, Recorder.watch_grads, Recorder.record_dtypes, Recorder.record,
               GradHooks.watch_call, GradHooks.computes, GradHooks.watch_weight,
-              through_nodes, CompiledPath.pre)
+              through_nodes, CompiledPath.trace)
     codes = {f.__code__: f.__qualname__ for f in python}
     seen: list[str] = []
     committed = [0]

@@ -221,23 +221,6 @@ PyObject *hook(PyObject *, PyObject *const *a, Py_ssize_t n) {
     return PyObject_Vectorcall(layer, a + 1, 4, nullptr);  // the Python hook
 }
 
-// pre(path_pre, module, args, kwargs): a layer's forward pre-hook, registered as
-// functools.partial(pre, CompiledPath.pre), which does something only in compiled code
-// (it hooks a compiled call's hidden state): in eager code it returns here, with no Python
-// frame; where Dynamo compiles the frames run (an eager stretch of a compiled function)
-// it calls the Python pre-hook, whose frame Dynamo compiles as before. While Dynamo
-// traces, a Python stand-in calls it (lane._stand_in).
-PyObject *pre(PyObject *, PyObject *const *a, Py_ssize_t n) {
-    if (n != 4) {
-        PyErr_SetString(PyExc_TypeError, "pre(path_pre, module, args, kwargs)");
-        return nullptr;
-    }
-    int dynamo = compiling_frames();
-    if (dynamo < 0) PyErr_Clear();  // (never seen: then the Python pre-hook decides)
-    if (dynamo != 0) return PyObject_Vectorcall(a[0], a + 1, 3, nullptr);
-    Py_RETURN_NONE;
-}
-
 // The rest of a full-tier call that is not the interval's first (Recorder.after's work),
 // its common case here: x the call's only argument, both float32 with autograd nodes, the
 // gradient through the norm computed (GradHooks.computes: no saved-tensor hooks, a
@@ -349,8 +332,6 @@ PyObject *setup(PyObject *, PyObject *args) {
 PyMethodDef methods[] = {
     {"hook", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(hook)),
      METH_FASTCALL, "hook(layer, module, args, kwargs, output): the forward hook"},
-    {"pre", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(pre)),
-     METH_FASTCALL, "pre(path_pre, module, args, kwargs): the forward pre-hook"},
     {"lane", lane, METH_VARARGS, "one layer's lane (a capsule)"},
     {"setup", setup, METH_VARARGS, "setup(names, addresses of the C readers, callback)"},
     {nullptr, nullptr, 0, nullptr}};

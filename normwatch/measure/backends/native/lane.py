@@ -67,19 +67,10 @@ def module() -> ModuleType | None:
                     torch._C._dynamo.eval_frame.get_eval_frame_callback)
         built.setup_sampler(ctypes.cast(lib.normwatch_sample, ctypes.c_void_p).value)
         _stand_in(built.hook)
-        _stand_in(built.pre)
     except Exception as exc:  # no C++ compiler, no headers, a failed build: Python's lane
         log.debug("normwatch: the C++ lane is not built (%s)", exc)
         return None
     return built
-
-
-def pre_hook_for(pre: Callable[..., Any], lane: State | None) -> Callable[..., Any]:
-    """What torch is to call as a layer's forward pre-hook ``pre`` (``CompiledPath.pre``,
-    which acts only in compiled code): the lane's, which returns at once in eager code,
-    where the layer has a lane state (:func:`state`), else ``pre`` itself."""
-    built = None if lane is None else module()  # (a state means it is built)
-    return pre if built is None else functools.partial(built.pre, pre)
 
 
 def hook_for(layer: Any, lane: State | None) -> Callable[..., Any]:
@@ -190,9 +181,9 @@ def _no_plan(g: torch.Tensor) -> None:
 
 @functools.cache
 def _stand_in(lane_hook: Callable[..., Any]) -> None:
-    """While Dynamo traces, the Python hook in the place of the lane's (``hook`` or
-    ``pre``, registered bound to it as ``functools.partial(lane_hook, python_hook)``):
-    Dynamo cannot trace a builtin. Once per builtin: a module loaded again from its file
+    """While Dynamo traces, the Python hook in the place of the lane's (registered bound
+    to it as ``functools.partial(lane_hook, python_hook)``): Dynamo cannot trace a
+    builtin. Once per builtin: a module loaded again from its file
     has the same."""
 
     @torch._dynamo.substitute_in_graph(lane_hook, skip_signature_check=True)
