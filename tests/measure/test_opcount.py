@@ -157,3 +157,32 @@ def test_the_cuda_paths_whole_step_stays_within_its_op_budget(guard: bool) -> No
         cross = parts["optimizer"] + parts["watch.step"]
         assert cross.n_kernels + cross.n_views <= CROSS_LAYER, (tier, cross.names(),
                                                                 cross.views)
+
+
+def test_a_compiled_operator_call_is_its_body_and_no_python_around_it() -> None:
+    """What a compiled graph's call of ``normwatch::observe`` or ``::observe_grad`` runs
+    in Python: the body and the owner's lookup, no wrapper of torch's (a ``custom_op``'s
+    autograd, in-place and default-filling wrappers ran ten frames a call: 17.8 µs
+    against 1.8 µs on this machine, 2026-12-06)."""
+    import sys
+
+    from normwatch.measure.layer import operators
+
+    x, row, ticket = torch.ones(4, 8), torch.zeros(3), torch.zeros(1)  # row: owned by none
+    calls = {"observe": lambda: operators.observe(x, x, row, ticket, True),
+             "observe_grad": lambda: operators.observe_grad(x, row, "grad_out", None, None)}
+    for name, call in calls.items():
+        frames: list[str] = []
+
+        def profile(frame: object, event: str, arg: object) -> None:
+            if event == "call":
+                frames.append(frame.f_code.co_name)  # type: ignore[attr-defined]
+
+        call()  # (first calls load what they need)
+        sys.setprofile(profile)
+        try:
+            call()
+        finally:
+            sys.setprofile(None)
+        # the lambda, the operator's __call__, the body and the owners' lookup
+        assert frames[2] == f"_{name}" and len(frames) <= 4, (name, frames)

@@ -73,14 +73,16 @@ def disown(row: torch.Tensor, owner: Owner) -> None:
 NAMESPACE = "normwatch::"[:-2]
 """The operators' namespace (written with its ``::``, the way a benchmark renames it to
 load another commit's normwatch beside this one: ``tests/benchmarks/compare.py``)."""
-_LIBRARY = torch.library.Library(NAMESPACE, "DEF")
+_LIBRARY = torch.library.Library(NAMESPACE, "DEF")  # type: ignore[no-untyped-call]
 # Defined with the dispatcher's own API, not torch.library.custom_op, whose Python
 # wrappers (autograd, in-place bookkeeping, defaults) cost more than the body they
 # called: 6.3 of 9.6 ms a step for 27 calls, profiled, in a compiled CPU step
-_LIBRARY.define("observe(Tensor x, Tensor? y, Tensor row, Tensor(a!) order, bool alone) -> ()",
-                tags=(torch.Tag.cudagraph_unsafe,))
-_LIBRARY.define("observe_grad(Tensor(a!) g, Tensor row, str at, Tensor? x, Tensor? weight) "
-                "-> ()", tags=(torch.Tag.cudagraph_unsafe,))
+_LIBRARY.define(  # type: ignore[no-untyped-call]
+    "observe(Tensor x, Tensor? y, Tensor row, Tensor(a!) order, bool alone) -> ()",
+    tags=(torch.Tag.cudagraph_unsafe,))
+_LIBRARY.define(  # type: ignore[no-untyped-call]
+    "observe_grad(Tensor(a!) g, Tensor row, str at, Tensor? x, Tensor? weight) -> ()",
+    tags=(torch.Tag.cudagraph_unsafe,))
 
 
 def _observe(x: torch.Tensor, y: torch.Tensor | None, row: torch.Tensor,
@@ -108,7 +110,7 @@ def _nothing(*args: object) -> None:
 
 
 for _name, _body in (("observe", _observe), ("observe_grad", _observe_grad)):
-    _LIBRARY.impl(_name, _body, "CompositeExplicitAutograd")
+    _LIBRARY.impl(_name, _body, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
     torch.library.register_fake(f"{NAMESPACE}::{_name}", _nothing, lib=_LIBRARY)
 
 observe = getattr(torch.ops, NAMESPACE).observe.default
