@@ -101,7 +101,7 @@ def test_a_watched_run_is_bit_identical_to_an_unwatched_one(norm: str, mode: str
 
 def test_a_compiled_watched_run_is_bit_identical_to_a_compiled_unwatched_one(
         one_thread: None) -> None:
-    # the gradient through each norm is folded from its output's tap (a formula), never
+    # the gradient through each norm is folded from its output's hook (a formula), never
     # from a node in front of its input: that re-associated the hidden state's gradient
     def compiled(watched: bool) -> tuple[list[float], list[torch.Tensor]]:
         torch.compiler.reset()

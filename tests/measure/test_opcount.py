@@ -171,14 +171,15 @@ def test_a_compiled_operator_call_is_its_body_and_no_python_around_it() -> None:
     x, row, ticket = torch.ones(4, 8), torch.zeros(3), torch.zeros(1)  # row: owned by none
     calls = {"observe": lambda: operators.observe(x, x, row, ticket, True),
              "observe_grad": lambda: operators.observe_grad(x, row, "grad_out", None, None)}
+    frames: list[str] = []
+
+    def profile(frame: object, event: str, arg: object) -> None:
+        if event == "call":
+            frames.append(frame.f_code.co_name)  # type: ignore[attr-defined]
+
     for name, call in calls.items():
-        frames: list[str] = []
-
-        def profile(frame: object, event: str, arg: object) -> None:
-            if event == "call":
-                frames.append(frame.f_code.co_name)  # type: ignore[attr-defined]
-
         call()  # (first calls load what they need)
+        frames.clear()
         sys.setprofile(profile)
         try:
             call()

@@ -12,6 +12,7 @@ compiling the model costs; and compiled and eager calls share one path.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -26,18 +27,18 @@ from normwatch.measure.state.rows import SITES
 
 class CompiledPath:
     """The traced hook of a layer and the bodies of its compiled operators (the
-    :class:`Owner` of its accumulator row), over its ``recorder``.
+    :class:`Owner` of the tensor that names its layer), over its ``recorder``.
 
-    What the traced hook reads is this object's own (the layer's row, set where the row
-    is placed: :meth:`place`; fixed options), its device's ticket and the call's: each
+    What the traced hook reads is this object's own (the layer's name, set where the
+    layer is placed: :meth:`place`; fixed options), its device's ticket and the call's: each
     Python object Dynamo reaches by two ways costs a guard that compiled code checks at
     every call (a watched 12-block model had 3,600 guards more than unwatched, and
     Dynamo traced it 2 s longer)."""
 
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
-        self.row: torch.Tensor | None = None
-        """The layer's accumulator row (``None``: not placed yet)."""
+        self.name: torch.Tensor | None = None
+        """The tensor naming the layer to the operators (``None``: not placed yet)."""
         self.count_eval = recorder.rt.count_eval
         self.grads = False
         """Whether gradients are hooked (:meth:`hook_grads`)."""
@@ -49,31 +50,34 @@ class CompiledPath:
         through the norm too, from the output's (where its formula holds)."""
         self.grads, self.through = True, through
 
-    def place(self, row: torch.Tensor) -> None:
-        """Name the layer by ``row`` from now on (outside any graph)."""
-        if self.row is not None:
-            disown(self.row, self)
-        own(row, self)
-        self.row = row
+    def place(self, device: torch.device) -> torch.Tensor:
+        """Name the layer on ``device`` from now on (outside any graph), by a tensor of
+        its own that nothing writes (a compiled backward that reads it checks its
+        version; the accumulator's row is written every step); returns it."""
+        self.remove()
+        name = self.name = torch.zeros(1, device=device)
+        own(name, self)
+        return name
 
     def remove(self) -> None:
         """Let the operators find this path no more."""
-        if self.row is not None:
-            disown(self.row, self)
+        if self.name is not None:
+            disown(self.name, self)
 
     def _fail(self, exc: Exception) -> None:
         self.recorder.fail(exc)
 
     def trace(self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any],
               output: Any) -> torch.Tensor | None:
-        """The forward hook's body as ``torch.compile`` traces it; returns the output the
-        model goes on with when it taps it (``None``: the output as it was). The hidden
-        state's gradient is hooked on the input (a tensor hook: nothing is put between
-        the input and the norm), the output's and the one through the norm on a tap in
-        the output's place (:class:`_Tap`)."""
-        row = self.row
+        """The forward hook's body as ``torch.compile`` traces it (``None``: the model goes
+        on with the output as it was). The gradients are hooked with tensor hooks, which
+        put no node between the norm and the model: the input's (the hidden state's) and
+        the output's, which with the input and the weight measures the gradient through
+        the norm too (a custom ``autograd.Function`` tapping the output, as before,
+        copied the output and kept the AOT autograd cache from storing the graph)."""
+        name = self.name
         x = input_of(args, kwargs)
-        if row is None or x is None or not x.is_floating_point() or x.is_meta:
+        if name is None or x is None or not x.is_floating_point() or x.is_meta:
             return None
         training = module.training and torch.is_grad_enabled()
         if not (training or self.count_eval):
@@ -82,7 +86,7 @@ class CompiledPath:
         alone = not other_tensor(args, kwargs, x)
         # Python state is neither read nor written here (a checkpointed region is a
         # higher-order op that refuses side effects): the operator's body does that
-        observe(x.detach(), None if y is None else y.detach(), row, ticket(row), alone)
+        observe(x.detach(), None if y is None else y.detach(), name, ticket(name), alone)
         if not self.grads:
             return None
         if training and x.requires_grad and not isinstance(x, nn.Parameter):
@@ -94,13 +98,24 @@ class CompiledPath:
         # the formula of the gradient through the norm holds for x alone, whole tokens
         fits = self.through and alone and y.shape == x.shape and (
             weight is None or weight.numel() == self.width)
-        # the model goes on with the tapped output
-        return _Tap.apply(y, row, x.detach() if fits else None,  # type: ignore[no-any-return, no-untyped-call]
-                          weight)
+        if fits:
+            y.register_hook(partial(self._out, x.detach(), weight))  # type: ignore[no-untyped-call]
+        else:
+            y.register_hook(self._out_alone)  # type: ignore[no-untyped-call]
+        return None
 
     def _hidden(self, g: torch.Tensor) -> None:
         """The hidden state's gradient (the input's tensor hook)."""
-        observe_grad(g, self.row, "grad_hidden", None, None)
+        observe_grad(g, self.name, "grad_hidden", None, None)
+
+    def _out(self, x: torch.Tensor, weight: torch.Tensor | None, g: torch.Tensor) -> None:
+        """The output's gradient and, from it, ``x`` and ``weight``, the gradient through
+        the norm (the output's tensor hook)."""
+        observe_grad(g, self.name, "grad_out", x, weight)
+
+    def _out_alone(self, g: torch.Tensor) -> None:
+        """The output's gradient alone (the output's tensor hook)."""
+        observe_grad(g, self.name, "grad_out", None, None)
 
     @guarded
     def compiled_call(self, x: torch.Tensor, y: torch.Tensor | None, alone: bool) -> None:
@@ -120,22 +135,3 @@ class CompiledPath:
         recorder = self.recorder
         if recorder.grads is not None and recorder.failed is None:
             recorder.grads.measure(SITES.index(at), g, x, weight)
-
-
-class _Tap(torch.autograd.Function):
-    """Identity on a norm's output whose backward hands the gradient, with the norm's
-    input and weight (detached: no edge to them), to ``normwatch::observe_grad``; the
-    layer's row (what names it to the operator) travels on ``ctx``."""
-
-    @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, row: torch.Tensor, x: torch.Tensor | None = None,
-                weight: torch.Tensor | None = None) -> torch.Tensor:
-        ctx.row, ctx.x, ctx.weight = row, x, weight
-        # The norm's output goes on into the model, which may modify it in place: a copy
-        # (a view of a custom Function's output may not be).
-        return t.clone()
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        observe_grad(g, ctx.row, "grad_out", ctx.x, ctx.weight)
-        return g, None, None, None

@@ -18,12 +18,12 @@ stays as unwatched. Eager hooks have their device's backend read each into its t
 L2 norms and its min and max (``backend.grad_rows``: torch's two reductions, or on the
 CPU one pass of the C kernel, which also adds two parts of ``grad_in`` as it reads them)
 and stage them; the accumulator folds every staged gradient at once when the step ends
-(:mod:`~normwatch.measure.state.grad_fold`). Compiled code taps the output instead
-and hooks the input (:mod:`~normwatch.measure.layer.compiled`); one opaque operator
-(``normwatch::observe_grad``, :mod:`~normwatch.measure.layer.operators`) hands each
-gradient to :meth:`GradHooks.measure`, which measures it and, from the output's, the
-gradient through the norm (:func:`through_formula`) as eager hooks do. No host sync.
-Hooks and taps live on the step's autograd graph and go with it: no tensor is kept past
+(:mod:`~normwatch.measure.state.grad_fold`). Compiled code puts tensor hooks on the
+output and the input instead (:mod:`~normwatch.measure.layer.compiled`); one opaque
+operator (``normwatch::observe_grad``, :mod:`~normwatch.measure.layer.operators`) hands
+each gradient to :meth:`GradHooks.measure`, which measures it and, from the output's,
+the gradient through the norm (:func:`through_formula`) as eager hooks do. No host
+sync. Hooks live on the step's autograd graph and go with it: no tensor is kept past
 the step.
 
 The weight's gradient is measured by a hook on the parameter, registered for the steps

@@ -85,8 +85,8 @@ class LayerHook:
     def home(self, device: torch.device) -> None:
         """Place this layer's row on ``device`` (outside any graph): compiled calls name
         the layer by it."""
-        state = self.recorder.state = self.rt.accumulator.row_state(device, self.row)
-        self.compiled.place(state)
+        self.rt.accumulator.row_state(device, self.row)  # its block, made ahead of the calls
+        self.recorder.state = self.compiled.place(device)
 
     def remove(self) -> None:
         """Detach from the module (harmless twice)."""

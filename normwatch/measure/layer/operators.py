@@ -7,7 +7,7 @@ watched, 10 s unwatched; six blocks did not finish in 18 minutes), and the ops r
 every step whatever the tier. Here a compiled hook makes one ``torch.library`` call,
 ``normwatch::observe`` (the call's input and output) or ``normwatch::observe_grad`` (a
 gradient), and the compiler sees one extern call per site. At run time its body finds
-the layer's compiled path by the address of the layer's accumulator row (a graph input,
+the layer's compiled path by the address of a tensor that names the layer (a graph input,
 the same tensor every step: no per-layer constant reaches the graph, so a block
 compiled once serves every layer) and runs what an eager call runs: the flags, counters
 and staging are plain Python again, and compiled and eager calls give the same numbers
@@ -48,26 +48,26 @@ _OWNERS: WeakValueDictionary[int, Owner] = WeakValueDictionary()
 _TICKETS: dict[torch.device, torch.Tensor] = {}
 
 
-def own(row: torch.Tensor, owner: Owner) -> None:
-    """Make ``owner`` the path the operators call for ``row`` (a layer's accumulator row;
+def own(name: torch.Tensor, owner: Owner) -> None:
+    """Make ``owner`` the path the operators call for ``name`` (a tensor naming a layer;
     outside any graph: its device's ticket is made here)."""
-    _OWNERS[row.data_ptr()] = owner
-    if row.device not in _TICKETS:
-        made = _TICKETS[row.device] = torch.zeros(1, device=row.device)
+    _OWNERS[name.data_ptr()] = owner
+    if name.device not in _TICKETS:
+        made = _TICKETS[name.device] = torch.zeros(1, device=name.device)
         # the same tensor every call: CUDA graphs take its writes as a buffer's, not as
         # an input's (which would keep the graph from being captured)
         torch._dynamo.mark_static_address(made)
 
 
-def ticket(row: torch.Tensor) -> torch.Tensor:
-    """The ticket of ``row``'s device, which every operator call says it writes."""
-    return _TICKETS[row.device]
+def ticket(name: torch.Tensor) -> torch.Tensor:
+    """The ticket of ``name``'s device, which every operator call says it writes."""
+    return _TICKETS[name.device]
 
 
-def disown(row: torch.Tensor, owner: Owner) -> None:
-    """Forget ``owner`` for ``row`` (harmless when it is not the owner)."""
-    if _OWNERS.get(row.data_ptr()) is owner:
-        del _OWNERS[row.data_ptr()]
+def disown(name: torch.Tensor, owner: Owner) -> None:
+    """Forget ``owner`` for ``name`` (harmless when it is not the owner)."""
+    if _OWNERS.get(name.data_ptr()) is owner:
+        del _OWNERS[name.data_ptr()]
 
 
 NAMESPACE = "normwatch::"[:-2]
@@ -78,29 +78,29 @@ _LIBRARY = torch.library.Library(NAMESPACE, "DEF")  # type: ignore[no-untyped-ca
 # wrappers (autograd, in-place bookkeeping, defaults) cost more than the body they
 # called: 6.3 of 9.6 ms a step for 27 calls, profiled, in a compiled CPU step
 _LIBRARY.define(  # type: ignore[no-untyped-call]
-    "observe(Tensor x, Tensor? y, Tensor row, Tensor(a!) order, bool alone) -> ()",
+    "observe(Tensor x, Tensor? y, Tensor name, Tensor(a!) order, bool alone) -> ()",
     tags=(torch.Tag.cudagraph_unsafe,))
 _LIBRARY.define(  # type: ignore[no-untyped-call]
-    "observe_grad(Tensor(a!) g, Tensor row, str at, Tensor? x, Tensor? weight) -> ()",
+    "observe_grad(Tensor(a!) g, Tensor name, str at, Tensor? x, Tensor? weight) -> ()",
     tags=(torch.Tag.cudagraph_unsafe,))
 
 
-def _observe(x: torch.Tensor, y: torch.Tensor | None, row: torch.Tensor,
+def _observe(x: torch.Tensor, y: torch.Tensor | None, name: torch.Tensor,
              order: torch.Tensor, alone: bool) -> None:
     """A compiled norm call: input ``x``, output ``y`` (detached), ``alone``: ``x`` was its
-    only tensor input. ``row`` names the layer; ``order`` is its device's ticket."""
-    owner = _OWNERS.get(row.data_ptr())
+    only tensor input. ``name`` names the layer; ``order`` is its device's ticket."""
+    owner = _OWNERS.get(name.data_ptr())
     if owner is not None:  # none: the watch closed while compiled code still calls
         owner.compiled_call(x, y, alone)
 
 
-def _observe_grad(g: torch.Tensor, row: torch.Tensor, at: str, x: torch.Tensor | None,
+def _observe_grad(g: torch.Tensor, name: torch.Tensor, at: str, x: torch.Tensor | None,
                   weight: torch.Tensor | None) -> None:
     """A gradient of a compiled call at site ``at``; given the norm's input ``x`` (and
     ``weight``), ``g`` is its output's gradient and the gradient through the norm is
-    measured from it too. ``row`` names the layer. It says it writes ``g`` (it does
+    measured from it too. ``name`` names the layer. It says it writes ``g`` (it does
     not): what comes after in the backward then waits for it."""
-    owner = _OWNERS.get(row.data_ptr())
+    owner = _OWNERS.get(name.data_ptr())
     if owner is not None:
         owner.compiled_grad(at, g, x, weight)
 
@@ -114,6 +114,6 @@ for _name, _body in (("observe", _observe), ("observe_grad", _observe_grad)):
     torch.library.register_fake(f"{NAMESPACE}::{_name}", _nothing, lib=_LIBRARY)
 
 observe = getattr(torch.ops, NAMESPACE).observe.default
-"""``observe(x, y, row, ticket, alone)``: see :func:`_observe`."""
+"""``observe(x, y, name, ticket, alone)``: see :func:`_observe`."""
 observe_grad = getattr(torch.ops, NAMESPACE).observe_grad.default
-"""``observe_grad(g, row, at, x, weight)``: see :func:`_observe_grad`."""
+"""``observe_grad(g, name, at, x, weight)``: see :func:`_observe_grad`."""

@@ -57,7 +57,7 @@ class Runtime:
     paused: bool = False
     forward_order: dict[str, int] = field(default_factory=dict)
     gradients: bool = True
-    """Whether gradients through the norms are measured (fixed: compiled graphs tap the
+    """Whether gradients through the norms are measured (fixed: compiled graphs hook the
     outputs for it)."""
     recomputing: bool = False
     """A training call without grad was counted as one to be recomputed in the backward
@@ -132,8 +132,8 @@ class Recorder:
         self.grads: GradHooks | None = None
         """The layer's gradient hooks (``None``: gradients are not measured)."""
         self.state: torch.Tensor | None = None
-        """This layer's accumulator row on its home device: what names the layer to the
-        operators compiled calls make (:mod:`~normwatch.measure.layer.compiled`)."""
+        """What names this layer, on its home device, to the operators compiled calls
+        make (:meth:`~normwatch.measure.layer.compiled.CompiledPath.place`)."""
         buffers = runtime.accumulator
         self.rows = LayerRows.of(layer, row, buffers.buffers.take, buffers.grad_buffers.take)
         """What the backends read this layer's calls and gradients with."""
@@ -176,7 +176,7 @@ class Recorder:
         """Record one counted call: input ``x`` (floating, not meta), output ``y`` (or
         ``None``); ``alone``: ``x`` was its only tensor input (an output check reads the
         formula of ``x`` alone); ``grads_alone``: its gradients may be computed from
-        ``x`` alone (``None``: compiled code, whose gradients its taps measure, and which
+        ``x`` alone (``None``: compiled code, whose gradients its own hooks measure, and which
         notes its dtypes at every call)."""
         rt, c = self.rt, self.counts
         n_tokens = 0

@@ -486,9 +486,11 @@ def test_a_model_first_compiled_on_a_sentinel_step_measures_no_gradient_there() 
 
 def test_a_watched_models_graphs_are_cached_as_an_unwatched_models_are(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Inductor's FX graph cache stores the watched graphs and the next compile loads
-    them (an effectful operator made it pass them by: every process compiled a watched
-    model anew, 2.2x the unwatched one's time with warm caches)."""
+    """Inductor's FX graph cache and the AOT autograd cache store the watched graphs and
+    the next compile loads them (an effectful operator made the first pass them by, a
+    custom ``autograd.Function`` tapping each output the second: every process compiled
+    a watched model anew, 2.2x the unwatched one's time with warm caches, then 1.5x)."""
+    from torch._functorch import config as aot
     from torch._inductor import config
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
@@ -499,12 +501,15 @@ def test_a_watched_models_graphs_are_cached_as_an_unwatched_models_are(
     for attempt in range(2):
         torch.compiler.reset()
         counters.clear()
-        with config.patch(fx_graph_cache=True):
+        with config.patch(fx_graph_cache=True), aot.patch(enable_autograd_cache=True):
             lm_loss(torch.compile(model, fullgraph=True)(tokens), tokens).backward()
         w.step()
-        found = counters["inductor"]
+        found, joint = counters["inductor"], counters["aot_autograd"]
         assert not found["fxgraph_cache_bypass"], dict(found)
         assert found["fxgraph_cache_hit" if attempt else "fxgraph_cache_miss"] == 2, dict(found)
+        assert not joint["autograd_cache_bypass"], dict(joint)
+        assert joint["autograd_cache_hit" if attempt else "autograd_cache_miss"] == 1, \
+            dict(joint)
     snap = w.flush()
     assert snap.layers["blocks.0.norm1"].calls == 2 and snap.layers["blocks.0.norm1"].grad_out_rms
     w.close()
