@@ -27,6 +27,7 @@ without CUDA graphs.
 
 from __future__ import annotations
 
+import sys
 from typing import Protocol
 from weakref import WeakValueDictionary
 
@@ -73,23 +74,15 @@ def disown(name: torch.Tensor, owner: Owner) -> None:
 NAMESPACE = "normwatch::"[:-2]
 """The operators' namespace (written with its ``::``, the way a benchmark renames it to
 load another commit's normwatch beside this one: ``tests/benchmarks/compare.py``)."""
-_LIBRARY = torch.library.Library(NAMESPACE, "DEF")  # type: ignore[no-untyped-call]
-# Defined with the dispatcher's own API, not torch.library.custom_op, whose Python
-# wrappers (autograd, in-place bookkeeping, defaults) cost more than the body they
-# called: 6.3 of 9.6 ms a step for 27 calls, profiled, in a compiled CPU step
-_LIBRARY.define(  # type: ignore[no-untyped-call]
-    "observe(Tensor x, Tensor? y, Tensor name, Tensor(a!) order, bool alone) -> ()",
-    tags=(torch.Tag.cudagraph_unsafe,))
-_LIBRARY.define(  # type: ignore[no-untyped-call]
-    "observe_grad(Tensor(a!) g, Tensor name, str at, Tensor? x, Tensor? weight) -> ()",
-    tags=(torch.Tag.cudagraph_unsafe,))
 
 
 def _observe(x: torch.Tensor, y: torch.Tensor | None, name: torch.Tensor,
              order: torch.Tensor, alone: bool) -> None:
     """A compiled norm call: input ``x``, output ``y`` (detached), ``alone``: ``x`` was its
-    only tensor input. ``name`` names the layer; ``order`` is its device's ticket."""
-    owner = _OWNERS.get(name.data_ptr())
+    only tensor input. ``name`` names the layer; ``order`` is its device's ticket. The
+    owners are this module's as imported last (imported again, it defines nothing again:
+    the operators' bodies, the first import's, find its owners by its name)."""
+    owner = getattr(sys.modules.get(__name__), "_OWNERS", _OWNERS).get(name.data_ptr())
     if owner is not None:  # none: the watch closed while compiled code still calls
         owner.compiled_call(x, y, alone)
 
@@ -100,7 +93,7 @@ def _observe_grad(g: torch.Tensor, name: torch.Tensor, at: str, x: torch.Tensor 
     ``weight``), ``g`` is its output's gradient and the gradient through the norm is
     measured from it too. ``name`` names the layer. It says it writes ``g`` (it does
     not): what comes after in the backward then waits for it."""
-    owner = _OWNERS.get(name.data_ptr())
+    owner = getattr(sys.modules.get(__name__), "_OWNERS", _OWNERS).get(name.data_ptr())
     if owner is not None:
         owner.compiled_grad(at, g, x, weight)
 
@@ -109,9 +102,20 @@ def _nothing(*args: object) -> None:
     return None
 
 
-for _name, _body in (("observe", _observe), ("observe_grad", _observe_grad)):
-    _LIBRARY.impl(_name, _body, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
-    torch.library.register_fake(f"{NAMESPACE}::{_name}", _nothing, lib=_LIBRARY)
+if not hasattr(getattr(torch.ops, NAMESPACE), "observe"):  # (once a process)
+    # Defined with the dispatcher's own API, not torch.library.custom_op, whose Python
+    # wrappers (autograd, in-place bookkeeping, defaults) cost more than the body they
+    # called: 6.3 of 9.6 ms a step for 27 calls, profiled, in a compiled CPU step
+    _LIBRARY = torch.library.Library(NAMESPACE, "DEF")  # type: ignore[no-untyped-call]
+    _LIBRARY.define(  # type: ignore[no-untyped-call]
+        "observe(Tensor x, Tensor? y, Tensor name, Tensor(a!) order, bool alone) -> ()",
+        tags=(torch.Tag.cudagraph_unsafe,))
+    _LIBRARY.define(  # type: ignore[no-untyped-call]
+        "observe_grad(Tensor(a!) g, Tensor name, str at, Tensor? x, Tensor? weight) -> ()",
+        tags=(torch.Tag.cudagraph_unsafe,))
+    for _name, _body in (("observe", _observe), ("observe_grad", _observe_grad)):
+        _LIBRARY.impl(_name, _body, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+        torch.library.register_fake(f"{NAMESPACE}::{_name}", _nothing, lib=_LIBRARY)
 
 observe = getattr(torch.ops, NAMESPACE).observe.default
 """``observe(x, y, name, ticket, alone)``: see :func:`_observe`."""

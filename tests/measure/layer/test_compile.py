@@ -560,3 +560,31 @@ def test_a_watched_norms_compiled_code_checks_few_guards_and_none_across_layers(
     assert not across, across[:3]
     norms = 2 * depth + 1
     assert (len(watched) - len(plain)) / norms <= 60, (len(watched), len(plain))
+
+
+def test_normwatch_imported_again_in_a_process_still_measures_compiled_calls() -> None:
+    """The operators are defined once a process; imported again (its modules dropped from
+    ``sys.modules``, as a test runner or a notebook's reload does), normwatch finds them
+    defined, and their bodies find the new watch's layers."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "import normwatch.measure.layer.operators\n"
+        "for m in [m for m in sys.modules if m.startswith('normwatch')]:\n"
+        "    del sys.modules[m]\n"
+        "import normwatch\n"
+        "from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch\n"
+        "model = TinyLM(dim=16, depth=1, norm='rmsnorm')\n"
+        "w = normwatch.watch(model, report_dir=None, stats_every=1)\n"
+        "tokens = synthetic_batch(torch.Generator().manual_seed(0), batch=2, seq=8)\n"
+        "run = torch.compile(model, fullgraph=True, backend='aot_eager')\n"
+        "lm_loss(run(tokens), tokens).backward()\n"
+        "w.step()\n"
+        "layer = w.flush().layers['blocks.0.norm1']\n"
+        "print(layer.calls, layer.grad_out_rms is not None and layer.grad_out_rms > 0)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=False, timeout=300)
+    assert result.stdout.split()[-2:] == ["1", "True"], result.stderr[-2000:]
