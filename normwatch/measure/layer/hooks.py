@@ -83,9 +83,9 @@ class LayerHook:
         return self.recorder.grads
 
     def home(self, device: torch.device) -> None:
-        """Place this layer's row on ``device`` (outside any graph): compiled calls name
-        the layer by it."""
-        self.rt.accumulator.row_state(device, self.row)  # its block, made ahead of the calls
+        """Place this layer on ``device`` (outside any graph): its accumulator's block, and
+        the tensor compiled calls name the layer by."""
+        self.rt.accumulator.place(device)
         self.recorder.state = self.compiled.place(device)
 
     def remove(self) -> None:

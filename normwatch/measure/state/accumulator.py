@@ -220,11 +220,10 @@ class Accumulator:
             self._cuda = self._cuda or device.type == "cuda"
         return block
 
-    def row_state(self, device: torch.device, row: int) -> torch.Tensor:
-        """Layer ``row``'s state on ``device``: a view of the device block (made ahead of
-        the first call so that traced code only reads it: compiled calls name their layer
-        by it)."""
-        return self._block(device)[row]
+    def place(self, device: torch.device) -> None:
+        """Make ``device``'s block ahead of the calls it will hold (outside any graph: a
+        compiled call's fold then allocates no state)."""
+        self._block(device)
 
     def update_check(self, row: int, error: torch.Tensor, eps: torch.Tensor) -> None:
         """Fold an output check (0-d tensors: the mismatch and the precision the output
