@@ -276,6 +276,9 @@ def _number(
 
 
 ENV_PREFIX = "NORMWATCH_"
+SETTINGS = ("RUN", "CACHE", "NATIVE", "LANE")
+"""``NORMWATCH_<NAME>`` variables that set the process up, not options: the mark of
+``normwatch run``'s children, the native build's cache and its two switches."""
 
 
 def options_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -286,7 +289,7 @@ def options_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]
     defaults = option_defaults()
     options: dict[str, Any] = {}
     for key, text in environ.items():
-        if not key.startswith(ENV_PREFIX) or key in (f"{ENV_PREFIX}RUN",):
+        if not key.startswith(ENV_PREFIX) or key[len(ENV_PREFIX):] in SETTINGS:
             continue
         name = key[len(ENV_PREFIX):].lower()
         if name not in defaults:

@@ -133,7 +133,10 @@ def test_a_script_that_dies_leaves_a_post_mortem(tmp_path: Path) -> None:
 def test_options_come_from_flags_or_the_environment(tmp_path: Path) -> None:
     assert options_from_env({"NORMWATCH_FLUSH_EVERY": "5", "NORMWATCH_REPORT_DIR": "none",
                               "NORMWATCH_INCLUDE": "a.*,b.*", "NORMWATCH_COUNT_EVAL": "1",
-                              "NORMWATCH_FP16_LIMIT": "64", "OTHER": "x"}) == {
+                              "NORMWATCH_FP16_LIMIT": "64", "OTHER": "x",
+                              # settings of the process, documented beside the options
+                              "NORMWATCH_CACHE": "/tmp/nw", "NORMWATCH_NATIVE": "0",
+                              "NORMWATCH_LANE": "0", "NORMWATCH_RUN": "1"}) == {
         "flush_every": 5, "report_dir": None, "include": ("a.*", "b.*"),
         "count_eval": True, "fp16_limit": 64.0}
     tol = options_from_env({"NORMWATCH_OUTPUT_TOL": "0.02"})  # a limit whose default is None
