@@ -92,18 +92,15 @@ class NativePack:
         return None if lib is None else cls(lib, samples, scales)
 
     def store(self, values: list[torch.Tensor] | None = None, unchanged: bool = False) -> None:
-        """Read the parameters' samples into :attr:`kept` (nothing measured), unless
-        ``unchanged``: it holds the values the last :meth:`measure` read, and nothing wrote
-        them since. (``values``: the samples', which it reads itself.)"""
+        """:meth:`~normwatch.measure.state.backend.Sample.store` into :attr:`kept`, the
+        parameters read by the C call itself (``values`` unused)."""
         if not unchanged:
             self._call(None, 0, None)
 
     def measure(self, after: list[torch.Tensor] | None, grads: list[torch.Tensor] | None,
                 size: bool) -> torch.Tensor:
-        """``[|g|², |Δp|², |p|²]`` (float64, estimated from the samples): the change since
-        :attr:`kept`, ``|p|²`` only with ``size`` (else 0), ``|g|²`` from ``grads`` (laid
-        out like the parameters; ``None``: 0); then keep the values read. (``after``: the
-        samples' values, which it reads itself.)"""
+        """:meth:`~normwatch.measure.state.backend.Sample.measure` against :attr:`kept`,
+        then keep the values read (``after`` unused: the C call reads them)."""
         row = torch.empty(3, dtype=torch.float64)
         self._call(grads, MEASURE | (SIZE if size else 0), row)
         return row
