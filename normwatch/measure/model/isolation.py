@@ -32,18 +32,29 @@ _MODULE_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks
                  "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
                  "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
 
+_depth = 0
+
+
+def internal() -> bool:
+    """Whether an :func:`isolated` block is running (global hooks of normwatch's own
+    check this too, for hooks registered inside the block)."""
+    return _depth > 0
+
 
 @contextmanager
 def isolated(device: torch.device | None = None) -> Iterator[None]:
     """Run normwatch's own module calls: no global hooks, no grad, RNG state restored."""
+    global _depth
     saved = {name: getattr(module_globals, name) for name in _GLOBAL_HOOKS}
     cuda = [device.index or 0] if device is not None and device.type == "cuda" else []
+    _depth += 1
     try:
         for name, hooks in saved.items():
             setattr(module_globals, name, type(hooks)())
         with torch.random.fork_rng(devices=cuda), torch.no_grad():
             yield
     finally:
+        _depth -= 1
         for name, hooks in saved.items():
             setattr(module_globals, name, hooks)
 
