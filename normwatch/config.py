@@ -289,9 +289,10 @@ def options_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]
     defaults = option_defaults()
     options: dict[str, Any] = {}
     for key, text in environ.items():
-        if not key.startswith(ENV_PREFIX) or key[len(ENV_PREFIX):] in SETTINGS:
+        suffix = key[len(ENV_PREFIX):]
+        if not key.startswith(ENV_PREFIX) or suffix in SETTINGS:
             continue
-        name = key[len(ENV_PREFIX):].lower()
+        name = suffix.lower()
         if name not in defaults:
             raise ConfigError(f"environment variable {key!r} names no option; known: "
                               + ", ".join(f"{ENV_PREFIX}{n.upper()}" for n in defaults))

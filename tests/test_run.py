@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from normwatch.config import WatchConfig, options_from_env
+from normwatch.config import SETTINGS, WatchConfig, option_defaults, options_from_env
 from normwatch.errors import ConfigError
 
 SCRIPT = Path(sys.executable).parent / "normwatch"
@@ -128,6 +128,17 @@ def test_a_script_that_dies_leaves_a_post_mortem(tmp_path: Path) -> None:
     assert result.returncode == 1 and "RuntimeError: crashed" in result.stderr
     found = reports(tmp_path)
     assert [r["trigger"] for r in found] == ["exception"]
+
+
+def test_every_normwatch_variable_the_code_reads_is_a_setting_or_an_option() -> None:
+    # a variable read somewhere but not named in config.SETTINGS would make `normwatch
+    # run` refuse the environment that sets it ('names no option')
+    root = Path(__file__).parent.parent
+    read = {m for p in (*root.glob("normwatch/**/*.py"), *root.glob("integrations/**/*.py"))
+            for m in re.findall(r'"NORMWATCH_([A-Z_]+)"', p.read_text())}
+    assert {"RUN", "CACHE", "NATIVE", "LANE"} <= read  # the scan finds what it should
+    options = {name.upper() for name in option_defaults()}
+    assert read <= set(SETTINGS) | options, read - set(SETTINGS) - options
 
 
 def test_options_come_from_flags_or_the_environment(tmp_path: Path) -> None:
