@@ -94,3 +94,19 @@ def test_the_gpu_benchmark_runs_on_a_cpu() -> None:
         assert f"| {mode} |" in text
     assert "| compiled | " in text and "(reduce-overhead)" not in text  # CPU: no CUDA graphs
     assert text.count("(CUDA only: skipped)") == 4 and "| added per norm call" in text
+
+
+def test_the_cuda_paths_host_benchmark_runs() -> None:
+    """``host.py``: the launch lane's sentinel forward runs one Python frame of
+    normwatch's a norm call (its launch's), the Python hook's some twenty."""
+    from normwatch.measure.backends.native import lane as fastlane
+    from normwatch.measure.backends.triton_kernel import usable
+    from tests.benchmarks import host
+
+    if fastlane.module() is None or not usable():
+        pytest.skip("no C++ lane or no Triton here")
+    text = host.main(["--rounds", "1"])
+    rows = {line.split(" | ")[1]: line.split(" | ")[2:] for line in text.splitlines()
+            if line.startswith("| sentinel only |")}
+    lane_forward, python_forward = (float(rows[k][0]) for k in ("launch lane", "Python hook"))
+    assert lane_forward < 25 * 2 and python_forward > 25 * 15, rows

@@ -4,8 +4,11 @@ path fails here; ``docs/performance.md`` has the table (``tests/benchmarks/opcou
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+from torch import nn
 
 from normwatch.measure.backends.native.build import library, threaded
 from normwatch.measure.backends.triton_kernel import usable
@@ -187,3 +190,43 @@ def test_a_compiled_operator_call_is_its_body_and_no_python_around_it() -> None:
             sys.setprofile(None)
         # the lambda, the operator's __call__, the body and the owners' lookup
         assert frames[2] == f"_{name}" and len(frames) <= 4, (name, frames)
+
+
+@pytest.mark.skipif(not usable(), reason="Triton cannot run here")
+def test_the_cuda_paths_sentinel_call_runs_no_python_of_normwatch_but_the_launch() -> None:
+    """#48: where the fused kernel serves a layer (CUDA; here Triton's interpreter), the
+    C++ lane records a sentinel call, and normwatch's only Python left is the launch's
+    (``lane_launch``, ``launch``): before, the hook, the recorder, the backend's choice,
+    the lender and the staging ran some 20 frames a call."""
+    import os
+    import sys
+
+    import normwatch
+    from normwatch.measure.backends.native import lane
+
+    if lane.module() is None:
+        pytest.skip("no C++ lane here (no C++ compiler, torch headers or C library)")
+    home = os.path.dirname(normwatch.__file__)
+    model = nn.Sequential(nn.Linear(64, 64), nn.RMSNorm(64), nn.RMSNorm(64))
+    x = torch.randn(8, 64, requires_grad=True)
+    with opcount.watched(model, kernel="triton") as hook:
+        hook.rt.update(full_stats=False, check_outputs=False)
+        model(x)  # the interval's first calls (their dtypes noted), the lender filled
+        hook.rt.accumulator.buffers.give_back()
+        frames: list[str] = []
+
+        def profile(frame: Any, event: str, arg: object) -> None:
+            if event == "call" and frame.f_code.co_filename.startswith(home) and \
+                    not frame.f_code.co_name.endswith("_kernel"):  # (the interpreter's run)
+                frames.append(frame.f_code.co_name)
+
+        sys.setprofile(profile)
+        try:
+            model(x)
+        finally:
+            sys.setprofile(None)
+        norms = [hook.rt.accumulator._staged[-k].row for k in (1, 2)]
+    # the model's own hooks (the step's bookkeeping around its forward), then per norm
+    assert frames == ["_forward_begins", "forward", "mark", "lane_launch", "launch",
+                      "lane_launch", "launch", "_forward_ends"], frames
+    assert sorted(norms) == [0, 1]

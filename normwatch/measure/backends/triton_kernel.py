@@ -36,6 +36,7 @@ from normwatch.measure.backends.triton_folds import (
     fold_grads_fused,
 )
 from normwatch.measure.backends.triton_optimizer import TritonPack, check_step
+from normwatch.measure.state import buffers
 from normwatch.measure.state.backend import Sample
 from normwatch.measure.state.fold import FoldPlan
 from normwatch.measure.state.grad_fold import GradPlan
@@ -251,6 +252,26 @@ class TritonBackend(TorchBackend):
             out_tokens.numel() else None
         return CallRows(layer.row, key, tokens.shape[1], layer.eps, v, tokens.shape[0], same,
                         full, layer.centred, spare)
+
+    @staticmethod
+    def lane_plan(x: torch.Tensor, y: torch.Tensor, full: bool
+                  ) -> tuple[tuple[int, int], object, torch.device] | None:
+        """A launch lane's plan of a call's layout (:mod:`~normwatch.measure.backends.
+        native.lane`: asked once per layout and tier): its rows' shape and where the
+        lender keeps them (``None``: not a floating call, or a device the kernel does
+        not run on: a model moved off CUDA)."""
+        if not (x.is_floating_point() and y.is_floating_point() and x.device == y.device
+                and (x.is_cuda or interpreted())):
+            return None
+        shape = (row_count(True, full), x.numel() // x.shape[-1])
+        return shape, buffers.key(shape, x.device), x.device
+
+    @staticmethod
+    def lane_launch(x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, n: int, width: int,
+                    full: bool, centred: bool) -> None:
+        """A launch lane's read of a call planned by :meth:`lane_plan` (contiguous
+        tokens of ``width``, lined up) into ``rows``, as :meth:`call_rows`' common case."""
+        launch(x, y, rows, n, width, (width, 1, width, 1), True, full, centred)
 
     def grad_rows(self, layer: LayerRows, site: int, g: torch.Tensor,
                   part: torch.Tensor | None

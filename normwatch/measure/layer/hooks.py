@@ -24,6 +24,7 @@ from torch.utils.hooks import RemovableHandle
 
 from normwatch.measure.backends.native import lane as native_lane
 from normwatch.measure.backends.native.backend import through_reader
+from normwatch.measure.backends.triton_kernel import TritonBackend
 from normwatch.measure.layer.calls import input_of, other_tensor, output_of
 from normwatch.measure.layer.compiled import CompiledPath
 from normwatch.measure.layer.gradients import GradHooks, through_formula
@@ -47,10 +48,15 @@ class LayerHook:
         if home is not None and home.type != "meta":  # meta: placed at its first real call
             self.home(home)
         native = runtime.backend(torch.device("cpu")).name == "native"
-        self._lane_state = native_lane.state(runtime, self.recorder, row, layer.token_size)\
-            if native and home is not None and home.type == "cpu" else None
-        """The C++ lane's state (``None``: every call is this object's; a layer not on the
-        CPU builds nothing): see :mod:`~normwatch.measure.backends.native.lane`."""
+        served = None if home is None or home.type == "meta" else runtime.backend(home)
+        launcher = served if isinstance(served, TritonBackend) else None
+        self._lane_state = native_lane.state(runtime, self.recorder, row, layer.token_size,
+                                             launcher) \
+            if (native and home is not None and home.type == "cpu") or launcher else None
+        """The C++ lane's state (``None``: every call is this object's): see
+        :mod:`~normwatch.measure.backends.native.lane`; on the CPU the native backend's
+        reader's, where Triton serves the layer (CUDA) the kernel's launch."""
+        self._native_lane = self._lane_state is not None and launcher is None
         self.handle: RemovableHandle | None = module.register_forward_hook(
             native_lane.hook_for(self, self._lane_state), with_kwargs=True)
         if runtime.gradients:
@@ -66,7 +72,7 @@ class LayerHook:
         # the formula is the module's where its weight is `weight`, or it has none
         computable = native and through is not None and (
             isinstance(weight, torch.Tensor) or next(module.parameters(), None) is None)
-        lane = None if self._lane_state is None or layer.token_size is None else partial(
+        lane = None if not self._native_lane or layer.token_size is None else partial(
             native_lane.grad_lane, runtime=rt, lender=rt.accumulator.grad_buffers,
             row=self.row, width=layer.token_size, eps=rows.eps,
             through_plan=through_reader(rows).plan if computable else None)

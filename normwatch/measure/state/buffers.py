@@ -17,7 +17,7 @@ def allocated(shape: tuple[int, ...], device: torch.device | None = None) -> tor
     return torch.empty(shape, dtype=torch.float32, device=device)
 
 
-def _key(shape: tuple[int, ...], device: torch.device | None) -> object:
+def key(shape: tuple[int, ...], device: torch.device | None) -> object:
     """Where free buffers of ``shape`` on ``device`` wait: the CPU's by shape alone (as the
     C++ lanes look them up), another device's by ``(device, shape)``."""
     return shape if device is None or device.type == "cpu" else (device, shape)
@@ -50,7 +50,7 @@ class RowBuffers:
         """A buffer of ``shape`` (on ``device``; default the CPU), to hold until the next
         :meth:`give_back` (the C++ lanes lend as this does on the CPU:
         :mod:`~normwatch.measure.backends.native.contract`)."""
-        free = self._free.get(_key(shape, device))
+        free = self._free.get(key(shape, device))
         rows = free.pop() if free else allocated(shape, device)
         self._lent.append(rows)
         return rows
@@ -66,11 +66,11 @@ class RowBuffers:
             return
         free: dict[object, list[torch.Tensor]] = {}
         for rows in self._lent:
-            free.setdefault(_key(tuple(rows.shape), rows.device), []).append(rows)
+            free.setdefault(key(tuple(rows.shape), rows.device), []).append(rows)
         idle: dict[int, int] = {}
-        for key, left in self._free.items():
+        for where, left in self._free.items():
             kept = [rows for rows in left if self._idle.get(id(rows), 0) < KEEP_IDLE]
             if kept:
-                free.setdefault(key, []).extend(kept)
+                free.setdefault(where, []).extend(kept)
                 idle.update((id(rows), self._idle.get(id(rows), 0) + 1) for rows in kept)
         self._free, self._lent, self._idle = free, [], idle

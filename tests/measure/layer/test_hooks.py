@@ -17,6 +17,7 @@ from normwatch.demos.toymodel import TinyLM, synthetic_batch
 from normwatch.measure.backends import choose
 from normwatch.measure.backends.native import lane as fastlane
 from normwatch.measure.backends.native.backend import NativeBackend
+from normwatch.measure.backends.triton_kernel import usable as triton_usable
 from normwatch.measure.layer.hooks import LayerHook
 from normwatch.measure.layer.recorder import Recorder, Runtime
 from normwatch.measure.model.discovery import describe
@@ -202,14 +203,14 @@ FLUSHED = (5, 8, 15)
 its first calls are the lane's)."""
 
 
-def _lane_run(monkeypatch: pytest.MonkeyPatch, cpp: bool = False
+def _lane_run(monkeypatch: pytest.MonkeyPatch, cpp: bool = False, kernel: str = "auto"
               ) -> tuple[list[object], tuple[int, int, int]]:
     """Each interval's raw rows, host counts and snapshot of one loop (token counts that
     change from step to step, eval and no-grad forwards between steps, two backward
     passes in one step, a NaN in one step, autocast over one interval and from a full-tier
     step inside another), and how many calls the Python recorder recorded: of each tier
     past each layer's interval's first, and first calls (``cpp``: the C++ lane takes what
-    it covers first)."""
+    it covers first; ``kernel``: the watch's)."""
     taken = [0, 0, 0]  # sentinel-tier calls, full-tier calls, the intervals' first
     real = Recorder.record
     state = fastlane.state
@@ -224,7 +225,7 @@ def _lane_run(monkeypatch: pytest.MonkeyPatch, cpp: bool = False
     model = _Lanes()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     w = normwatch.watch(model, opt, stats_every=4, flush_every=100, output_check_every=2,
-                        report_dir=None)
+                        report_dir=None, kernel=kernel)
     assert len(w._measure._hooks) == 5
     gen = torch.Generator().manual_seed(1)
     out: list[object] = []
@@ -259,7 +260,10 @@ def _same(a: float, b: float) -> bool:
     return a == b or (a != a and b != b)
 
 
-def test_the_lane_measures_as_the_general_path(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("kernel", ["auto", pytest.param("triton", marks=pytest.mark.skipif(
+    not triton_usable(), reason="Triton cannot run here"))])
+def test_the_lane_measures_as_the_general_path(monkeypatch: pytest.MonkeyPatch,
+                                               kernel: str) -> None:
     """The common CPU training call, of either tier (the full tier's gradients hooked and
     dtypes noted there), is recorded by the C++ lane with no Python frame; every column
     of every layer (the gradients' included), its host counts and the snapshot, interval
@@ -267,12 +271,14 @@ def test_the_lane_measures_as_the_general_path(monkeypatch: pytest.MonkeyPatch) 
     dtypes noted: autocast in an interval of sentinel steps), the output check (a gated
     call first), eval and no-grad calls, the reentrant checkpoint's recompute inside
     backward and a NaN all left as they were. The lane takes calls of both tiers and
-    intervals' first calls from the recorder."""
+    intervals' first calls from the recorder. So does the launch lane of the Triton
+    backend (CUDA's; here in Triton's interpreter), whose full tier's gradients Python
+    hooks."""
     if fastlane.module() is None:
         pytest.skip("no C++ lane here")
-    general, recorded = _lane_run(monkeypatch)
+    general, recorded = _lane_run(monkeypatch, kernel=kernel)
     assert recorded[0] > 20 and recorded[1] > 5 and recorded[2] > 2
-    cpp, left = _lane_run(monkeypatch, cpp=True)
+    cpp, left = _lane_run(monkeypatch, cpp=True, kernel=kernel)
     taken = [a - b for a, b in zip(recorded, left, strict=True)]
     assert taken[0] > 20 and taken[1] > 5 and taken[2] > 2, (recorded, left)
     _same_intervals(cpp, general)

@@ -91,14 +91,21 @@ bool readable(const at::Tensor &t) {
            !t.key_set().has_any(WRAPPERS);
 }
 
+bool launchable(const at::Tensor &x, const at::Tensor &y) {
+    for (const at::Tensor *t : {&x, &y})
+        if (t->layout() != at::kStrided || !t->is_contiguous() || t->key_set().has_any(WRAPPERS))
+            return false;
+    return x.device() == y.device();
+}
+
 bool plain(const at::Tensor &t) {
     return t.defined() && readable(t) && !t.key_set().has(c10::DispatchKey::Python);
 }
 
-PyObject *lend(PyObject *lender, PyObject *shape) {
+PyObject *lend(PyObject *lender, PyObject *shape, PyObject *key, PyObject *device) {
     Owned free(PyObject_GetAttr(lender, names.free));
-    PyObject *kept = free.p == nullptr || !PyDict_Check(free.p)
-                         ? nullptr : PyDict_GetItemWithError(free.p, shape);  // (borrowed)
+    PyObject *kept = free.p == nullptr || !PyDict_Check(free.p) ? nullptr
+                     : PyDict_GetItemWithError(free.p, key ? key : shape);  // (borrowed)
     if (PyErr_Occurred()) return nullptr;
     if (kept != nullptr && PyList_Check(kept) && PyList_GET_SIZE(kept) > 0) {
         Py_ssize_t n = PyList_GET_SIZE(kept);
@@ -113,7 +120,8 @@ PyObject *lend(PyObject *lender, PyObject *shape) {
         }
         return rows;
     }
-    PyObject *rows = PyObject_CallMethodOneArg(lender, names.take, shape);  // none free
+    PyObject *take[3] = {lender, shape, device};  // none free
+    PyObject *rows = PyObject_VectorcallMethod(names.take, take, device ? 3 : 2, nullptr);
     if (rows != nullptr && !THPVariable_Check(rows)) {
         Py_DECREF(rows);
         PyErr_SetString(PyExc_TypeError, "lane: the lender gave no tensor");

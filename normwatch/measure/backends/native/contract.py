@@ -23,6 +23,10 @@ What the lanes run, and where the Python they stand for is:
   :meth:`GradHooks.watch_call <normwatch.measure.layer.gradients.GradHooks.watch_call>`
   does, and calls the recorder's ``record_dtypes`` where the dtypes changed. Every other
   call goes to the layer's Python hook.
+  A *launch lane* (a layer the Triton backend serves: CUDA, or Triton's interpreter)
+  records the same calls the same way, planning with the backend's ``lane_plan`` and
+  reading with its ``lane_launch`` (one launch into the lent buffer, on the lender's
+  device key), and hands every full-tier call's rest to ``_tail``.
 - **The gradient hooks** (``grads.cpp``, one capsule per layer's
   :class:`~normwatch.measure.layer.gradients.GradHooks`): a gradient of the plain case is
   read by the C reader its site's plan names and staged as ``GradHooks._measure`` stages

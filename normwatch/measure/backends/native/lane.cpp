@@ -8,7 +8,9 @@
 // same lender, the same CallRows staged, the same counts; in the full tier, with the
 // layer's moments; then on the interval's first call and a full-tier call that is not the
 // common case the layer's _tail (Recorder.after); the common full-tier call's rest here
-// (full_tail). Any other call, every call while Dynamo traces (a Python stand-in) and
+// (full_tail). A launch lane (a layer the Triton backend serves: on CUDA, or in Triton's
+// interpreter) reads the call by the backend's launcher instead, a buffer from the same
+// lender: the same CallRows, with no Python frame but the launch's. Any other call, every call while Dynamo traces (a Python stand-in) and
 // every call where Dynamo compiles the frames run (see hook) goes to the Python hook. An
 // error here disables the layer as the Python hook's would (its _fail): training goes on.
 #include "lane.h"
@@ -34,13 +36,24 @@ PyObject *s_shape = nullptr;  // "shape": a tensor's, torch's name
 constexpr int PLAN_SIZE = 9;   // normwatch_rows_planned's plan (readers.row_plan's args)
 constexpr int ROWS_FIELDS = 10;  // CallRows' (contract.ROWS_FIELDS)
 
+// A launch lane's plan of the last layout met, per tier (its planner, the backend's
+// lane_plan, asked on a new one): the rows' shape, and where the lender keeps them
+struct Launch {
+    std::vector<int64_t> sizes;
+    at::ScalarType dx = at::ScalarType::Undefined, dy = at::ScalarType::Undefined;
+    c10::Device device{c10::kCPU};
+    bool known = false, planned = false;
+    PyObject *shape = nullptr, *key = nullptr, *where = nullptr;  // (owned)
+};
+
 // One layer's lane: what LayerHook hands over once (owned references), and per tier
-// (sentinel, full) its plan
+// (sentinel, full) its plan; `launcher` None but in a launch lane
 struct Lane {
     PyObject *runtime, *recorder, *counts, *lender, *planner, *call_type, *row, *eps,
-        *centred, *moments;
+        *centred, *moments, *launcher;
     int64_t width, key_stride;
     Plan tiers[2];
+    Launch launches[2];
     // The dtypes the recorder's record_dtypes last noted from here (full_tail): its
     // signature then (owned), and what that signature is made of
     PyObject *signature = nullptr;
@@ -53,9 +66,11 @@ void drop(PyObject *capsule) {
     if (lane == nullptr) return;
     for (PyObject *o : {lane->runtime, lane->recorder, lane->counts, lane->lender,
                         lane->planner, lane->call_type, lane->row, lane->eps, lane->centred,
-                        lane->moments, lane->tiers[0].shape, lane->tiers[1].shape,
-                        lane->signature})
+                        lane->moments, lane->launcher, lane->tiers[0].shape,
+                        lane->tiers[1].shape, lane->signature})
         Py_XDECREF(o);
+    for (Launch &l : lane->launches)
+        for (PyObject *o : {l.shape, l.key, l.where}) Py_XDECREF(o);
     delete lane;
 }
 
@@ -86,6 +101,49 @@ int planned(Lane *lane, bool full, PyObject *xo, PyObject *yo, const at::Tensor 
 int full_tail(Lane *lane, PyObject *module, PyObject *args, PyObject *kwargs, PyObject *xo,
               PyObject *yo, const at::Tensor &x, const at::Tensor &y);
 
+// A launch lane's read of a call of `tokens` tokens: a buffer from the lender, of the
+// tier's plan for x and y's layout, filled by the launcher (the backend's lane_launch:
+// one launch, on x's stream). The buffer (a new reference), Py_None where the planner
+// does not cover the layout (a new reference too), nullptr an error.
+PyObject *launch_rows(Lane *lane, bool full, PyObject *xo, PyObject *yo, const at::Tensor &x,
+                      const at::Tensor &y, int64_t tokens) {
+    Launch &tier = lane->launches[full];
+    if (!tier.known || tier.device != x.device() || tier.dx != x.scalar_type() ||
+        tier.dy != y.scalar_type() || !x.sizes().equals(tier.sizes)) {
+        tier.known = false;  // (until the new plan is read whole)
+        PyObject *ask[3] = {xo, yo, full ? Py_True : Py_False};
+        Owned got(PyObject_Vectorcall(lane->planner, ask, 3, nullptr));
+        if (got.p == nullptr) return nullptr;
+        PyObject *part[3] = {nullptr, nullptr, nullptr};
+        if (got.p != Py_None) {
+            if (!PyTuple_Check(got.p) || PyTuple_GET_SIZE(got.p) != 3) {
+                PyErr_SetString(PyExc_TypeError, "lane: a launch plan: (shape, key, device)");
+                return nullptr;
+            }
+            for (int i = 0; i < 3; i++) part[i] = Py_NewRef(PyTuple_GET_ITEM(got.p, i));
+        }
+        Py_XSETREF(tier.shape, part[0]);
+        Py_XSETREF(tier.key, part[1]);
+        Py_XSETREF(tier.where, part[2]);
+        tier.sizes.assign(x.sizes().begin(), x.sizes().end());
+        tier.dx = x.scalar_type();
+        tier.dy = y.scalar_type();
+        tier.device = x.device();
+        tier.planned = got.p != Py_None;
+        tier.known = true;
+    }
+    if (!tier.planned) return Py_NewRef(Py_None);
+    // held: the lender's Python may let another thread in, whose call may plan anew
+    Owned shape(Py_NewRef(tier.shape)), key(Py_NewRef(tier.key)), where(Py_NewRef(tier.where));
+    PyObject *buffer = lend(lane->lender, shape.p, key.p, where.p);
+    if (buffer == nullptr) return nullptr;
+    Owned n(PyLong_FromLongLong(tokens)), width(PyLong_FromLongLong(lane->width));
+    PyObject *run[7] = {xo, yo, buffer, n.p, width.p, full ? Py_True : Py_False, lane->centred};
+    Owned done(n.p && width.p ? PyObject_Vectorcall(lane->launcher, run, 7, nullptr) : nullptr);
+    if (done.p == nullptr) Py_CLEAR(buffer);
+    return buffer;
+}
+
 // The lane: 1 measured, 0 not taken (the Python hook measures it), -1 an error
 int measured(Lane *lane, PyObject *layer, PyObject *module, PyObject *args, PyObject *kwargs,
              PyObject *output) {
@@ -108,20 +166,32 @@ int measured(Lane *lane, PyObject *layer, PyObject *module, PyObject *args, PyOb
         return 0;
     const at::Tensor &x = THPVariable_Unpack(xo);
     const at::Tensor &y = THPVariable_Unpack(output);
-    if (x.dim() == 0 || x.size(-1) != lane->width || y.numel() == 0 || !readable(x) ||
-        !readable(y) || !x.sizes().equals(y.sizes()))
+    bool launch = lane->launcher != Py_None;
+    if (x.dim() == 0 || x.size(-1) != lane->width || y.numel() == 0 ||
+        !(launch ? launchable(x, y) : readable(x) && readable(y)) ||
+        !x.sizes().equals(y.sizes()))
         return 0;
-    int64_t plan[PLAN_SIZE];
-    PyObject *shape;
-    if ((t = planned(lane, full, xo, output, x, y, plan, &shape)) != 1) return t;
-    PyObject *buffer = lend(lane->lender, shape);
-    Py_DECREF(shape);
-    if (buffer == nullptr) return -1;
-    if (rows_planned(x.const_data_ptr(), y.const_data_ptr(),
-                     THPVariable_Unpack(buffer).mutable_data_ptr<float>(), plan) != 0) {
-        Py_DECREF(buffer);
-        PyErr_SetString(PyExc_RuntimeError, "lane: the C reader refused the call");
-        return -1;
+    int64_t tokens = x.numel() / lane->width;
+    PyObject *buffer;
+    if (launch) {
+        if ((buffer = launch_rows(lane, full, xo, output, x, y, tokens)) == nullptr) return -1;
+        if (buffer == Py_None) {
+            Py_DECREF(buffer);
+            return 0;
+        }
+    } else {
+        int64_t plan[PLAN_SIZE];
+        PyObject *shape;
+        if ((t = planned(lane, full, xo, output, x, y, plan, &shape)) != 1) return t;
+        buffer = lend(lane->lender, shape);
+        Py_DECREF(shape);
+        if (buffer == nullptr) return -1;
+        if (rows_planned(x.const_data_ptr(), y.const_data_ptr(),
+                         THPVariable_Unpack(buffer).mutable_data_ptr<float>(), plan) != 0) {
+            Py_DECREF(buffer);
+            PyErr_SetString(PyExc_RuntimeError, "lane: the C reader refused the call");
+            return -1;
+        }
     }
     int64_t step = integer(rt, names.step), at = step == -1 && PyErr_Occurred()
                                                      ? -1 : integer(rt, names.calls_this_step);
@@ -129,7 +199,6 @@ int measured(Lane *lane, PyObject *layer, PyObject *module, PyObject *args, PyOb
         Py_DECREF(buffer);
         return -1;
     }
-    int64_t tokens = x.numel() / lane->width;
     PyObject *key = PyFloat_FromDouble((double)(step * lane->key_stride + at));
     PyObject *width = PyLong_FromLongLong(lane->width), *count = PyLong_FromLongLong(tokens);
     auto *type = reinterpret_cast<PyTypeObject *>(lane->call_type);
@@ -230,6 +299,7 @@ PyObject *hook(PyObject *, PyObject *const *a, Py_ssize_t n) {
 // 1 done, 0 not that case (nothing done: the Python _tail does it), -1 an error.
 int full_tail(Lane *lane, PyObject *module, PyObject *args, PyObject *kwargs, PyObject *xo,
               PyObject *yo, const at::Tensor &x, const at::Tensor &y) {
+    if (lane->launcher != Py_None) return 0;  // (its gradient hooks are Python's)
     if (PyTuple_GET_SIZE(args) != 1 ||
         (kwargs != nullptr && kwargs != Py_None &&
          (!PyDict_Check(kwargs) || PyDict_GET_SIZE(kwargs) != 0)))
@@ -286,20 +356,21 @@ int full_tail(Lane *lane, PyObject *module, PyObject *args, PyObject *kwargs, Py
     return 1;
 }
 
-// lane(runtime, recorder, counts, lender, planner (readers.row_plan), CallRows, row, width,
-// eps, centred, key_stride, moments (the full tier's, readers.MOMENTS' name)): one
-// layer's lane, as a capsule for its LayerHook's lane state
+// lane(runtime, recorder, counts, lender, planner (readers.row_plan; a launch lane's: the
+// backend's lane_plan), CallRows, row, width, eps, centred, key_stride, moments (the full
+// tier's, readers.MOMENTS' name), launcher (None; a launch lane's: the backend's
+// lane_launch)): one layer's lane, as a capsule for its LayerHook's lane state
 PyObject *lane(PyObject *, PyObject *args) {
-    PyObject *o[10];
+    PyObject *o[11];
     long long width, key_stride;
-    if (!PyArg_ParseTuple(args, "OOOOOOOLOOLO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5],
-                          &o[6], &width, &o[7], &o[8], &key_stride, &o[9]))
+    if (!PyArg_ParseTuple(args, "OOOOOOOLOOLOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5],
+                          &o[6], &width, &o[7], &o[8], &key_stride, &o[9], &o[10]))
         return nullptr;
     if (!PyType_Check(o[5]) ||
         !PyType_IsSubtype(reinterpret_cast<PyTypeObject *>(o[5]), &PyTuple_Type))
         return PyErr_Format(PyExc_TypeError, "lane: call type: a tuple's subclass");
     auto *state = new Lane{o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[8], o[9],
-                           width, key_stride};
+                           o[10], width, key_stride};
     for (PyObject *p : o) Py_INCREF(p);
     PyObject *capsule = PyCapsule_New(state, "normwatch.lane", drop);
     if (capsule == nullptr) {  // (its references with it)

@@ -64,12 +64,17 @@ int take_plan(Plan &plan, PyObject *got, const at::Tensor &x, at::ScalarType dy)
 
 // What the C readers take: a contiguous strided CPU tensor, no vmap or grad wrapper
 bool readable(const at::Tensor &t);
-// ... and no tensor subclass (a DTensor's gradient is Python's)
+// What a launch lane's launcher takes: two contiguous strided tensors on one device, no
+// vmap or grad wrapper
+bool launchable(const at::Tensor &x, const at::Tensor &y);
+// ... (a C reader's) and no tensor subclass (a DTensor's gradient is Python's)
 bool plain(const at::Tensor &t);
 
-// A buffer of `shape` (a tuple) from `lender` (a RowBuffers), as its take lends it: a new
-// reference, or nullptr with an error
-PyObject *lend(PyObject *lender, PyObject *shape);
+// A buffer of `shape` (a tuple) from `lender` (a RowBuffers), as its take lends it (on
+// `device`, its free buffers under `key`: RowBuffers' for another device than the CPU): a
+// new reference, or nullptr with an error
+PyObject *lend(PyObject *lender, PyObject *shape, PyObject *key = nullptr,
+               PyObject *device = nullptr);
 
 // Stage `rows` (of `n` tokens) in `runtime`'s accumulator's queue `queue` (a role's
 // name), as Accumulator.stage and .stage_grad do: 0, or -1 with an error

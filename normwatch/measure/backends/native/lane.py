@@ -9,10 +9,13 @@ warm (the model's work leaves the interpreter's code and objects out of the cach
 sentinel call's C read took 23 µs at d=128 and its Python around it ~80. ``lane.cpp``
 records the common call as :meth:`Recorder.record
 <normwatch.measure.layer.recorder.Recorder.record>` does with the native backend and
-hands every other call to the Python hook. ``grads.cpp``'s gradient hooks (a node's
-pre-hook per site, the output node's that also computes the gradient through the norm,
-the weight's tensor hook) are C++ objects torch calls with no Python frame and no
-``RemovableHandle``: inside a backward a Python hook that only returns costs ~40 µs.
+hands every other call to the Python hook; on CUDA, where the Triton backend serves a
+layer, the same lane launches the fused kernel instead (a *launch lane*: the launch is
+a sentinel call's only Python, against ~20 frames of the hook's). ``grads.cpp``'s
+gradient hooks (a node's pre-hook per site, the output node's that also computes the
+gradient through the norm, the weight's tensor hook) are C++ objects torch calls with
+no Python frame and no ``RemovableHandle``: inside a backward a Python hook that only
+returns costs ~40 µs.
 The sources are compiled at first use against torch's headers
 (:func:`~normwatch.measure.backends.native.build.lane_path`, ~25 s once per machine and
 torch).
@@ -36,7 +39,7 @@ import os
 import weakref
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -99,20 +102,38 @@ def nothing() -> None:
     return None
 
 
-def state(runtime: Any, recorder: Any, row: int, width: int | None) -> State | None:
+class Launcher(Protocol):
+    """A backend whose kernel a launch lane launches (the Triton backend's)."""
+
+    def lane_plan(self, x: torch.Tensor, y: torch.Tensor, full: bool) -> object:
+        """A call's layout planned: ``(rows' shape, the lender's key, device)``, or
+        ``None``: not covered."""
+
+    def lane_launch(self, x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, n: int,
+                    width: int, full: bool, centred: bool) -> None:
+        """A call of ``n`` tokens of ``width`` read into ``rows`` (one launch)."""
+
+
+def state(runtime: Any, recorder: Any, row: int, width: int | None,
+          launcher: Launcher | None = None) -> State | None:
     """A layer's lane state (``recorder``: the layer's
     :class:`~normwatch.measure.layer.recorder.Recorder`), or ``None``: no lane for it
     (tokens that are not its last dim, or no lane built). The lane plans a new layout
     (of an input and output alike) with
     :func:`~normwatch.measure.backends.native.readers.row_plan`, in the full tier with
-    the layer's moments, and borrows from the accumulator's lender."""
+    the layer's moments, and borrows from the accumulator's lender; a *launch lane*
+    (``launcher``: the backend of a layer on CUDA, or in Triton's interpreter) plans and
+    reads with the launcher's ``lane_plan`` and ``lane_launch`` instead, and leaves the
+    full tier's gradient hooks to Python."""
     built = module()
     if built is None or width is None:
         return None
     rows = recorder.rows
+    planner = row_plan if launcher is None else launcher.lane_plan
     return State(built.lane(runtime, recorder, recorder.counts, runtime.accumulator.buffers,
-                            row_plan, CallRows, row, width, rows.eps, rows.centred,
-                            KEY_STRIDE, moments_of(rows.centred)))
+                            planner, CallRows, row, width, rows.eps, rows.centred,
+                            KEY_STRIDE, moments_of(rows.centred),
+                            None if launcher is None else launcher.lane_launch))
 
 
 class GradLane:
