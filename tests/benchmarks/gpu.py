@@ -165,7 +165,15 @@ def compiled(p: Plan, names: tuple[str, ...] = COMPILED) -> str:
 
 
 def cuda_graphs(p: Plan) -> str:
-    return compiled(p, CUDA_GRAPHS)
+    import torch._inductor.config as inductor
+
+    # where it fails ("tensors in the cudagraph pool not tracked as outputs"), the error
+    # then says where each of them was allocated
+    inductor.triton.cudagraph_trees_history_recording = True
+    try:
+        return compiled(p, CUDA_GRAPHS)
+    finally:
+        inductor.triton.cudagraph_trees_history_recording = False
 
 
 def billion(p: Plan) -> str:

@@ -207,8 +207,9 @@ def test_the_cuda_paths_sentinel_call_runs_no_python_of_normwatch_but_the_launch
     if lane.module() is None:
         pytest.skip("no C++ lane here (no C++ compiler, torch headers or C library)")
     home = os.path.dirname(normwatch.__file__)
-    model = nn.Sequential(nn.Linear(64, 64), nn.RMSNorm(64), nn.RMSNorm(64))
-    x = torch.randn(8, 64, requires_grad=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (a GPU: the real launch)
+    model = nn.Sequential(nn.Linear(64, 64), nn.RMSNorm(64), nn.RMSNorm(64)).to(device)
+    x = torch.randn(8, 64, requires_grad=True, device=device)
     with opcount.watched(model, kernel="triton") as hook:
         hook.rt.update(full_stats=False, check_outputs=False)
         model(x)  # the interval's first calls (their dtypes noted), the lender filled
