@@ -18,8 +18,8 @@ def allocated(shape: tuple[int, ...], device: torch.device | None = None) -> tor
 
 
 def key(shape: tuple[int, ...], device: torch.device | None) -> object:
-    """Where free buffers of ``shape`` on ``device`` wait: the CPU's by shape alone (as the
-    C++ lanes look them up), another device's by ``(device, shape)``."""
+    """Where free buffers of ``shape`` on ``device`` wait: the CPU's by shape alone, another
+    device's by ``(device, shape)`` (the C++ lanes look them up by the same key)."""
     return shape if device is None or device.type == "cpu" else (device, shape)
 
 

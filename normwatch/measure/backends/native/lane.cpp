@@ -9,10 +9,11 @@
 // layer's moments; then on the interval's first call and a full-tier call that is not the
 // common case the layer's _tail (Recorder.after); the common full-tier call's rest here
 // (full_tail). A launch lane (a layer the Triton backend serves: on CUDA, or in Triton's
-// interpreter) reads the call by the backend's launcher instead, a buffer from the same
-// lender: the same CallRows, with no Python frame but the launch's. Any other call, every call while Dynamo traces (a Python stand-in) and
-// every call where Dynamo compiles the frames run (see hook) goes to the Python hook. An
-// error here disables the layer as the Python hook's would (its _fail): training goes on.
+// interpreter) reads the call by the backend's launcher instead, into a buffer from the
+// same lender: the same CallRows, with no Python frame but the launch's. Any other call,
+// every call while Dynamo traces (a Python stand-in) and every call where Dynamo compiles
+// the frames run (see hook) goes to the Python hook. An error here disables the layer as
+// the Python hook's would (its _fail): training goes on.
 #include "lane.h"
 
 #include <ATen/Parallel.h>
