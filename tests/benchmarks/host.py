@@ -120,11 +120,11 @@ def per_call(rounds: int, calls: int = 50) -> dict[str, float]:
 def per_step(**options: Any) -> dict[str, dict[str, float]]:
     """normwatch's Python frames a step, per phase: ``"launch lane"``, ``"Python hook"``
     (four steps in steady state, averaged)."""
-    warnings.simplefilter("ignore")  # (the stubbed folds measure nothing: it says so)
     base = llama()
     batch = torch.randint(0, 128, (1, 8))
     found = {}
-    with stubbed():
+    with stubbed(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the stubbed folds measure nothing: it says so)
         for name, launch_lane in KINDS.items():
             model = copy.deepcopy(base)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -179,17 +179,21 @@ def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    added = per_call(args.rounds)
-    text = "| a sentinel call | µs added |\n|---|---:|\n" + "\n".join(
-        f"| {name} | {us:.1f} |" for name, us in added.items())
-    text += "\n\n| steps | path | " + " | ".join(PHASES) + " | whole step |\n|---|---|" + \
-        "---:|" * (len(PHASES) + 1)
-    for label, options in (("defaults (full tier every 4th)", {}),
-                           ("sentinel only", {"stats_every": 10**6, "flush_every": 10**6})):
-        for name, phases in per_step(**options).items():
-            text += f"\n| {label} | {name} | " + " | ".join(
-                f"{phases[p]:g}" for p in PHASES) + f" | {sum(phases.values()):g} |"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (given back: the caller's may be a test session)
+    try:
+        added = per_call(args.rounds)
+        text = "| a sentinel call | µs added |\n|---|---:|\n" + "\n".join(
+            f"| {name} | {us:.1f} |" for name, us in added.items())
+        text += "\n\n| steps | path | " + " | ".join(PHASES) + " | whole step |\n|---|---|" + \
+            "---:|" * (len(PHASES) + 1)
+        for label, options in (("defaults (full tier every 4th)", {}),
+                               ("sentinel only", {"stats_every": 10**6, "flush_every": 10**6})):
+            for name, phases in per_step(**options).items():
+                text += f"\n| {label} | {name} | " + " | ".join(
+                    f"{phases[p]:g}" for p in PHASES) + f" | {sum(phases.values()):g} |"
+    finally:
+        torch.set_num_threads(threads)
     text += "\n\n(normwatch's Python frames a step, 25 norms, launches stubbed)"
     print(f"torch {torch.__version__}\n\n{text}")
     return text

@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.benchmarks import overhead
 
@@ -105,7 +106,9 @@ def test_the_cuda_paths_host_benchmark_runs() -> None:
 
     if fastlane.module() is None or not usable():
         pytest.skip("no C++ lane or no Triton here")
+    threads = torch.get_num_threads()
     text = host.main(["--rounds", "1"])
+    assert torch.get_num_threads() == threads  # (it measures on one: given back)
     rows = {line.split(" | ")[1]: line.split(" | ")[2:] for line in text.splitlines()
             if line.startswith("| sentinel only |")}
     lane_forward, python_forward = (float(rows[k][0]) for k in ("launch lane", "Python hook"))
