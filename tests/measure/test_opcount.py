@@ -4,6 +4,7 @@ path fails here; ``docs/performance.md`` has the table (``tests/benchmarks/opcou
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -231,3 +232,148 @@ def test_the_cuda_paths_sentinel_call_runs_no_python_of_normwatch_but_the_launch
     assert frames == ["_forward_begins", "forward", "mark", "lane_launch", "launch",
                       "lane_launch", "launch", "_forward_ends"], frames
     assert sorted(norms) == [0, 1]
+
+
+@pytest.mark.skipif(not usable(), reason="Triton cannot run here")
+def test_the_cuda_paths_full_tier_step_runs_no_python_of_normwatch_but_its_launches(
+        ) -> None:
+    """#48: on a full-tier step of the fused kernel's path (CUDA; here Triton's
+    interpreter), the C++ lane records each call and places its gradient hooks (the
+    norm's own nodes found in C++), and the C++ gradient hooks read each norm's
+    output's gradient, the hidden state's and the one through the norm with a launch each
+    as their only Python (``lane_grad_launch``, ``launch_grad``), and the weight's norm
+    with none. Before, each call's hooks were placed by Python (some 20 frames a norm)
+    and each site ran the Python hook, the backend's choice, the lender and the staging
+    (some 50 frames a norm)."""
+    import os
+    import sys
+
+    import normwatch
+    from normwatch.measure.backends.native import lane
+
+    if lane.module() is None:
+        pytest.skip("no C++ lane here (no C++ compiler, torch headers or C library)")
+    home = os.path.dirname(normwatch.__file__)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (a GPU: the real launch)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.RMSNorm(64), nn.RMSNorm(64)).to(device)
+    x = torch.randn(8, 64, requires_grad=True, device=device)
+    watch = normwatch.watch(model, report_dir=None, early_warning=False, kernel="triton",
+                            stats_every=1, flush_every=1000)
+    frames: list[str] = []
+
+    def profile(frame: Any, event: str, arg: object) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(home) and \
+                not frame.f_code.co_name.endswith("_kernel"):  # (the interpreter's run)
+            frames.append(frame.f_code.co_name)
+
+    forward: list[str] = []
+    try:
+        for step in range(3):
+            if step == 2:
+                watch._measure._hooks[0].rt.accumulator.commit()  # (the lender filled)
+                sys.setprofile(profile)
+            try:
+                loss = model(x).square().mean()
+            finally:
+                sys.setprofile(None)
+            forward, frames[:] = frames[:], []
+            if step == 2:
+                sys.setprofile(profile)
+            try:
+                loss.backward()
+            finally:
+                sys.setprofile(None)
+            staged = list(watch._measure._hooks[0].rt.accumulator._staged_grads)
+            watch.step()
+    finally:
+        watch.close()
+    # per norm: three sites read by a launch each (the gradient through the norm's parts
+    # added as it is read), the weight by torch's norm in C++: nothing else of Python's
+    assert frames == ["lane_grad_launch", "launch_grad"] * 6, frames
+    # the forward's calls as a sentinel step's, their gradient hooks placed in C++; the
+    # step's bookkeeping around them (a full-tier step notes the RNG's state)
+    assert forward == ["_forward_begins", "forward", "rng_states", "_integer_tensors",
+                       "_integer_tensors", "mark", "lane_launch", "launch", "lane_launch",
+                       "launch", "_forward_ends"], repr(forward)
+    assert sorted((g.layer, g.site) for g in staged) == sorted(
+        (row, site) for row in (0, 1) for site in range(4)), staged
+
+
+def _lines_per_phase(depth: int) -> dict[str, Counter[tuple[str, int]]]:
+    """normwatch's Python lines (function, line) run in each phase of a steady sentinel
+    step of a :class:`TinyLM` of ``depth`` blocks on the fused kernel's path, the early
+    warning folding each step as on CUDA, the launches stubbed out (in Triton's
+    interpreter the kernels' Python is the interpreter's, not the GPU's)."""
+    import copy
+    import functools
+    import os
+    import sys
+
+    import normwatch
+    from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
+    from normwatch.measure.step.early import EarlyWarning
+    from tests.benchmarks.host import stubbed
+
+    home = os.path.dirname(normwatch.__file__)
+    demos = os.path.join(home, "demos")  # (the model's own)
+    torch.manual_seed(0)
+    model = copy.deepcopy(TinyLM(dim=32, depth=depth))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    w = normwatch.watch(model, optimizer, kernel="triton", report_dir=None,
+                        stats_every=10**6, flush_every=10**6)
+    w._early = EarlyWarning(w.config.limits.fp16_limit, opcount._Landed, pin=False)
+    found: dict[str, Counter[tuple[str, int]]] = {}
+
+    def traced(phase: str, run: Any) -> Any:
+        seen = found.setdefault(phase, Counter())
+
+        def trace(frame: Any, event: str, arg: object) -> Any:
+            code = frame.f_code
+            if not code.co_filename.startswith(home) or code.co_filename.startswith(demos):
+                return None
+            if event == "line":
+                seen[code.co_name, frame.f_lineno] += 1
+            return trace
+
+        sys.settrace(trace)
+        try:
+            return run()
+        finally:
+            sys.settrace(None)
+
+    try:
+        with stubbed():
+            for i in range(6):  # (the last: steady)
+                found.clear()
+                batch = synthetic_batch(torch.Generator().manual_seed(i), batch=2, seq=8)
+                loss = traced("forward", functools.partial(lambda b: lm_loss(model(b), b),
+                                                           batch))
+                traced("backward", loss.backward)
+                traced("optimizer", optimizer.step)
+                optimizer.zero_grad()
+                traced("watch.step", functools.partial(w.step, loss))
+    finally:
+        w.close()
+    return found
+
+
+@pytest.mark.skipif(not usable(), reason="Triton cannot run here")
+def test_the_cuda_paths_sentinel_step_runs_no_python_per_norm_but_its_launches() -> None:
+    """#48: "nothing per tensor or per layer in Python on a step". On the fused kernel's
+    path a steady sentinel step of a model with 9 norms runs the same lines of
+    normwatch's Python as one with 5, but each call's launch (``lane_launch``'s line, the
+    launches stubbed out): the step's commit groups its calls, looks up the fold's plan, gathers
+    the rows and gives the buffers back, the early warning polls its copy and the update
+    monitor reads its samples by C's iterators (each was a loop of Python a norm or a
+    tensor: 17 lines a norm and 2 a parameter, counted before)."""
+    from normwatch.measure.backends.native import lane
+
+    if lane.module() is None:
+        pytest.skip("no C++ lane here (no C++ compiler, torch headers or C library)")
+    small, large = _lines_per_phase(2), _lines_per_phase(4)
+    for phase in ("forward", "backward", "optimizer", "watch.step"):
+        more = large[phase] - small[phase]
+        assert {name for name, _ in more} <= {"lane_launch"}, (phase, more)
+        assert not (small[phase] - large[phase]), phase
+    assert large["forward"] and large["watch.step"] and large["optimizer"]

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from normwatch.measure.state.accumulator import MAX_END, N_SUM
-from normwatch.measure.state.backend import Sample
+from normwatch.measure.state.backend import Launcher, Sample
 from normwatch.measure.state.fold import FoldPlan, fold_calls
 from normwatch.measure.state.grad_fold import GradPlan, fold_grads
 from normwatch.measure.state.rows import (
@@ -123,6 +123,9 @@ class TorchBackend:
     """Every statistic by torch's ops (see the module docstring)."""
 
     name = "torch"
+
+    def launcher(self) -> Launcher | None:
+        return None
 
     def call_rows(self, layer: LayerRows, x: torch.Tensor, out: torch.Tensor | None,
                   key: float | torch.Tensor, full: bool) -> CallRows:

@@ -16,6 +16,7 @@ backward passes that land in one row never race, and no atomics are needed.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +26,7 @@ from normwatch.catalog import COLUMNS, SCORE_BASE
 from normwatch.measure.state.accumulator import MAX_END, N_SUM
 from normwatch.measure.state.fold import FoldPlan, gathered
 from normwatch.measure.state.grad_fold import GradPlan
-from normwatch.measure.state.rows import WEIGHT, CallRows, GradRows
+from normwatch.measure.state.rows import CallRows, GradRows
 
 MAX_BLOCK = 2048
 FOLDED = ("calls", "tokens", "finite_tokens", "fp16_overflow_tokens", "nonfinite",
@@ -244,21 +245,25 @@ def fold_grads_fused(block: torch.Tensor, staged: Sequence[GradRows], plan: Grad
     gradient's sums in float32); ``False`` where it does not cover them (the
     activations' gradients not all the kernel's rows alike, a weight's norm not 0-d, a
     block not contiguous: nothing done)."""
-    acts = [s.norms for s in staged if s.site != WEIGHT]
-    weights = [s.norms for s in staged if s.site == WEIGHT]
-    shape = acts[0].shape if acts else None
-    if plan.cells is None or not block.is_contiguous() or \
-            any(s.lo is not None or s.norms.dim() != 2 or s.norms.shape != shape
-                for s in staged if s.site != WEIGHT) or any(w.dim() for w in weights):
+    # (the plan's places, read by C's getters: no Python a gradient, each step)
+    acts = list(map(_norms, map(staged.__getitem__, plan.acts_at)))
+    weights = list(map(_norms, map(staged.__getitem__, plan.weights_from)))
+    shapes = set(map(_shape, acts))
+    if plan.cells is None or not block.is_contiguous() or not plan.whole or \
+            len(shapes) > 1 or any(len(shape) != 2 for shape in shapes) or \
+            any(map(torch.Tensor.dim, weights)):
         return False
     rows = torch.stack(acts) if acts else block
     norms = torch.stack(weights) if weights else block
-    n_tokens = shape[1] if shape is not None else 0
-    n_layers = len({s.layer for s in staged if s.site == WEIGHT})
+    n_tokens = acts[0].shape[1] if acts else 0
+    n_layers = plan.n_layers
     n_cells = (plan.cells.numel() - len(acts) - len(weights) - 2 * n_layers - 2) // 3
     launch_grads(rows, plan.widths, norms, plan.cells, block,
                  (n_tokens, len(acts), n_cells, len(weights), n_layers))
     return True
+
+
+_norms, _shape = operator.attrgetter("norms"), operator.attrgetter("shape")
 
 
 def launch_grads(rows: torch.Tensor, widths: torch.Tensor, norms: torch.Tensor,

@@ -37,7 +37,7 @@ from normwatch.measure.backends.triton_folds import (
 )
 from normwatch.measure.backends.triton_optimizer import TritonPack, check_step
 from normwatch.measure.state import buffers
-from normwatch.measure.state.backend import Sample
+from normwatch.measure.state.backend import Launcher, Sample
 from normwatch.measure.state.fold import FoldPlan
 from normwatch.measure.state.grad_fold import GradPlan
 from normwatch.measure.state.rows import WEIGHT, CallRows, GradRows, LayerRows
@@ -226,10 +226,23 @@ def _kernel() -> Any:
     return row_stats_kernel
 
 
+def _lane_rows(t: torch.Tensor, k: int
+               ) -> tuple[tuple[int, int], object, torch.device] | None:
+    """A launch lane's rows for ``t``'s tokens (its last dim): ``k`` rows a token, where
+    the lender keeps them, the device (``None``: a device the kernel does not run on)."""
+    if not (t.is_cuda or interpreted()):
+        return None
+    shape = (k, t.numel() // t.shape[-1])
+    return shape, buffers.key(shape, t.device), t.device
+
+
 class TritonBackend(TorchBackend):
     """A call's rows by the fused kernel (one launch); the rest by torch's ops."""
 
     name = "triton"
+
+    def launcher(self) -> Launcher | None:
+        return self
 
     def call_rows(self, layer: LayerRows, x: torch.Tensor, out: torch.Tensor | None,
                   key: float | torch.Tensor, full: bool) -> CallRows:
@@ -260,11 +273,9 @@ class TritonBackend(TorchBackend):
         native.lane`: asked once per layout and tier): its rows' shape and where the
         lender keeps them (``None``: not a floating call, or a device the kernel does
         not run on: a model moved off CUDA)."""
-        if not (x.is_floating_point() and y.is_floating_point() and x.device == y.device
-                and (x.is_cuda or interpreted())):
+        if not (x.is_floating_point() and y.is_floating_point() and x.device == y.device):
             return None
-        shape = (row_count(True, full), x.numel() // x.shape[-1])
-        return shape, buffers.key(shape, x.device), x.device
+        return _lane_rows(x, row_count(True, full))
 
     @staticmethod
     def lane_launch(x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, n: int, width: int,
@@ -272,6 +283,19 @@ class TritonBackend(TorchBackend):
         """A launch lane's read of a call planned by :meth:`lane_plan` (contiguous
         tokens of ``width``, lined up) into ``rows``, as :meth:`call_rows`' common case."""
         launch(x, y, rows, n, width, (width, 1, width, 1), True, full, centred)
+
+    @staticmethod
+    def lane_grad_plan(g: torch.Tensor) -> tuple[tuple[int, int], object, torch.device] | None:
+        """A launch lane's plan of a gradient's layout, as :meth:`lane_plan`'s."""
+        return _lane_rows(g, 2)
+
+    @staticmethod
+    def lane_grad_launch(g: torch.Tensor, part: torch.Tensor | None, rows: torch.Tensor,
+                         n: int, width: int) -> None:
+        """A launch lane's read of a gradient planned by :meth:`lane_grad_plan`
+        (contiguous tokens of ``width``; ``part``: a second part, laid out alike, added)
+        into ``rows``, as :meth:`grad_rows`' common case."""
+        launch_grad(g, part, rows, n, width)
 
     def grad_rows(self, layer: LayerRows, site: int, g: torch.Tensor,
                   part: torch.Tensor | None

@@ -42,6 +42,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from normwatch.guarded import guarded
+from normwatch.measure.backends.native.contract import MAX_NODES
 from normwatch.measure.backends.native.lane import GradLane, WeightHandle
 from normwatch.measure.backends.native.readers import PLAIN
 from normwatch.measure.layer.operators import observe_grad
@@ -60,16 +61,15 @@ _saved_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 """The innermost saved-tensor hooks in force (``None``: none; a checkpoint's drop what
 autograd saves)."""
 
-MAX_NODES = 64
-"""How many autograd nodes :func:`through_nodes` walks before it gives up (a norm with
-another input whose graph leads back into the model)."""
 
 
 def through_nodes(y: torch.Tensor, x: torch.Tensor) -> list[tuple[Any, int]]:
     """The autograd nodes between a norm's output ``y`` and its input ``x`` that feed ``x``
     directly, each with the index of its edge into ``x`` (one node for a fused norm,
     several for a hand-written one). Empty when ``y`` has no graph or the walk leaves the
-    norm (nodes made before ``x`` are outside it)."""
+    norm (nodes made before ``x`` are outside it), or more than :data:`~normwatch.measure.
+    backends.native.contract.MAX_NODES` are walked. (``grads.cpp``'s ``through_nodes``
+    walks alike.)"""
     start, target = y.grad_fn, x.grad_fn
     if start is None:
         return []
@@ -100,19 +100,22 @@ def through_nodes(y: torch.Tensor, x: torch.Tensor) -> list[tuple[Any, int]]:
 
 class _Through:
     """Gathers the parts of ``dL/dx`` the norm's nodes send to ``x`` (post-hooks on those
-    nodes, which read gradients and change none), then hands them on once (their sum is
-    ``dL/dx`` through the norm)."""
+    nodes, which read gradients and change none: :meth:`watch` places them, each called
+    with its node's edge ``k`` into ``x`` first), then hands them on once (their sum is
+    ``dL/dx`` through the norm). The C++ gradient hooks gather in C++ and make one for
+    compiled autograd (:meth:`GradHooks._gather`)."""
 
     __slots__ = ("_hook", "_left", "_parts")
 
-    def __init__(self, nodes: Sequence[tuple[Any, int]],
-                 hook: Callable[[list[torch.Tensor]], None]) -> None:
-        self._hook, self._left = hook, len(nodes)
+    def __init__(self, count: int, hook: Callable[[list[torch.Tensor]], None]) -> None:
+        self._hook, self._left = hook, count
         self._parts: list[torch.Tensor] = []
-        for node, k in nodes:
-            node.register_hook(partial(self._part, k))
 
-    def _part(self, k: int, grad_inputs: Sequence[torch.Tensor | None], _: object) -> None:
+    def watch(self, nodes: Sequence[tuple[Any, int]]) -> None:
+        for node, k in nodes:
+            node.register_hook(partial(self, k))
+
+    def __call__(self, k: int, grad_inputs: Sequence[torch.Tensor | None], _: object) -> None:
         g = grad_inputs[k]
         self._left -= 1
         if g is not None:
@@ -217,8 +220,8 @@ class GradHooks:
             return
         self._before(y, OUT)
         nodes = through_nodes(y, x)
-        if nodes:
-            _Through(nodes, self._in)
+        if nodes and (self._lane is None or not self._lane.through(nodes)):
+            _Through(len(nodes), self._in).watch(nodes)
 
     def computes(self, x: torch.Tensor, y: torch.Tensor, weight: object) -> bool:
         """Whether the gradient through the norm is computed from its output's, its input
@@ -324,6 +327,11 @@ class GradHooks:
 
     def _in(self, parts: list[torch.Tensor]) -> None:
         self._measure(IN, *parts)
+
+    def _gather(self, count: int) -> _Through:
+        """A gatherer of the parts of ``count`` nodes for :meth:`_in` (compiled autograd's,
+        in the place of the C++ gradient hooks' own)."""
+        return _Through(count, self._in)
 
     def _hidden(self, g: torch.Tensor) -> None:
         self._measure(HIDDEN, g)

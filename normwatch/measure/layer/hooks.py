@@ -24,11 +24,11 @@ from torch.utils.hooks import RemovableHandle
 
 from normwatch.measure.backends.native import lane as native_lane
 from normwatch.measure.backends.native.backend import through_reader
-from normwatch.measure.backends.triton_kernel import TritonBackend
 from normwatch.measure.layer.calls import input_of, other_tensor, output_of
 from normwatch.measure.layer.compiled import CompiledPath
 from normwatch.measure.layer.gradients import GradHooks, through_formula
 from normwatch.measure.layer.recorder import Recorder, Runtime
+from normwatch.measure.state.backend import Launcher
 from normwatch.records import NormLayer
 
 
@@ -49,22 +49,21 @@ class LayerHook:
             self.home(home)
         native = runtime.backend(torch.device("cpu")).name == "native"
         served = None if home is None or home.type == "meta" else runtime.backend(home)
-        launcher = served if isinstance(served, TritonBackend) else None
+        launcher = None if served is None else served.launcher()
         self._lane_state = native_lane.state(runtime, self.recorder, row, layer.token_size,
                                              launcher) \
             if (native and home is not None and home.type == "cpu") or launcher else None
         """The C++ lane's state (``None``: every call is this object's): see
         :mod:`~normwatch.measure.backends.native.lane`; on the CPU the native backend's
         reader's, where Triton serves the layer (CUDA) the kernel's launch."""
-        self._native_lane = self._lane_state is not None and launcher is None
         self.handle: RemovableHandle | None = module.register_forward_hook(
             native_lane.hook_for(self, self._lane_state), with_kwargs=True)
         if runtime.gradients:
-            self._hook_gradients(native)
+            self._hook_gradients(native, launcher)
 
-    def _hook_gradients(self, native: bool) -> None:
-        """The layer's gradient hooks (in C++ where the forward's lane is: the layer on
-        the CPU, tokens its last dim)."""
+    def _hook_gradients(self, native: bool, launcher: Launcher | None) -> None:
+        """The layer's gradient hooks (in C++ where the forward's lane is: tokens its last
+        dim; a launch lane's read by the ``launcher``)."""
         layer, module, rows, rt = self.layer, self.module, self.recorder.rows, self.rt
         through = None if layer.token_size is None else \
             through_formula(layer.kind, rows.eps, rows.one_plus_w)
@@ -72,10 +71,11 @@ class LayerHook:
         # the formula is the module's where its weight is `weight`, or it has none
         computable = native and through is not None and (
             isinstance(weight, torch.Tensor) or next(module.parameters(), None) is None)
-        lane = None if not self._native_lane or layer.token_size is None else partial(
+        lane = None if self._lane_state is None or layer.token_size is None else partial(
             native_lane.grad_lane, runtime=rt, lender=rt.accumulator.grad_buffers,
             row=self.row, width=layer.token_size, eps=rows.eps,
-            through_plan=through_reader(rows).plan if computable else None)
+            through_plan=through_reader(rows).plan if computable and launcher is None
+            else None, launcher=launcher)
         recorder = self.recorder
         grads = recorder.grads = GradHooks(rows, rt.backend, recorder.grad_target,
                                            recorder.stage_grad, recorder.fail, through,

@@ -284,8 +284,8 @@ class _Sampled:
 
     def current(self, index: list[int]) -> list[torch.Tensor]:
         """The samples of the parameters ``index`` names, copies taken again."""
-        if not self.copied:
-            return [self.samples[i] for i in index]
+        if not self.copied:  # (C's getter: no Python a tensor, each step)
+            return list(map(self.samples.__getitem__, index))
         return [sample(local(self.params[i]).detach()) if i in self.copied else
                 self.samples[i] for i in index]
 
@@ -414,8 +414,8 @@ class UpdateMonitor:
         # them inside step(), after the pre-hook
         grads = sampled.grads_alike() if exact is None else None
         for index, pack in sampled.packs:
-            row = pack.measure(sampled.current(index),
-                               None if grads is None else [grads[i] for i in index], sized)
+            row = pack.measure(sampled.current(index), None if grads is None else
+                               list(map(grads.__getitem__, index)), sized)
             if grads is None and exact is None:  # missing or sparse: one norm per tensor
                 row[0] = _grad_sumsq([sampled.params[i].grad for i in index], pack.device)
             rows[pack.device] = rows[pack.device] + row if pack.device in rows else row

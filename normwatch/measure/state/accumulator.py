@@ -142,10 +142,9 @@ class Accumulator:
         if self.watch_poison and not step_over:
             self._poisoned += _nonfinite(_rows(self._staged[self._step_from:], []))
         self._step_from = 0
-        groups: dict[tuple[torch.device, bool], list[CallRows]] = {}
-        for call in self._staged:  # one fold per device and tier
-            groups.setdefault((call.v.device, call.full), []).append(call)
-        self._staged = []
+        staged, self._staged = self._staged, []
+        places = set(map(_place, staged))  # one fold per device and tier
+        groups = {places.pop(): staged} if len(places) == 1 else _grouped(staged)
         self._commits += 1
         self.commit_grads(step_over)
         self._staged_tokens = 0
@@ -190,7 +189,12 @@ class Accumulator:
         """The fold's constant vectors, cached: the same forward pass stages the same
         sequence of calls every step."""
         key0 = calls[0].key
-        signature = (device, calls[0].full, tuple(c.signature(key0) for c in calls))
+        if all(map(_lined_up, calls)):  # (the common case: read by C's getters, no frame)
+            signature: tuple[Any, ...] = (device, calls[0].full, tuple(map(_layout, calls)),
+                                          tuple(map(operator.sub, map(_key, calls),
+                                                    repeat(key0))))
+        else:
+            signature = (device, calls[0].full, tuple(c.signature(key0) for c in calls))
         plan = self._plans.get(signature)
         if not isinstance(plan, FoldPlan):
             plan = self._cache(signature, fold_plan(calls, self.limits))
@@ -279,6 +283,19 @@ class Accumulator:
 
 _norms, _lo, _device = (operator.attrgetter(a) for a in ("norms", "lo", "device"))
 _where = operator.attrgetter("layer", "site", "width")
+_place = operator.attrgetter("v.device", "full")
+_lined_up, _key = operator.attrgetter("lined_up"), operator.attrgetter("key")
+_layout = operator.attrgetter("row", "n", "width", "eps", "centred")
+"""What a lined-up call's :meth:`~normwatch.measure.state.rows.CallRows.signature` is
+made of but its key (its output's tokens are its input's)."""
+
+
+def _grouped(calls: list[CallRows]) -> dict[tuple[torch.device, bool], list[CallRows]]:
+    """``calls`` by device and tier."""
+    groups: dict[tuple[torch.device, bool], list[CallRows]] = {}
+    for call in calls:
+        groups.setdefault(_place(call), []).append(call)
+    return groups
 
 
 def _rows(calls: list[CallRows], grads: list[GradRows]) -> list[torch.Tensor]:

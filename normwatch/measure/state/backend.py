@@ -49,11 +49,40 @@ class Sample(Protocol):
         ``|g|²`` from ``grads`` (laid out like the parameters; ``None``: 0)."""
 
 
+class Launcher(Protocol):
+    """A backend's kernel as a C++ lane launches it to read a call (a *launch lane*:
+    :mod:`~normwatch.measure.backends.native.lane`)."""
+
+    def lane_plan(self, x: torch.Tensor, y: torch.Tensor, full: bool
+                  ) -> tuple[tuple[int, int], object, torch.device] | None:
+        """A call's layout planned: ``(rows' shape, the lender's key, device)``, or
+        ``None``: not covered (asked once per layout and tier)."""
+
+    def lane_launch(self, x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, n: int,
+                    width: int, full: bool, centred: bool) -> None:
+        """A call of ``n`` tokens of ``width`` read into ``rows`` (one launch)."""
+
+    def lane_grad_plan(self, g: torch.Tensor
+                       ) -> tuple[tuple[int, int], object, torch.device] | None:
+        """A gradient's layout planned as :meth:`lane_plan` plans a call's (a site's, not
+        the weight's: its whole norm is torch's)."""
+
+    def lane_grad_launch(self, g: torch.Tensor, part: torch.Tensor | None,
+                         rows: torch.Tensor, n: int, width: int) -> None:
+        """A gradient of ``n`` tokens of ``width`` (plus ``part``, laid out alike) read
+        into ``rows`` as :meth:`Backend.grad_rows` reads it (one launch)."""
+
+
 class Backend(Protocol):
     """How one device's statistics are computed. ``name``: ``"torch"``, ``"triton"`` or
     ``"native"``."""
 
     name: str
+
+    def launcher(self) -> Launcher | None:
+        """What a C++ lane launches to read this backend's calls, or ``None``: the
+        recorder reads them (with :meth:`call_rows`; on the CPU the native backend's lane
+        reads them itself)."""
 
     def call_rows(self, layer: LayerRows, x: torch.Tensor, out: torch.Tensor | None,
                   key: float | torch.Tensor, full: bool) -> CallRows:

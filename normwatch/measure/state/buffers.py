@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+from itertools import groupby
+
 import torch
 
 
@@ -32,45 +34,70 @@ class RowBuffers:
     """Float32 buffers for rows that are staged until a fold: lent by shape (and device),
     all taken back when the rows lent since the last fold are folded (:meth:`give_back`),
     then lent again. An allocation costs ~11 µs inside a training step, a loan ~3 (and no
-    op dispatched: on a GPU, no allocation per call). What is kept is what the last fold's
-    rows held (and they were alive until it anyway), and for :data:`KEEP_IDLE` give-backs
-    what was not lent. A loan is a list's pop (one at a time under the GIL); the give-back runs
-    where the fold does, between steps. A device buffer is lent again once the fold that
-    read it is queued: what writes it next runs after that fold on the stream."""
+    op dispatched: on a GPU, no allocation per call). What is kept of a shape is as many
+    as were lent at once in the last :data:`KEEP_IDLE` + 1 give-backs. A loan is a list's
+    pop (one at a time under the GIL); the give-back runs where the fold does, between
+    steps, with no Python per buffer (a step's calls' are many, its shapes few). A device
+    buffer is lent again once the fold that read it is queued: what writes it next runs
+    after that fold on the stream."""
 
-    __slots__ = ("_free", "_idle", "_lent")
+    __slots__ = ("_free", "_kinds", "_lent", "_lent_at", "_made", "_of")
 
     def __init__(self) -> None:
         self._free: dict[object, list[torch.Tensor]] = {}
         self._lent: list[torch.Tensor] = []
-        self._idle: dict[int, int] = {}
-        """The free buffers (by id) kept at a give-back without being lent: how many."""
+        self._of: dict[int, int] = {}
+        """Each buffer's (by id) kind: a number naming its key in :attr:`_kinds`."""
+        self._kinds: dict[int, object] = {}
+        self._lent_at: dict[object, tuple[int, list[int]]] = {}
+        """Per key, its kind and how many were lent at each of the last ``KEEP_IDLE + 1``
+        give-backs."""
+        self._made = 0
+        """Kinds numbered so far."""
 
     def take(self, shape: tuple[int, ...], device: torch.device | None = None) -> torch.Tensor:
         """A buffer of ``shape`` (on ``device``; default the CPU), to hold until the next
         :meth:`give_back` (the C++ lanes lend as this does on the CPU:
         :mod:`~normwatch.measure.backends.native.contract`)."""
-        free = self._free.get(key(shape, device))
-        rows = free.pop() if free else allocated(shape, device)
+        where = key(shape, device)
+        free = self._free.get(where)
+        if free:
+            rows = free.pop()
+        else:
+            rows = allocated(shape, device)
+            if where not in self._lent_at:
+                self._lent_at[where] = (self._made, [])
+                self._kinds[self._made] = where
+                self._made += 1
+            self._of[id(rows)] = self._lent_at[where][0]
         self._lent.append(rows)
         return rows
 
     def give_back(self) -> None:
         """Every buffer lent is free again: the rows in them were folded (or dropped).
         With none lent since the last, nothing changes (a flush folds twice over: its
-        second fold must not let the first's buffers go). A free buffer not lent since is
-        kept for :data:`KEEP_IDLE` give-backs, then let go: intervals that alternate (two
-        full-tier steps in one, three in the next) and steps that each fold (the full
-        tier's buffers wait for the next full-tier step) borrow all they need."""
-        if not self._lent:
+        second fold must not let the first's buffers go). Of each shape as many are kept
+        as were lent at once in the last :data:`KEEP_IDLE` + 1 give-backs, the rest let
+        go: intervals that alternate (two full-tier steps in one, three in the next) and
+        steps that each fold (the full tier's buffers wait for the next full-tier step)
+        borrow all they need."""
+        lent, kinds = self._lent, self._kinds
+        if not lent:
             return
-        free: dict[object, list[torch.Tensor]] = {}
-        for rows in self._lent:
-            free.setdefault(key(tuple(rows.shape), rows.device), []).append(rows)
-        idle: dict[int, int] = {}
-        for where, left in self._free.items():
-            kept = [rows for rows in left if self._idle.get(id(rows), 0) < KEEP_IDLE]
+        self._lent = []
+        kind = list(map(self._of.__getitem__, map(id, lent)))
+        back = {kinds[k]: list(map(lent.__getitem__, group)) for k, group in
+                groupby(sorted(range(len(lent)), key=kind.__getitem__), kind.__getitem__)}
+        for where, (k, counts) in [*self._lent_at.items()]:  # (per shape)
+            now = back.get(where, [])
+            counts.append(len(now))
+            del counts[:-KEEP_IDLE - 1]
+            pool = now + self._free.get(where, [])  # (the idle last: let go first)
+            kept = max(counts)
+            for rows in pool[kept:]:  # let go
+                del self._of[id(rows)]
             if kept:
-                free.setdefault(where, []).extend(kept)
-                idle.update((id(rows), self._idle.get(id(rows), 0) + 1) for rows in kept)
-        self._free, self._lent, self._idle = free, [], idle
+                self._free[where] = pool[:kept]
+            else:  # (a shape no longer met: a token count of the past)
+                self._free.pop(where, None)
+                del self._lent_at[where], kinds[k]

@@ -15,6 +15,7 @@ way (the native one: one C call, the same float32 arithmetic).
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -213,6 +214,9 @@ def fold_calls(calls: Sequence[CallRows], plan: FoldPlan) -> torch.Tensor:
                        1).double()
 
 
+_v, _shape = operator.attrgetter("v"), operator.attrgetter("v.shape")
+
+
 def gathered(calls: Sequence[CallRows], plan: FoldPlan) -> torch.Tensor:
     """The rows of every call side by side, ``(k, tokens)`` float32, calls in order: max
     and min of the input, then (``plan.aligned``) of the output, then (full tier) sum,
@@ -221,8 +225,8 @@ def gathered(calls: Sequence[CallRows], plan: FoldPlan) -> torch.Tensor:
     first = calls[0].v
     if len(calls) == 1:
         v = first.reshape(first.shape[0], -1)
-    elif all(c.v.shape == first.shape for c in calls):
-        v = torch.stack([c.v for c in calls], 1).view(first.shape[0], -1)
+    elif len(set(map(_shape, calls))) == 1:
+        v = torch.stack(list(map(_v, calls)), 1).view(first.shape[0], -1)
     elif plan.aligned or all(not c.lined_up for c in calls):
         v = torch.cat([c.v.reshape(c.v.shape[0], -1) for c in calls], 1)
     else:  # some outputs line up, some do not: the inputs' rows only (no output rows)

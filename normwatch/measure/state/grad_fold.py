@@ -68,6 +68,15 @@ class GradPlan:
     cells: torch.Tensor | None = None
     """The staged gradients grouped by the block cells they fold into, for a fold that
     gives each cell to one program (:func:`cell_table`)."""
+    acts_at: tuple[int, ...] = ()
+    """Where the activations' gradients stand among the staged (read each step by C's
+    getters: no Python a gradient)."""
+    weights_from: tuple[int, ...] = ()
+    """Where the weights' gradients stand among the staged."""
+    whole: bool = True
+    """Whether no activation's gradient was staged with its min and max apart."""
+    n_layers: int = 0
+    """Layers with a weight's gradient staged."""
 
 
 def grad_plan(staged: Sequence[GradRows], device: torch.device) -> GradPlan:
@@ -92,7 +101,10 @@ def grad_plan(staged: Sequence[GradRows], device: torch.device) -> GradPlan:
         if device.type == "cpu" else None,
         weights_at=torch.tensor([layer * len(COLUMNS) + WEIGHT_AT for layer in weights],
                                 dtype=torch.float64) if device.type == "cpu" else None,
-        cells=cell_table(staged, device))
+        cells=cell_table(staged, device),
+        acts_at=tuple(i for i, s in enumerate(staged) if s.site != WEIGHT),
+        weights_from=tuple(i for i, s in enumerate(staged) if s.site == WEIGHT),
+        whole=all(s.lo is None for s in acts), n_layers=len(set(weights)))
 
 
 def cell_table(staged: Sequence[GradRows], device: torch.device) -> torch.Tensor:

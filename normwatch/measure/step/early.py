@@ -11,7 +11,10 @@ explicit sync). Only one copy is in flight at a time.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import operator
+from collections.abc import Callable, Iterator
+from itertools import compress, count, repeat
+from operator import itemgetter
 from typing import Protocol
 
 import torch
@@ -67,14 +70,20 @@ class EarlyWarning:
                 continue
             del self._pending[device]
             rows = self._buffers[device].tolist()
-            bad = [i for i, row in enumerate(rows)
-                   if row[n_in] > 0 or row[n_out] > 0 or row[a] > self.fp16_limit]
-            landed = (landed or []) + bad
+            bad = {*_over(rows, n_in, 0.0), *_over(rows, n_out, 0.0),
+                   *_over(rows, a, self.fp16_limit)}
+            landed = (landed or []) + sorted(bad)
         return landed
 
     def reset(self) -> None:
         """Forget in-flight copies (after a flush the accumulators restart)."""
         self._pending.clear()
+
+
+def _over(rows: list[list[float]], column: int, limit: float) -> Iterator[int]:
+    """The indices of ``rows`` whose ``column`` is above ``limit`` (C's iterators: no
+    Python a row, each step)."""
+    return compress(count(), map(operator.gt, map(itemgetter(column), rows), repeat(limit)))
 
 
 def _cuda_event() -> Event:

@@ -26,8 +26,8 @@ OWNERS = {  # role -> which object's attribute it names
     **dict.fromkeys(("lane_state", "tail", "fail", "recorder"), "hook"),
     "capsule": "lane state",
     **dict.fromkeys(("grads", "signature", "record_dtypes"), "recorder"),
-    **dict.fromkeys(("computed", "hooked_weight", "grad_lane", "node", "both", "weight_grad"),
-                    "gradient hooks"),
+    **dict.fromkeys(("computed", "hooked_weight", "grad_lane", "node", "both", "weight_grad",
+                     "through", "gather"), "gradient hooks"),
     **{role: "pack" for role in contract.NAMES if role.startswith("pack_")},
 }
 

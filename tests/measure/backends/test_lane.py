@@ -349,14 +349,24 @@ def test_the_lane_notes_a_full_tier_calls_dtypes_where_they_changed(
     assert tails == 3 and python_tails == 0  # (steps 3-5: the bfloat16 call's alone)
 
 
-def test_compiled_autograd_traces_the_python_hooks_in_their_place(built: object) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_autograd_traces_the_python_hooks_in_their_place(
+        built: object, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """Compiled autograd (the backward traced by Dynamo) runs no C++ hook: each hands it the
     Python hook it stands for. The backward compiles and runs, the losses are an unwatched
-    run's, and the gradients' statistics an eager backward's."""
+    run's, and the gradients' statistics an eager backward's. So in bfloat16, where the
+    gradient through the norm is gathered from the norm's own nodes (one Python gatherer
+    standing for their C++ post-hooks), not computed."""
     from torch._dynamo import compiled_autograd
 
+    from normwatch.measure.layer.gradients import GradHooks
+
+    gatherers = []  # the gatherers compiled autograd was handed for the C++ post-hooks
+    gather = GradHooks._gather
+    monkeypatch.setattr(GradHooks, "_gather", lambda self, n: gatherers.append(n) or gather(
+        self, n))
     torch.manual_seed(0)
-    base = tiny_llama(32, 1)
+    base = tiny_llama(32, 1).to(dtype)
     models = [copy.deepcopy(base) for _ in range(3)]  # unwatched, eager, compiled autograd
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
     watches = [None, *(normwatch.watch(m, report_dir=None, stats_every=1, flush_every=100)
@@ -382,6 +392,7 @@ def test_compiled_autograd_traces_the_python_hooks_in_their_place(built: object)
     finally:
         torch.compiler.reset()
     assert losses[0] == losses[1] == losses[2]
+    assert bool(gatherers) == (dtype == torch.bfloat16), gatherers
     eager, compiled = (w.flush() for w in watches[1:])  # type: ignore[union-attr]
     assert not watches[2].disabled  # type: ignore[union-attr]
     for name, want in eager.layers.items():

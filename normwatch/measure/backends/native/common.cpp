@@ -32,7 +32,8 @@ int set_names(PyObject *dict) {
         {&names.signature, "signature"}, {&names.record_dtypes, "record_dtypes"},
         {&names.computed, "computed"}, {&names.hooked_weight, "hooked_weight"},
         {&names.grad_lane, "grad_lane"}, {&names.node, "node"}, {&names.both, "both"},
-        {&names.weight_grad, "weight_grad"}, {&names.pack_kind, "pack_kind"},
+        {&names.weight_grad, "weight_grad"}, {&names.through, "through"},
+        {&names.gather, "gather"}, {&names.pack_kind, "pack_kind"},
         {&names.pack_kept, "pack_kept"}, {&names.pack_split, "pack_split"},
         {&names.pack_blocks, "pack_blocks"}, {&names.pack_width, "pack_width"},
         {&names.pack_stride, "pack_stride"}, {&names.pack_scale, "pack_scale"},
@@ -86,16 +87,14 @@ const c10::DispatchKeySet WRAPPERS({c10::DispatchKey::FuncTorchGradWrapper,
                                     c10::DispatchKey::FuncTorchBatched,
                                     c10::DispatchKey::BatchedNestedTensor});
 
-bool readable(const at::Tensor &t) {
-    return t.is_cpu() && t.layout() == at::kStrided && t.is_contiguous() &&
-           !t.key_set().has_any(WRAPPERS);
+bool lined(const at::Tensor &t) {
+    return t.layout() == at::kStrided && t.is_contiguous() && !t.key_set().has_any(WRAPPERS);
 }
 
+bool readable(const at::Tensor &t) { return t.is_cpu() && lined(t); }
+
 bool launchable(const at::Tensor &x, const at::Tensor &y) {
-    for (const at::Tensor *t : {&x, &y})
-        if (t->layout() != at::kStrided || !t->is_contiguous() || t->key_set().has_any(WRAPPERS))
-            return false;
-    return x.device() == y.device();
+    return lined(x) && lined(y) && x.device() == y.device();
 }
 
 bool plain(const at::Tensor &t) {
@@ -152,18 +151,23 @@ int stage(PyObject *runtime, PyObject *queue, PyObject *rows, int64_t n) {
 
 bool same_layout(const Plan &plan, const at::Tensor &x, at::ScalarType dy) {
     return plan.threads == at::get_num_threads() && plan.dx == x.scalar_type() &&
-           plan.dy == dy && x.sizes().equals(plan.sizes);
+           plan.dy == dy && plan.device == x.device() && x.sizes().equals(plan.sizes);
 }
 
 int take_plan(Plan &plan, PyObject *got, const at::Tensor &x, at::ScalarType dy) {
     plan.threads = -1;  // (until the new plan is read whole)
     plan.args.clear();
-    PyObject *args = got, *shape = nullptr;
-    if (PyTuple_Check(got) && PyTuple_GET_SIZE(got) == 2) {  // a readers.RowPlan
+    PyObject *args = got, *shape = nullptr, *key = nullptr, *where = nullptr;
+    Py_ssize_t parts = PyTuple_Check(got) ? PyTuple_GET_SIZE(got) : 0;
+    if (parts == 2 || parts == 3) {  // a readers.RowPlan, or a launcher's lane_plan
         shape = PyTuple_GET_ITEM(got, 0);
-        args = PyTuple_GET_ITEM(got, 1);
+        args = parts == 2 ? PyTuple_GET_ITEM(got, 1) : nullptr;
+        if (parts == 3) {
+            key = PyTuple_GET_ITEM(got, 1);
+            where = PyTuple_GET_ITEM(got, 2);
+        }
     }
-    if (got != Py_None) {
+    if (args != nullptr && got != Py_None) {
         Py_ssize_t n = PySequence_Size(args);
         for (Py_ssize_t i = 0; i < n; i++) {
             Owned v(PySequence_GetItem(args, i));
@@ -173,8 +177,10 @@ int take_plan(Plan &plan, PyObject *got, const at::Tensor &x, at::ScalarType dy)
         }
         if (n < 0) return -1;
     }
-    Py_XINCREF(shape);
-    Py_XSETREF(plan.shape, shape);
+    Py_XSETREF(plan.shape, Py_XNewRef(shape));
+    Py_XSETREF(plan.key, Py_XNewRef(key));
+    Py_XSETREF(plan.where, Py_XNewRef(where));
+    plan.device = x.device();
     plan.sizes.assign(x.sizes().begin(), x.sizes().end());
     plan.dx = x.scalar_type();
     plan.dy = dy;

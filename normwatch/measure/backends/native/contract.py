@@ -23,14 +23,18 @@ What the lanes run, and where the Python they stand for is:
   :meth:`GradHooks.watch_call <normwatch.measure.layer.gradients.GradHooks.watch_call>`
   does, and calls the recorder's ``record_dtypes`` where the dtypes changed. Every other
   call goes to the layer's Python hook.
-  A *launch lane* (a layer the Triton backend serves: CUDA, or Triton's interpreter)
-  records the same calls the same way, planning with the backend's ``lane_plan`` and
-  reading with its ``lane_launch`` (one launch into the lent buffer, on the lender's
-  device key), and hands every full-tier call's rest to ``_tail``.
+  A *launch lane* (a layer whose backend has a launcher,
+  :meth:`Backend.launcher <normwatch.measure.state.backend.Backend.launcher>`: the Triton
+  backend's, on CUDA or in Triton's interpreter) records the same calls the same way,
+  planning with the launcher's ``lane_plan`` and reading with its ``lane_launch`` (one
+  launch into the lent buffer, on the lender's device key), and hands every full-tier
+  call's rest to ``_tail``.
 - **The gradient hooks** (``grads.cpp``, one capsule per layer's
   :class:`~normwatch.measure.layer.gradients.GradHooks`): a gradient of the plain case is
   read by the C reader its site's plan names and staged as ``GradHooks._measure`` stages
-  it; every other case calls the GradHooks method it stands for.
+  it; a launch lane's site by its launcher's ``lane_grad_plan`` and ``lane_grad_launch``
+  (one launch), its weight's norm by torch's op; every other case calls the GradHooks
+  method it stands for.
 - **The step hooks** (``sampler.cpp``): an optimizer whose samples are all
   :class:`~normwatch.measure.backends.native.sampler.NativePack` is sampled as
   :class:`~normwatch.measure.optimizer.updates.UpdateMonitor`'s hooks do.
@@ -88,6 +92,8 @@ NAMES: dict[str, str] = {
     "node": "_node",  # (site, k, grads): a node's pre-hook, Python's
     "both": "_both",  # (k, [x, weight, version], grads): the output's, with through
     "weight_grad": "_weight_grad",  # (g): the weight's
+    "through": "_in",  # (parts): the gradient through the norm, Python's
+    "gather": "_gather",  # (count): a gatherer of its parts, for compiled autograd
     # a NativePack (normwatch.measure.backends.native.sampler)
     "pack_kind": "_kind",
     "pack_kept": "kept",
@@ -108,3 +114,8 @@ GRAD_ROWS_FIELDS = ("norms", "lo", "hi", "layer", "site", "width")
 hooks fill them."""
 SITES = {"grad_out": 0, "grad_in": 1, "grad_hidden": 2, "weight": 3}
 """The gradient sites' indices, as the gradient hooks name them."""
+
+MAX_NODES = 64
+"""How many autograd nodes the walk from a norm's output to its input takes before it
+gives up (a norm with another input whose graph leads back into the model): Python's
+(:func:`~normwatch.measure.layer.gradients.through_nodes`) and the C++ lane's."""

@@ -3,6 +3,7 @@
 #include "grads.h"
 
 #include <ATen/Parallel.h>
+#include <torch/csrc/autograd/grad_mode.h>
 
 namespace normwatch::grads {
 
@@ -123,10 +124,66 @@ int read_rows(Grads &gr, int site, const at::Tensor &g, int whole, int64_t width
     return stage(gr, buffer, site, width) < 0 ? -1 : 1;
 }
 
-// A gradient `g` at `site` (not the weight): 1 read here, 0 not the plain case, -1 an error
-int read_site(Grads &gr, int site, const at::Tensor &g) {
-    if (!plain(g) || g.dim() == 0 || g.size(-1) != gr.width) return 0;
+// A launch lane's read of `g` at `site`: a buffer of its launcher's plan from the lender,
+// filled by the launcher (the backend's lane_grad_launch: one launch), staged: 1 read
+// here, 0 not planned, -1 an error
+int launch_rows(Grads &gr, int site, const at::Tensor &g, const at::Tensor *part) {
+    Plan &plan = gr.plans[site];
+    int t = grad_plan(plan, gr.site_planner, g, -1);
+    if (t != 1) return t;
+    if (plan.where == nullptr) {
+        plan.threads = -1;
+        PyErr_SetString(PyExc_TypeError, "grads: a launch plan: (shape, key, device)");
+        return -1;
+    }
+    // held: the lender's Python may let another thread in, whose gradient may plan anew
+    Owned shape(Py_NewRef(plan.shape)), key(Py_NewRef(plan.key)), where(Py_NewRef(plan.where));
+    PyObject *buffer = lend(gr.lender, shape.p, key.p, where.p);
+    if (buffer == nullptr) return -1;
+    int64_t width = g.size(-1);
+    Owned go(THPVariable_Wrap(g)), po(part ? THPVariable_Wrap(*part) : Py_NewRef(Py_None)),
+        n(PyLong_FromLongLong(g.numel() / width)), w(PyLong_FromLongLong(width));
+    PyObject *run[5] = {go.p, po.p, buffer, n.p, w.p};
+    Owned done(go.p && po.p && n.p && w.p ? PyObject_Vectorcall(gr.launcher, run, 5, nullptr)
+                                          : nullptr);
+    if (done.p == nullptr) {
+        Py_DECREF(buffer);
+        return -1;
+    }
+    return stage(gr, buffer, site, width) < 0 ? -1 : 1;
+}
+
+// What a launcher reads: lined, no tensor subclass (a DTensor's gradient is Python's)
+bool launchable(const at::Tensor &g) {
+    return lined(g) && !g.key_set().has(c10::DispatchKey::Python);
+}
+
+int read_site(Grads &gr, int site, const at::Tensor &g, const at::Tensor *part) {
+    if (gr.launcher != Py_None) {
+        if (!launchable(g) || g.dim() == 0 || g.size(-1) != gr.width ||
+            (part && (!launchable(*part) || part->scalar_type() != g.scalar_type() ||
+                      !part->sizes().equals(g.sizes()))))
+            return 0;
+        return launch_rows(gr, site, g, part);
+    }
+    if (part || !plain(g) || g.dim() == 0 || g.size(-1) != gr.width) return 0;
     return read_rows(gr, site, g, 0, g.size(-1));
+}
+
+int read_weight(Grads &gr, const at::Tensor &g) {
+    if (gr.launcher == Py_None)
+        return plain(g) && g.numel() ? read_rows(gr, SITE_WEIGHT, g, 1, 1) : 0;
+    // a launch lane's: the whole gradient's norm, as the backend's grad_rows takes it
+    // (torch's, no launcher: a scalar), in float32 for the half formats
+    if (g.key_set().has(c10::DispatchKey::Python)) return 0;  // (a DTensor's: Python's)
+    at::NoGradGuard no_graph;  // (create_graph=True: the norm is read, not differentiated)
+    bool half = g.scalar_type() == at::kHalf || g.scalar_type() == at::kBFloat16;
+    at::Tensor norm = at::linalg_vector_norm(g, 2, c10::nullopt, false,
+                                             half ? std::optional<at::ScalarType>(at::kFloat)
+                                                  : std::nullopt);
+    PyObject *buffer = THPVariable_Wrap(norm);
+    if (buffer == nullptr) return -1;
+    return stage(gr, buffer, SITE_WEIGHT, 1) < 0 ? -1 : 1;
 }
 
 }  // namespace normwatch::grads

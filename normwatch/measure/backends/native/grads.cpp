@@ -6,7 +6,8 @@
 // output node's pre-hook that also computes the gradient through the norm (hook_out), the
 // weight's tensor hook (hook_weight). Each reads as the Python hook does with the native
 // backend (the same C readers, plans, lender and GradRows staged) with no Python frame of
-// its own; any case that is not the plain one calls the Python hook's method
+// its own; a launch lane's (a layer the Triton backend serves) reads a site by its
+// launcher (one launch, its only Python) and the weight by torch's norm; any case that is not the plain one calls the Python hook's method
 // (GradHooks._node, ._both, ._weight_grad), which measures it as before. An error
 // disables the layer through GradHooks._fail. Registered with no RemovableHandle (a
 // node's hooks go with its graph).
@@ -16,10 +17,15 @@
 #include <torch/csrc/PyInterpreter.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/dynamo/compiled_autograd.h>
 
 #include <algorithm>
+#include <optional>
+#include <unordered_set>
+#include <utility>
 
 namespace {
 
@@ -188,6 +194,126 @@ struct OutHook : torch::autograd::FunctionPreHook {
     }
 };
 
+// The gradient through the norm, from the parts its own nodes send to x: gathered by
+// their post-hooks (ThroughHook; GradHooks' _Through's C++ twin), read once the last came
+struct Gather {
+    Shared gr;
+    int count, left;
+    std::vector<at::Tensor> parts;
+    std::optional<c10::SafePyObject> twin;  // compiled autograd's (GradHooks._gather)
+    Gather(Shared g, int n) : gr(std::move(g)), count(n), left(n) {}
+};
+
+// The parts read (one, or a launch lane's two alike, here), else GradHooks._in(parts)
+int read_through(Grads &gr, const std::vector<at::Tensor> &parts) {
+    int t = 0;
+    if (!parts[0].numel()) return 1;  // (as _measure: nothing to read)
+    if (parts.size() <= 2)
+        t = read_site(gr, SITE_IN, parts[0], parts.size() == 2 ? &parts[1] : nullptr);
+    if (t != 0) return t;
+    PyObject *list = PyList_New((Py_ssize_t)parts.size());
+    for (size_t i = 0; list != nullptr && i < parts.size(); i++) {
+        PyObject *p = wrapped(parts[i]);
+        if (p == nullptr) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, (Py_ssize_t)i, p);
+    }
+    PyObject *args = list ? Py_BuildValue("(N)", list) : nullptr;
+    t = args && fallback(gr, names.through, args) == 0 ? 1 : -1;
+    Py_XDECREF(args);
+    return t;
+}
+
+// A norm's node's post-hook: the part of dL/dx its edge k into x carries
+struct ThroughHook : torch::autograd::FunctionPostHook {
+    std::shared_ptr<Gather> gather;
+    size_t k;
+    ThroughHook(std::shared_ptr<Gather> g, size_t i) : gather(std::move(g)), k(i) {}
+    torch::autograd::variable_list operator()(
+        const torch::autograd::variable_list &outputs,
+        const torch::autograd::variable_list &) override {
+        Gather &t = *gather;
+        PyGILState_STATE gil = PyGILState_Ensure();  // (the parts, one hook at a time)
+        t.left -= 1;
+        if (k < outputs.size() && outputs[k].defined()) t.parts.push_back(outputs[k]);
+        if (t.left == 0 && !t.parts.empty()) {
+            std::vector<at::Tensor> parts = std::move(t.parts);
+            t.parts.clear();
+            Firing f(t.gr);
+            if (f.now == 1) guarded(*t.gr, [&] { return read_through(*t.gr, parts); });
+        }
+        PyGILState_Release(gil);
+        return outputs;
+    }
+    // compiled autograd: one Python gatherer for the nodes (GradHooks._gather), called
+    // as a post-hook with k first, as _Through.watch places it
+    void compiled_args(torch::dynamo::autograd::CompiledNodeArgs &args) const override {
+        PyGILState_STATE gil = PyGILState_Ensure();
+        Gather &t = *gather;
+        if (!t.twin) {
+            PyObject *make = method_of(*t.gr, names.gather);
+            PyObject *made = make ? PyObject_CallFunction(make, "i", t.count) : nullptr;
+            Py_XDECREF(make);
+            if (made != nullptr) t.twin.emplace(made, getPyInterpreter());
+        }
+        PyObject *partial = nullptr;
+        if (t.twin) {
+            PyObject *functools = PyImport_ImportModule("functools");
+            PyObject *make = functools ? PyObject_GetAttrString(functools, "partial") : nullptr;
+            partial = make ? PyObject_CallFunction(make, "On", t.twin->ptr(getPyInterpreter()),
+                                                   (Py_ssize_t)k)
+                           : nullptr;
+            Py_XDECREF(functools);
+            Py_XDECREF(make);
+        }
+        if (partial != nullptr)
+            args.add_post_hook(c10::SafePyObject(partial, getPyInterpreter()));
+        PyErr_Clear();
+        PyGILState_Release(gil);
+    }
+};
+
+// Post-hooks on `nodes` (each with its edge k into x) gathering the gradient through the
+// norm (nothing where there are none)
+void gather_through(const Shared &gr,
+                    const std::vector<std::pair<torch::autograd::Node *, size_t>> &nodes) {
+    if (nodes.empty()) return;
+    auto gather = std::make_shared<Gather>(gr, (int)nodes.size());
+    for (const auto &[node, k] : nodes)
+        node->add_post_hook(std::make_unique<ThroughHook>(gather, k));
+}
+
+// The nodes between y's and x's (x not a leaf) that feed x directly, each with the index of
+// its edge into x: GradHooks' through_nodes, walked alike (none past max_nodes)
+std::vector<std::pair<torch::autograd::Node *, size_t>> through_nodes(const at::Tensor &y,
+                                                                      const at::Tensor &x) {
+    std::vector<std::pair<torch::autograd::Node *, size_t>> found;
+    torch::autograd::Node *start = y.grad_fn().get(), *target = x.grad_fn().get();
+    if (start == nullptr || target == nullptr) return found;
+    uint64_t floor = target->sequence_nr();
+    std::vector<torch::autograd::Node *> stack{start};
+    std::unordered_set<torch::autograd::Node *> seen{start};
+    while (!stack.empty()) {
+        torch::autograd::Node *node = stack.back();
+        stack.pop_back();
+        const auto &edges = node->next_edges();
+        for (size_t k = 0; k < edges.size(); k++) {
+            torch::autograd::Node *next = edges[k].function.get();
+            if (next == nullptr) continue;
+            if (next == target) {
+                if (edges[k].input_nr == x.output_nr()) found.emplace_back(node, k);
+                continue;
+            }
+            if (dynamic_cast<torch::autograd::AccumulateGrad *>(next) != nullptr)
+                continue;  // a leaf (a parameter: x is none)
+            if (seen.count(next) || next->sequence_nr() < floor) continue;
+            seen.insert(next);
+            if ((int64_t)seen.size() > max_nodes) return {};
+            stack.push_back(next);
+        }
+    }
+    return found;
+}
+
 int weight_read(Grads &r, const at::Tensor &g);
 
 // The weight's tensor pre-hook: its gradient (GradHooks._weight_grad's C++ twin)
@@ -214,7 +340,7 @@ struct WeightHook : torch::autograd::FunctionPreHook {
 
 // The weight's gradient read: 1 (here or by the Python hook's method) or -1 an error
 int weight_read(Grads &r, const at::Tensor &g) {
-    int t = plain(g) && g.numel() ? read_rows(r, SITE_WEIGHT, g, 1, 1) : 0;
+    int t = read_weight(r, g);
     if (t == 0) {
         PyObject *go = wrapped(g);
         PyObject *args = go ? Py_BuildValue("(N)", go) : nullptr;
@@ -225,22 +351,24 @@ int weight_read(Grads &r, const at::Tensor &g) {
 }
 
 // grads(owner weakref, runtime, lender, GradRows, row, width, eps, site planner
-// (readers.grad_read_plan), through planner (ThroughReader.plan)): a layer's capsule
+// (readers.grad_read_plan, or a launcher's lane_grad_plan), through planner
+// (ThroughReader.plan), launcher (its lane_grad_launch, or None)): a layer's capsule
 PyObject *make_grads(PyObject *, PyObject *args) {
-    PyObject *o[7];
+    PyObject *o[8];
     long long width;
     double eps;
-    if (!PyArg_ParseTuple(args, "OOOOOLdOO", &o[0], &o[1], &o[2], &o[3], &o[4], &width, &eps,
-                          &o[5], &o[6]))
+    if (!PyArg_ParseTuple(args, "OOOOOLdOOO", &o[0], &o[1], &o[2], &o[3], &o[4], &width, &eps,
+                          &o[5], &o[6], &o[7]))
         return nullptr;
     if (!PyWeakref_CheckRef(o[0])) return PyErr_Format(PyExc_TypeError, "grads: a weakref");
     if (!PyType_Check(o[3]) ||
         !PyType_IsSubtype(reinterpret_cast<PyTypeObject *>(o[3]), &PyTuple_Type))
         return PyErr_Format(PyExc_TypeError, "grads: rows type: a tuple's subclass");
     auto shared = std::make_shared<Grads>();
-    PyObject **slots[7] = {&shared->owner, &shared->runtime, &shared->lender, &shared->rows_type,
-                           &shared->row, &shared->site_planner, &shared->through_planner};
-    for (int i = 0; i < 7; i++) {
+    PyObject **slots[8] = {&shared->owner, &shared->runtime, &shared->lender, &shared->rows_type,
+                           &shared->row, &shared->site_planner, &shared->through_planner,
+                           &shared->launcher};
+    for (int i = 0; i < 8; i++) {
         Py_INCREF(o[i]);
         *slots[i] = o[i];
     }
@@ -288,6 +416,21 @@ int normwatch::hook_call_gradients(PyObject *capsule, const at::Tensor &x,
     return 0;
 }
 
+// A launch lane's full-tier call's gradient hooks (lane.cpp's full_tail): the hidden
+// state's on x's node, the output's on y's, the gradient through the norm's on the norm's
+// own nodes, as GradHooks.watch_call places them where the backend computes no gradient
+int normwatch::hook_launch_gradients(PyObject *capsule, const at::Tensor &x,
+                                     const at::Tensor &y) {
+    Shared *held = held_grads(capsule);
+    if (held == nullptr) return -1;
+    x.grad_fn()->add_pre_hook(std::make_unique<SiteHook>(*held, SITE_HIDDEN, x.output_nr()));
+    y.grad_fn()->add_pre_hook(std::make_unique<SiteHook>(*held, SITE_OUT, y.output_nr()));
+    gather_through(*held, through_nodes(y, x));
+    return 0;
+}
+
+int64_t normwatch::max_nodes = 64;
+
 namespace {
 
 PyObject *hook_site(PyObject *, PyObject *args) {
@@ -314,6 +457,29 @@ PyObject *hook_out(PyObject *, PyObject *args) {
     if (!node) return PyErr_Format(PyExc_ValueError, "hook_out: a tensor with a node");
     node->add_pre_hook(std::make_unique<OutHook>(*held, y.output_nr(), x, w));
     Py_RETURN_NONE;
+}
+
+// Post-hooks on the norm's nodes [(node, k), ...] that feed its input, gathering the
+// gradient through it: True, or False where a node is not a C++ one (none placed)
+PyObject *hook_through(PyObject *, PyObject *args) {
+    PyObject *capsule, *nodes;
+    if (!PyArg_ParseTuple(args, "OO!", &capsule, &PyList_Type, &nodes)) return nullptr;
+    Shared *held = held_grads(capsule);
+    if (held == nullptr) return nullptr;
+    Py_ssize_t n = PyList_GET_SIZE(nodes);
+    std::vector<std::pair<torch::autograd::Node *, size_t>> found;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *pair = PyList_GET_ITEM(nodes, i), *node;
+        Py_ssize_t k;
+        if (!PyTuple_Check(pair) || !PyArg_ParseTuple(pair, "On", &node, &k) || k < 0)
+            return PyErr_Format(PyExc_TypeError, "hook_through: a list of (node, k)");
+        if (!torch::autograd::THPCppFunction_Check(node)) Py_RETURN_FALSE;
+        found.emplace_back(
+            reinterpret_cast<torch::autograd::THPCppFunction *>(node)->cdata.get(), (size_t)k);
+    }
+    if (found.empty()) Py_RETURN_FALSE;
+    gather_through(*held, found);
+    Py_RETURN_TRUE;
 }
 
 PyObject *hook_weight(PyObject *, PyObject *args) {
@@ -353,6 +519,8 @@ PyMethodDef normwatch_grads_methods[] = {
     {"hook_site", hook_site, METH_VARARGS, "hook_site(capsule, t, site): t's node's pre-hook"},
     {"hook_out", hook_out, METH_VARARGS,
      "hook_out(capsule, y, x, weight): y's node's pre-hook, with the gradient through"},
+    {"hook_through", hook_through, METH_VARARGS,
+     "hook_through(capsule, [(node, k), ...]): the norm's nodes' post-hooks (False: none)"},
     {"hook_weight", hook_weight, METH_VARARGS, "hook_weight(capsule, w): w's hook's handle"},
     {"unhook", unhook, METH_VARARGS, "unhook(w, handle)"},
     {nullptr, nullptr, 0, nullptr}};

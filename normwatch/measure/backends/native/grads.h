@@ -19,16 +19,18 @@ struct Grads {
     PyObject *owner = nullptr;  // a weakref to the GradHooks (its fallbacks, _fail)
     PyObject *runtime = nullptr, *lender = nullptr, *rows_type = nullptr, *row = nullptr,
              *site_planner = nullptr, *through_planner = nullptr;
+    PyObject *launcher = nullptr;  // a launch lane's read of a site (None: the C readers)
     int64_t width = 0;
     double eps = 0;
     bool open = true;
-    Plan plans[4];  // per site: OUT, IN (unused), HIDDEN, WEIGHT
+    Plan plans[4];  // per site: OUT, IN, HIDDEN, WEIGHT (a launch lane's: its
+                    // launcher's, WEIGHT unused)
     Plan through_plan;  // the output's gradient with the gradient through the norm
 
     void close() {
         open = false;
         for (PyObject **o : {&owner, &runtime, &lender, &rows_type, &row, &site_planner,
-                             &through_planner})
+                             &through_planner, &launcher})
             Py_CLEAR(*o);
     }
 };
@@ -59,7 +61,10 @@ PyObject *wrapped(const at::Tensor &t);
 // `g`'s rows (GradReader's read: `whole`, one row) staged at `site` with `width`: 1 read
 // here, 0 not planned, -1 an error
 int read_rows(Grads &gr, int site, const at::Tensor &g, int whole, int64_t width);
-// A gradient `g` at `site` (not the weight): 1 read here, 0 not the plain case, -1 an error
-int read_site(Grads &gr, int site, const at::Tensor &g);
+// A gradient `g` at `site` (not the weight; `part`: a second part of it, added as it is
+// read, a launch lane's only): 1 read here, 0 not the plain case, -1 an error
+int read_site(Grads &gr, int site, const at::Tensor &g, const at::Tensor *part = nullptr);
+// The weight's gradient `g`: 1 read here, 0 not the plain case, -1 an error
+int read_weight(Grads &gr, const at::Tensor &g);
 
 }  // namespace normwatch::grads

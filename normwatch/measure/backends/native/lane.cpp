@@ -10,7 +10,8 @@
 // common case the layer's _tail (Recorder.after); the common full-tier call's rest here
 // (full_tail). A launch lane (a layer the Triton backend serves: on CUDA, or in Triton's
 // interpreter) reads the call by the backend's launcher instead, into a buffer from the
-// same lender: the same CallRows, with no Python frame but the launch's. Any other call,
+// same lender: the same CallRows, with no Python frame but the launch's (and on full-tier
+// calls its gradient hooks, grads.cpp's, reading by the launcher too). Any other call,
 // every call while Dynamo traces (a Python stand-in) and every call where Dynamo compiles
 // the frames run (see hook) goes to the Python hook. An error here disables the layer as
 // the Python hook's would (its _fail): training goes on.
@@ -37,28 +38,18 @@ PyObject *s_shape = nullptr;  // "shape": a tensor's, torch's name
 constexpr int PLAN_SIZE = 9;   // normwatch_rows_planned's plan (readers.row_plan's args)
 constexpr int ROWS_FIELDS = 10;  // CallRows' (contract.ROWS_FIELDS)
 
-// A launch lane's plan of the last layout met, per tier (its planner, the backend's
-// lane_plan, asked on a new one): the rows' shape, and where the lender keeps them
-struct Launch {
-    std::vector<int64_t> sizes;
-    at::ScalarType dx = at::ScalarType::Undefined, dy = at::ScalarType::Undefined;
-    c10::Device device{c10::kCPU};
-    bool known = false, planned = false;
-    PyObject *shape = nullptr, *key = nullptr, *where = nullptr;  // (owned)
-};
-
 // One layer's lane: what LayerHook hands over once (owned references), and per tier
-// (sentinel, full) its plan; `launcher` None but in a launch lane
+// (sentinel, full) its plan (a launch lane's: its launcher's); `launcher` None but in a
+// launch lane
 struct Lane {
     PyObject *runtime, *recorder, *counts, *lender, *planner, *call_type, *row, *eps,
         *centred, *moments, *launcher;
     int64_t width, key_stride;
     Plan tiers[2];
-    Launch launches[2];
     // The dtypes the recorder's record_dtypes last noted from here (full_tail): its
     // signature then (owned), and what that signature is made of
     PyObject *signature = nullptr;
-    int64_t dtypes[4] = {-1, -1, -1, -1};
+    int64_t dtypes[5] = {-1, -1, -1, -1, -1};
     std::string op;
 };
 
@@ -67,11 +58,10 @@ void drop(PyObject *capsule) {
     if (lane == nullptr) return;
     for (PyObject *o : {lane->runtime, lane->recorder, lane->counts, lane->lender,
                         lane->planner, lane->call_type, lane->row, lane->eps, lane->centred,
-                        lane->moments, lane->launcher, lane->tiers[0].shape,
-                        lane->tiers[1].shape, lane->signature})
+                        lane->moments, lane->launcher, lane->signature})
         Py_XDECREF(o);
-    for (Launch &l : lane->launches)
-        for (PyObject *o : {l.shape, l.key, l.where}) Py_XDECREF(o);
+    for (Plan &p : lane->tiers)
+        for (PyObject *o : {p.shape, p.key, p.where}) Py_XDECREF(o);
     delete lane;
 }
 
@@ -108,30 +98,16 @@ int full_tail(Lane *lane, PyObject *module, PyObject *args, PyObject *kwargs, Py
 // does not cover the layout (a new reference too), nullptr an error.
 PyObject *launch_rows(Lane *lane, bool full, PyObject *xo, PyObject *yo, const at::Tensor &x,
                       const at::Tensor &y, int64_t tokens) {
-    Launch &tier = lane->launches[full];
-    if (!tier.known || tier.device != x.device() || tier.dx != x.scalar_type() ||
-        tier.dy != y.scalar_type() || !x.sizes().equals(tier.sizes)) {
-        tier.known = false;  // (until the new plan is read whole)
+    Plan &tier = lane->tiers[full];
+    if (!same_layout(tier, x, y.scalar_type())) {
         PyObject *ask[3] = {xo, yo, full ? Py_True : Py_False};
         Owned got(PyObject_Vectorcall(lane->planner, ask, 3, nullptr));
-        if (got.p == nullptr) return nullptr;
-        PyObject *part[3] = {nullptr, nullptr, nullptr};
-        if (got.p != Py_None) {
-            if (!PyTuple_Check(got.p) || PyTuple_GET_SIZE(got.p) != 3) {
-                PyErr_SetString(PyExc_TypeError, "lane: a launch plan: (shape, key, device)");
-                return nullptr;
-            }
-            for (int i = 0; i < 3; i++) part[i] = Py_NewRef(PyTuple_GET_ITEM(got.p, i));
+        if (got.p == nullptr || take_plan(tier, got.p, x, y.scalar_type()) < 0) return nullptr;
+        if (tier.planned && tier.where == nullptr) {
+            tier.threads = -1;
+            PyErr_SetString(PyExc_TypeError, "lane: a launch plan: (shape, key, device)");
+            return nullptr;
         }
-        Py_XSETREF(tier.shape, part[0]);
-        Py_XSETREF(tier.key, part[1]);
-        Py_XSETREF(tier.where, part[2]);
-        tier.sizes.assign(x.sizes().begin(), x.sizes().end());
-        tier.dx = x.scalar_type();
-        tier.dy = y.scalar_type();
-        tier.device = x.device();
-        tier.planned = got.p != Py_None;
-        tier.known = true;
     }
     if (!tier.planned) return Py_NewRef(Py_None);
     // held: the lender's Python may let another thread in, whose call may plan anew
@@ -292,22 +268,26 @@ PyObject *hook(PyObject *, PyObject *const *a, Py_ssize_t n) {
 }
 
 // The rest of a full-tier call that is not the interval's first (Recorder.after's work),
-// its common case here: x the call's only argument, both float32 with autograd nodes, the
-// gradient through the norm computed (GradHooks.computes: no saved-tensor hooks, a
-// float32 weight of one element per x's, or none, already hooked), the layer's C++
-// gradient hooks placed as GradHooks.watch_call places them, then the dtypes noted where
-// they changed since this lane last noted them (the recorder's record_dtypes, called).
-// 1 done, 0 not that case (nothing done: the Python _tail does it), -1 an error.
+// its common case here: x the call's only argument, both with autograd nodes; the
+// C reader's (a CPU lane's): both float32, the gradient through the norm computed
+// (GradHooks.computes: no saved-tensor hooks, a float32 weight of one element per x's,
+// or none), a launch lane's: any dtypes (its backend computes no gradient through the
+// norm: GradHooks.watch_call hooks the norm's own nodes); the weight, if any, already
+// hooked. The layer's C++ gradient hooks placed as GradHooks.watch_call places them, then
+// the dtypes noted where they changed since this lane last noted them (the recorder's
+// record_dtypes, called). 1 done, 0 not that case (nothing done: the Python _tail does
+// it), -1 an error.
 int full_tail(Lane *lane, PyObject *module, PyObject *args, PyObject *kwargs, PyObject *xo,
               PyObject *yo, const at::Tensor &x, const at::Tensor &y) {
-    if (lane->launcher != Py_None) return 0;  // (its gradient hooks are Python's)
+    bool launch = lane->launcher != Py_None;
     if (PyTuple_GET_SIZE(args) != 1 ||
         (kwargs != nullptr && kwargs != Py_None &&
          (!PyDict_Check(kwargs) || PyDict_GET_SIZE(kwargs) != 0)))
         return 0;
-    if (through == nullptr || x.scalar_type() != at::kFloat || y.scalar_type() != at::kFloat ||
-        !x.requires_grad() || !y.requires_grad() || !x.grad_fn() || !y.grad_fn() ||
-        at::SavedTensorDefaultHooks::get_hooks(false).has_value())
+    if (!x.requires_grad() || !y.requires_grad() || !x.grad_fn() || !y.grad_fn() ||
+        (!launch && (through == nullptr || x.scalar_type() != at::kFloat ||
+                     y.scalar_type() != at::kFloat ||
+                     at::SavedTensorDefaultHooks::get_hooks(false).has_value())))
         return 0;
     int t = grads_now(lane->runtime);
     if (t != 1) return t;
@@ -321,7 +301,8 @@ int full_tail(Lane *lane, PyObject *module, PyObject *args, PyObject *kwargs, Py
     if (weight.p != Py_None) {
         if (!THPVariable_Check(weight.p)) return 0;
         w = THPVariable_Unpack(weight.p);
-        if (w.scalar_type() != at::kFloat || !plain(w) || w.numel() != x.size(-1)) return 0;
+        if (!launch && (w.scalar_type() != at::kFloat || !plain(w) || w.numel() != x.size(-1)))
+            return 0;
     }
     PyObject *recorder = lane->recorder;
     Owned grads(PyObject_GetAttr(recorder, names.grads));
@@ -331,20 +312,25 @@ int full_tail(Lane *lane, PyObject *module, PyObject *args, PyObject *kwargs, Py
         hooked(computed.p ? PyObject_GetAttr(grads.p, names.hooked_weight) : nullptr),
         gradlane(hooked.p ? PyObject_GetAttr(grads.p, names.grad_lane) : nullptr);
     if (gradlane.p == nullptr) return -1;
-    if ((t = PyObject_IsTrue(computed.p)) != 1 || gradlane.p == Py_None ||
+    if ((t = launch ? 1 : PyObject_IsTrue(computed.p)) != 1 || gradlane.p == Py_None ||
         (w.defined() && w.requires_grad() && weight.p != hooked.p))  // (watch_weight's to do)
         return t < 0 ? -1 : 0;
     Owned capsule(PyObject_GetAttr(gradlane.p, names.capsule));
-    if (capsule.p == nullptr || hook_call_gradients(capsule.p, x, y, w) < 0) return -1;
+    if (capsule.p == nullptr ||
+        (launch ? hook_launch_gradients(capsule.p, x, y) : hook_call_gradients(capsule.p, x, y, w))
+            < 0)
+        return -1;
     // the recorder's record_dtypes where anything its signature is made of changed
-    int64_t dtypes[4] = {(int64_t)x.scalar_type(), w.defined() ? (int64_t)w.scalar_type() : -1,
+    c10::DeviceType where = x.device().type();
+    int64_t dtypes[5] = {(int64_t)x.scalar_type(), w.defined() ? (int64_t)w.scalar_type() : -1,
                          (int64_t)y.scalar_type(),
-                         at::autocast::is_autocast_enabled(at::kCPU)
-                             ? (int64_t)at::autocast::get_autocast_dtype(at::kCPU) : -1};
+                         at::autocast::is_autocast_enabled(where)
+                             ? (int64_t)at::autocast::get_autocast_dtype(where) : -1,
+                         (int64_t)where};
     std::string op = y.grad_fn()->name();
     Owned signature(PyObject_GetAttr(recorder, names.signature));
     if (signature.p == nullptr) return -1;
-    if (signature.p == lane->signature && std::equal(dtypes, dtypes + 4, lane->dtypes) &&
+    if (signature.p == lane->signature && std::equal(dtypes, dtypes + 5, lane->dtypes) &&
         op == lane->op)
         return 1;
     PyObject *call[4] = {recorder, module, xo, yo};
@@ -352,7 +338,7 @@ int full_tail(Lane *lane, PyObject *module, PyObject *args, PyObject *kwargs, Py
     Owned noted(done.p ? PyObject_GetAttr(recorder, names.signature) : nullptr);
     if (noted.p == nullptr) return -1;
     Py_XSETREF(lane->signature, Py_NewRef(noted.p));
-    std::copy(dtypes, dtypes + 4, lane->dtypes);
+    std::copy(dtypes, dtypes + 5, lane->dtypes);
     lane->op = std::move(op);
     return 1;
 }
@@ -383,10 +369,12 @@ PyObject *lane(PyObject *, PyObject *args) {
 
 // setup(names (contract.NAMES), addresses of normwatch_rows_planned,
 // normwatch_grad_rows_planned, normwatch_through, torch._C._dynamo.eval_frame.
-// get_eval_frame_callback)
+// get_eval_frame_callback, contract.MAX_NODES)
 PyObject *setup(PyObject *, PyObject *args) {
     PyObject *dict, *a, *b, *c, *callback;
-    if (!PyArg_ParseTuple(args, "OOOOO", &dict, &a, &b, &c, &callback)) return nullptr;
+    long long walk;
+    if (!PyArg_ParseTuple(args, "OOOOOL", &dict, &a, &b, &c, &callback, &walk)) return nullptr;
+    max_nodes = walk;
     if (!PyCallable_Check(callback)) return PyErr_Format(PyExc_TypeError, "setup: callable");
     if (set_names(dict) < 0) return nullptr;
     void *p[3] = {PyLong_AsVoidPtr(a), PyLong_AsVoidPtr(b), PyLong_AsVoidPtr(c)};

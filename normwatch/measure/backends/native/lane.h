@@ -21,6 +21,7 @@ struct Names {
         *staged_calls, *staged_grads, *staged_tokens, *max_staged, *commit, *free, *lent,
         *take, *lane_state, *capsule, *tail, *fail, *recorder, *grads, *signature,
         *record_dtypes, *computed, *hooked_weight, *grad_lane, *node, *both, *weight_grad,
+        *through, *gather,
         *pack_kind, *pack_kept, *pack_split, *pack_blocks, *pack_width, *pack_stride,
         *pack_scale, *pack_params;
 };
@@ -45,27 +46,32 @@ int64_t integer(PyObject *owner, PyObject *name);
 // Add `by` to an integer attribute (-1: an error)
 int add(PyObject *owner, PyObject *name, int64_t by);
 
-// A C reader's plan of the last layout met (its planner, Python's, asked on a new one)
+// A C reader's or a launcher's plan of the last layout met (its planner, Python's, asked
+// on a new one)
 struct Plan {
-    std::vector<int64_t> sizes;  // the layout: the tensor's sizes, the dtypes, the threads
+    std::vector<int64_t> sizes;  // the layout: the tensor's sizes, the dtypes, the device,
     at::ScalarType dx = at::ScalarType::Undefined, dy = at::ScalarType::Undefined;
-    int threads = -1;
-    bool planned = false;       // the planner covered that layout
-    std::vector<int64_t> args;  // the reader's plan (its arguments)
-    PyObject *shape = nullptr;  // the rows' shape, where the planner gives one (owned)
+    c10::Device device{c10::kCPU};
+    int threads = -1;            // the threads
+    bool planned = false;        // the planner covered that layout
+    std::vector<int64_t> args;   // the reader's plan (its arguments)
+    PyObject *shape = nullptr;   // the rows' shape, where the planner gives one (owned)
+    PyObject *key = nullptr, *where = nullptr;  // a launcher's: the lender's key, device
 };
 
 // Whether `plan` was made for x's layout (and a second tensor's dtype `dy`)
 bool same_layout(const Plan &plan, const at::Tensor &x, at::ScalarType dy);
 // Take a planner's answer for x's layout into `plan`: None (not covered), a sequence of
-// int64 (the reader's arguments) or a pair (the rows' shape, the arguments): 1 planned,
-// 0 not covered, -1 an error
+// int64 (the reader's arguments), a pair (the rows' shape, the arguments) or a launcher's
+// triple (the rows' shape, the lender's key, the device): 1 planned, 0 not covered, -1
+// an error
 int take_plan(Plan &plan, PyObject *got, const at::Tensor &x, at::ScalarType dy);
 
-// What the C readers take: a contiguous strided CPU tensor, no vmap or grad wrapper
+// A contiguous strided tensor, no vmap or grad wrapper
+bool lined(const at::Tensor &t);
+// What the C readers take: lined, on the CPU
 bool readable(const at::Tensor &t);
-// What a launch lane's launcher takes: two contiguous strided tensors on one device, no
-// vmap or grad wrapper
+// What a launch lane's launcher takes: two lined tensors on one device
 bool launchable(const at::Tensor &x, const at::Tensor &y);
 // ... (a C reader's) and no tensor subclass (a DTensor's gradient is Python's)
 bool plain(const at::Tensor &t);
@@ -93,6 +99,11 @@ int grads_now(PyObject *runtime);
 // gradient capsule `capsule`: 0, or -1 with an error
 int hook_call_gradients(PyObject *capsule, const at::Tensor &x, const at::Tensor &y,
                         const at::Tensor &w);
+// A launch lane's (grads.cpp): the hidden state's on x's node, the output's on y's, the
+// gradient through the norm's on the norm's own nodes (found as GradHooks' through_nodes
+// finds them, walking at most max_nodes): 0, or -1 with an error
+int hook_launch_gradients(PyObject *capsule, const at::Tensor &x, const at::Tensor &y);
+extern int64_t max_nodes;  // contract.MAX_NODES (set at setup)
 
 // The C readers' entry points (native_rows.c), set at setup
 using RowsFn = int (*)(const void *, const void *, float *, const int64_t *);

@@ -39,13 +39,14 @@ import os
 import weakref
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from normwatch.catalog import KEY_STRIDE
 from normwatch.measure.backends.native import build, contract
 from normwatch.measure.backends.native.readers import grad_read_plan, moments_of, row_plan
+from normwatch.measure.state.backend import Launcher
 from normwatch.measure.state.buffers import RowBuffers
 from normwatch.measure.state.rows import CallRows, GradRows
 
@@ -67,7 +68,7 @@ def module() -> ModuleType | None:
                                       for name in ("normwatch_rows_planned",
                                                    "normwatch_grad_rows_planned",
                                                    "normwatch_through")),
-                    torch._C._dynamo.eval_frame.get_eval_frame_callback)
+                    torch._C._dynamo.eval_frame.get_eval_frame_callback, contract.MAX_NODES)
         built.setup_sampler(ctypes.cast(lib.normwatch_sample, ctypes.c_void_p).value)
         _stand_in(built.hook)
     except Exception as exc:  # no C++ compiler, no headers, a failed build: Python's lane
@@ -102,18 +103,6 @@ def nothing() -> None:
     return None
 
 
-class Launcher(Protocol):
-    """A backend whose kernel a launch lane launches (the Triton backend's)."""
-
-    def lane_plan(self, x: torch.Tensor, y: torch.Tensor, full: bool) -> object:
-        """A call's layout planned: ``(rows' shape, the lender's key, device)``, or
-        ``None``: not covered."""
-
-    def lane_launch(self, x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, n: int,
-                    width: int, full: bool, centred: bool) -> None:
-        """A call of ``n`` tokens of ``width`` read into ``rows`` (one launch)."""
-
-
 def state(runtime: Any, recorder: Any, row: int, width: int | None,
           launcher: Launcher | None = None) -> State | None:
     """A layer's lane state (``recorder``: the layer's
@@ -140,19 +129,24 @@ class GradLane:
     """A layer's gradient hooks in C++ (:class:`~normwatch.measure.layer.gradients.GradHooks`'
     ``_lane``): ``site(t, site)`` pre-hooks the node that made ``t`` (its gradient read
     at ``site``), ``out(y, x, weight)`` the node that made the norm's output ``y`` (its
-    gradient and the one through the norm), ``weight(w)`` hooks the weight (a handle with
+    gradient and the one through the norm), ``through(nodes)`` the norm's own nodes (the
+    gradient through it, from their parts), ``weight(w)`` hooks the weight (a handle with
     ``remove()``). Each reads as GradHooks' own hook and calls its method where that is
     not the plain case. Compiled autograd, which runs no C++ hook, gets from each the
     Python hook it stands for. A copy (an EMA ``deepcopy``) gets ``None``: Python's
     hooks."""
 
-    __slots__ = ("_hook_weight", "_unhook", "capsule", "close", "out", "site")
+    __slots__ = ("_hook_weight", "_unhook", "capsule", "close", "out", "site", "through")
 
     def __init__(self, built: ModuleType, capsule: object) -> None:
         self.capsule = capsule
         """(what the forward's lane hooks a full-tier call's gradients with)"""
         self.site = functools.partial(built.hook_site, capsule)
         self.out = functools.partial(built.hook_out, capsule)
+        self.through = functools.partial(built.hook_through, capsule)
+        """``through(nodes)``: post-hooks on the norm's ``(node, k)`` that feed its input,
+        gathering the gradient through it; ``False``: a node is not torch's C++ (a Python
+        ``autograd.Function``'s): none placed."""
         self._hook_weight = functools.partial(built.hook_weight, capsule)
         self._unhook = built.unhook
         self.close = functools.partial(built.close, capsule)
@@ -182,18 +176,22 @@ class WeightHandle:
 
 
 def grad_lane(owner: object, runtime: Any, lender: RowBuffers, row: int, width: int,
-              eps: float, through_plan: Callable[[torch.Tensor], object] | None
-              ) -> GradLane | None:
+              eps: float, through_plan: Callable[[torch.Tensor], object] | None,
+              launcher: Launcher | None = None) -> GradLane | None:
     """``owner``'s (a GradHooks') gradient hooks in C++, or ``None``: no lane built. Its
     sites' plans come from :func:`~normwatch.measure.backends.native.readers.
     grad_read_plan`, the gradient through the norm's from ``through_plan`` (its
     ThroughReader's; ``None``: never computed here); its rows go in ``lender``'s
-    buffers."""
+    buffers. A launch lane's (``launcher``: the backend's of a layer on CUDA) plans and
+    reads each site with the launcher's ``lane_grad_plan`` and ``lane_grad_launch``, and
+    takes the weight's norm by torch's op."""
     built = module()
     if built is None:
         return None
+    planner = grad_read_plan if launcher is None else launcher.lane_grad_plan
     return GradLane(built, built.grads(weakref.ref(owner), runtime, lender, GradRows, row,
-                                       width, eps, grad_read_plan, through_plan or _no_plan))
+                                       width, eps, planner, through_plan or _no_plan,
+                                       None if launcher is None else launcher.lane_grad_launch))
 
 
 def _no_plan(g: torch.Tensor) -> None:
