@@ -204,25 +204,6 @@ struct Gather {
     Gather(Shared g, int n) : gr(std::move(g)), count(n), left(n) {}
 };
 
-// The parts read (one, or a launch lane's two alike, here), else GradHooks._in(parts)
-int read_through(Grads &gr, const std::vector<at::Tensor> &parts) {
-    int t = 0;
-    if (!parts[0].numel()) return 1;  // (as _measure: nothing to read)
-    if (parts.size() <= 2)
-        t = read_site(gr, SITE_IN, parts[0], parts.size() == 2 ? &parts[1] : nullptr);
-    if (t != 0) return t;
-    PyObject *list = PyList_New((Py_ssize_t)parts.size());
-    for (size_t i = 0; list != nullptr && i < parts.size(); i++) {
-        PyObject *p = wrapped(parts[i]);
-        if (p == nullptr) Py_CLEAR(list);
-        else PyList_SET_ITEM(list, (Py_ssize_t)i, p);
-    }
-    PyObject *args = list ? Py_BuildValue("(N)", list) : nullptr;
-    t = args && fallback(gr, names.through, args) == 0 ? 1 : -1;
-    Py_XDECREF(args);
-    return t;
-}
-
 // A norm's node's post-hook: the part of dL/dx its edge k into x carries
 struct ThroughHook : torch::autograd::FunctionPostHook {
     std::shared_ptr<Gather> gather;

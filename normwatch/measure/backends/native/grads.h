@@ -66,5 +66,8 @@ int read_rows(Grads &gr, int site, const at::Tensor &g, int whole, int64_t width
 int read_site(Grads &gr, int site, const at::Tensor &g, const at::Tensor *part = nullptr);
 // The weight's gradient `g`: 1 read here, 0 not the plain case, -1 an error
 int read_weight(Grads &gr, const at::Tensor &g);
+// The gradient through the norm from the parts its nodes sent to x: read here (one part,
+// or a launch lane's two alike), else by GradHooks._in(parts): 1, or -1 an error
+int read_through(Grads &gr, const std::vector<at::Tensor> &parts);
 
 }  // namespace normwatch::grads
