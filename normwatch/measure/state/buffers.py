@@ -41,19 +41,15 @@ class RowBuffers:
     buffer is lent again once the fold that read it is queued: what writes it next runs
     after that fold on the stream."""
 
-    __slots__ = ("_free", "_kinds", "_lent", "_lent_at", "_made", "_of")
+    __slots__ = ("_free", "_lent", "_of", "_shapes")
 
     def __init__(self) -> None:
         self._free: dict[object, list[torch.Tensor]] = {}
         self._lent: list[torch.Tensor] = []
-        self._of: dict[int, int] = {}
-        """Each buffer's (by id) kind: a number naming its key in :attr:`_kinds`."""
-        self._kinds: dict[int, object] = {}
-        self._lent_at: dict[object, tuple[int, list[int]]] = {}
-        """Per key, its kind and how many were lent at each of the last ``KEEP_IDLE + 1``
-        give-backs."""
-        self._made = 0
-        """Kinds numbered so far."""
+        self._shapes: dict[object, _Shape] = {}
+        """Per key, the shape's loans (:class:`_Shape`)."""
+        self._of: dict[int, _Shape] = {}
+        """Each buffer's (by id) shape."""
 
     def take(self, shape: tuple[int, ...], device: torch.device | None = None) -> torch.Tensor:
         """A buffer of ``shape`` (on ``device``; default the CPU), to hold until the next
@@ -65,11 +61,7 @@ class RowBuffers:
             rows = free.pop()
         else:
             rows = allocated(shape, device)
-            if where not in self._lent_at:
-                self._lent_at[where] = (self._made, [])
-                self._kinds[self._made] = where
-                self._made += 1
-            self._of[id(rows)] = self._lent_at[where][0]
+            self._of[id(rows)] = self._shapes.setdefault(where, _Shape())
         self._lent.append(rows)
         return rows
 
@@ -81,23 +73,38 @@ class RowBuffers:
         go: intervals that alternate (two full-tier steps in one, three in the next) and
         steps that each fold (the full tier's buffers wait for the next full-tier step)
         borrow all they need."""
-        lent, kinds = self._lent, self._kinds
+        lent = self._lent
         if not lent:
             return
         self._lent = []
-        kind = list(map(self._of.__getitem__, map(id, lent)))
-        back = {kinds[k]: list(map(lent.__getitem__, group)) for k, group in
-                groupby(sorted(range(len(lent)), key=kind.__getitem__), kind.__getitem__)}
-        for where, (k, counts) in [*self._lent_at.items()]:  # (per shape)
-            now = back.get(where, [])
-            counts.append(len(now))
-            del counts[:-KEEP_IDLE - 1]
+        # grouped by shape with C's iterators: no Python a buffer (a step's calls are
+        # many, its shapes few)
+        of = list(map(self._of.__getitem__, map(id, lent)))
+        ids = list(map(id, of))
+        back: dict[_Shape, list[torch.Tensor]] = {}
+        for _, group in groupby(sorted(range(len(lent)), key=ids.__getitem__), ids.__getitem__):
+            at = list(group)
+            back[of[at[0]]] = list(map(lent.__getitem__, at))
+        for where, loans in [*self._shapes.items()]:
+            now = back.get(loans, [])
+            loans.lent.append(len(now))
+            del loans.lent[:-KEEP_IDLE - 1]
             pool = now + self._free.get(where, [])  # (the idle last: let go first)
-            kept = max(counts)
+            kept = max(loans.lent)
             for rows in pool[kept:]:  # let go
                 del self._of[id(rows)]
             if kept:
                 self._free[where] = pool[:kept]
             else:  # (a shape no longer met: a token count of the past)
                 self._free.pop(where, None)
-                del self._lent_at[where], kinds[k]
+                del self._shapes[where]
+
+
+class _Shape:
+    """One shape's (and device's) loans: how many were lent at each of the last
+    :data:`KEEP_IDLE` + 1 give-backs."""
+
+    __slots__ = ("lent",)
+
+    def __init__(self) -> None:
+        self.lent: list[int] = []

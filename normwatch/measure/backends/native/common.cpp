@@ -97,9 +97,11 @@ bool launchable(const at::Tensor &x, const at::Tensor &y) {
     return lined(x) && lined(y) && x.device() == y.device();
 }
 
-bool plain(const at::Tensor &t) {
-    return t.defined() && readable(t) && !t.key_set().has(c10::DispatchKey::Python);
+bool own(const at::Tensor &t) {
+    return lined(t) && !t.key_set().has(c10::DispatchKey::Python);
 }
+
+bool plain(const at::Tensor &t) { return t.defined() && t.is_cpu() && own(t); }
 
 PyObject *lend(PyObject *lender, PyObject *shape, PyObject *key, PyObject *device) {
     Owned free(PyObject_GetAttr(lender, names.free));
@@ -127,6 +129,17 @@ PyObject *lend(PyObject *lender, PyObject *shape, PyObject *key, PyObject *devic
         return nullptr;
     }
     return rows;
+}
+
+PyObject *lend_launch(PyObject *lender, Plan &plan) {
+    if (plan.where == nullptr) {
+        plan.threads = -1;  // (asked again)
+        PyErr_SetString(PyExc_TypeError, "lane: a launch plan: (shape, key, device)");
+        return nullptr;
+    }
+    // held: the lender's Python may let another thread in, whose call may plan anew
+    Owned shape(Py_NewRef(plan.shape)), key(Py_NewRef(plan.key)), where(Py_NewRef(plan.where));
+    return lend(lender, shape.p, key.p, where.p);
 }
 
 int stage(PyObject *runtime, PyObject *queue, PyObject *rows, int64_t n) {

@@ -131,14 +131,7 @@ int launch_rows(Grads &gr, int site, const at::Tensor &g, const at::Tensor *part
     Plan &plan = gr.plans[site];
     int t = grad_plan(plan, gr.site_planner, g, -1);
     if (t != 1) return t;
-    if (plan.where == nullptr) {
-        plan.threads = -1;
-        PyErr_SetString(PyExc_TypeError, "grads: a launch plan: (shape, key, device)");
-        return -1;
-    }
-    // held: the lender's Python may let another thread in, whose gradient may plan anew
-    Owned shape(Py_NewRef(plan.shape)), key(Py_NewRef(plan.key)), where(Py_NewRef(plan.where));
-    PyObject *buffer = lend(gr.lender, shape.p, key.p, where.p);
+    PyObject *buffer = lend_launch(gr.lender, plan);
     if (buffer == nullptr) return -1;
     int64_t width = g.size(-1);
     Owned go(THPVariable_Wrap(g)), po(part ? THPVariable_Wrap(*part) : Py_NewRef(Py_None)),
@@ -153,15 +146,10 @@ int launch_rows(Grads &gr, int site, const at::Tensor &g, const at::Tensor *part
     return stage(gr, buffer, site, width) < 0 ? -1 : 1;
 }
 
-// What a launcher reads: lined, no tensor subclass (a DTensor's gradient is Python's)
-bool launchable(const at::Tensor &g) {
-    return lined(g) && !g.key_set().has(c10::DispatchKey::Python);
-}
-
 int read_site(Grads &gr, int site, const at::Tensor &g, const at::Tensor *part) {
     if (gr.launcher != Py_None) {
-        if (!launchable(g) || g.dim() == 0 || g.size(-1) != gr.width ||
-            (part && (!launchable(*part) || part->scalar_type() != g.scalar_type() ||
+        if (!own(g) || g.dim() == 0 || g.size(-1) != gr.width ||
+            (part && (!own(*part) || part->scalar_type() != g.scalar_type() ||
                       !part->sizes().equals(g.sizes()))))
             return 0;
         return launch_rows(gr, site, g, part);

@@ -7,8 +7,9 @@
 // weight's tensor hook (hook_weight). Each reads as the Python hook does with the native
 // backend (the same C readers, plans, lender and GradRows staged) with no Python frame of
 // its own; a launch lane's (a layer the Triton backend serves) reads a site by its
-// launcher (one launch, its only Python) and the weight by torch's norm; any case that is not the plain one calls the Python hook's method
-// (GradHooks._node, ._both, ._weight_grad), which measures it as before. An error
+// launcher (one launch, its only Python) and the weight by torch's norm; any case that is
+// not the plain one calls the Python hook's method (GradHooks._node, ._both,
+// ._weight_grad, ._in), which measures it as before. An error
 // disables the layer through GradHooks._fail. Registered with no RemovableHandle (a
 // node's hooks go with its graph).
 #include "grads.h"
@@ -59,6 +60,17 @@ void guarded(Grads &gr, Body body) {
     if (t < 0) grad_failed(gr);
 }
 
+// functools.partial(f, *args) (a new reference), or nullptr with an error
+PyObject *partial_of(PyObject *f, PyObject *args) {
+    PyObject *functools = PyImport_ImportModule("functools");
+    PyObject *make = functools ? PyObject_GetAttrString(functools, "partial") : nullptr;
+    PyObject *first = make ? PyTuple_Pack(1, f) : nullptr;
+    PyObject *all = first ? PySequence_Concat(first, args) : nullptr;
+    PyObject *partial = all ? PyObject_CallObject(make, all) : nullptr;
+    for (PyObject *o : {functools, make, first, all}) Py_XDECREF(o);
+    return partial;
+}
+
 // Compiled autograd traces a node's hooks as Python: hand it the Python hook this one
 // stands for, GradHooks.<name>(*bound(), grads) (nothing where the layer is gone)
 template <class Bound>
@@ -67,15 +79,7 @@ void python_twin(const Shared &gr, PyObject *name, Bound bound,
     PyGILState_STATE gil = PyGILState_Ensure();
     PyObject *method = method_of(*gr, name);
     PyObject *args = method ? bound() : nullptr;
-    PyObject *partial = nullptr;
-    if (method != nullptr && args != nullptr) {
-        PyObject *functools = PyImport_ImportModule("functools");
-        PyObject *make = functools ? PyObject_GetAttrString(functools, "partial") : nullptr;
-        PyObject *first = make ? PyTuple_Pack(1, method) : nullptr;
-        PyObject *all = first ? PySequence_Concat(first, args) : nullptr;
-        partial = all ? PyObject_CallObject(make, all) : nullptr;
-        for (PyObject *o : {functools, make, first, all}) Py_XDECREF(o);
-    }
+    PyObject *partial = args ? partial_of(method, args) : nullptr;
     for (PyObject *o : {method, args}) Py_XDECREF(o);
     if (partial == nullptr) {
         PyErr_Clear();
@@ -236,16 +240,9 @@ struct ThroughHook : torch::autograd::FunctionPostHook {
             Py_XDECREF(make);
             if (made != nullptr) t.twin.emplace(made, getPyInterpreter());
         }
-        PyObject *partial = nullptr;
-        if (t.twin) {
-            PyObject *functools = PyImport_ImportModule("functools");
-            PyObject *make = functools ? PyObject_GetAttrString(functools, "partial") : nullptr;
-            partial = make ? PyObject_CallFunction(make, "On", t.twin->ptr(getPyInterpreter()),
-                                                   (Py_ssize_t)k)
-                           : nullptr;
-            Py_XDECREF(functools);
-            Py_XDECREF(make);
-        }
+        PyObject *edge = t.twin ? Py_BuildValue("(n)", (Py_ssize_t)k) : nullptr;
+        PyObject *partial = edge ? partial_of(t.twin->ptr(getPyInterpreter()), edge) : nullptr;
+        Py_XDECREF(edge);
         if (partial != nullptr)
             args.add_post_hook(c10::SafePyObject(partial, getPyInterpreter()));
         PyErr_Clear();

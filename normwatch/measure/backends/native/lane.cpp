@@ -103,16 +103,9 @@ PyObject *launch_rows(Lane *lane, bool full, PyObject *xo, PyObject *yo, const a
         PyObject *ask[3] = {xo, yo, full ? Py_True : Py_False};
         Owned got(PyObject_Vectorcall(lane->planner, ask, 3, nullptr));
         if (got.p == nullptr || take_plan(tier, got.p, x, y.scalar_type()) < 0) return nullptr;
-        if (tier.planned && tier.where == nullptr) {
-            tier.threads = -1;
-            PyErr_SetString(PyExc_TypeError, "lane: a launch plan: (shape, key, device)");
-            return nullptr;
-        }
     }
     if (!tier.planned) return Py_NewRef(Py_None);
-    // held: the lender's Python may let another thread in, whose call may plan anew
-    Owned shape(Py_NewRef(tier.shape)), key(Py_NewRef(tier.key)), where(Py_NewRef(tier.where));
-    PyObject *buffer = lend(lane->lender, shape.p, key.p, where.p);
+    PyObject *buffer = lend_launch(lane->lender, tier);
     if (buffer == nullptr) return nullptr;
     Owned n(PyLong_FromLongLong(tokens)), width(PyLong_FromLongLong(lane->width));
     PyObject *run[7] = {xo, yo, buffer, n.p, width.p, full ? Py_True : Py_False, lane->centred};

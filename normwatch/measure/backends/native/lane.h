@@ -73,9 +73,14 @@ bool lined(const at::Tensor &t);
 bool readable(const at::Tensor &t);
 // What a launch lane's launcher takes: two lined tensors on one device
 bool launchable(const at::Tensor &x, const at::Tensor &y);
-// ... (a C reader's) and no tensor subclass (a DTensor's gradient is Python's)
+// Lined, and no tensor subclass (a DTensor's gradient is Python's): what a launcher reads
+bool own(const at::Tensor &t);
+// A C reader's: defined, on the CPU, own
 bool plain(const at::Tensor &t);
 
+// A buffer of a launcher's planned `plan` (its shape, the lender's key, the device) from
+// `lender`: a new reference, or nullptr with an error (a plan that is not a launcher's)
+PyObject *lend_launch(PyObject *lender, Plan &plan);
 // A buffer of `shape` (a tuple) from `lender` (a RowBuffers), as its take lends it (on
 // `device`, its free buffers under `key`: RowBuffers' for another device than the CPU): a
 // new reference, or nullptr with an error
