@@ -110,13 +110,20 @@ class Measurement:
         measured = rt.gradients and full
         if measured is self._measured and not rt.recomputing and not self._unplaced:
             return  # (inside a training run every line costs: the hooks are as they were)
-        self._measured, self._unplaced = measured, False
-        rt.recomputing = False
+        unplaced, self._measured, self._unplaced = self._unplaced, measured, False
+        for grads in tuple(rt.toggled):  # (Python weight hooks alone: C++ ones stay)
+            grads.arm(measured)
+        if rt.recomputing:
+            rt.recomputing = False
+            for hook in self._hooks:
+                hook.recorder.pending_recompute = 0
+        if unplaced:
+            self._place()
+
+    def _place(self) -> None:
+        """Place the hooks built on the meta device whose module was placed since."""
         for hook in self._hooks:
-            hook.recorder.pending_recompute = 0
-            if hook.grads is not None:
-                hook.grads.arm(measured)
-            if hook.recorder.state is None:  # built on the meta device, placed since?
+            if hook.recorder.state is None:
                 device = module_device(hook.module)
                 if device is not None and device.type != "meta":
                     hook.home(device)  # compiled code traced without it recompiles once

@@ -300,11 +300,13 @@ def test_the_cuda_paths_full_tier_step_runs_no_python_of_normwatch_but_its_launc
         (row, site) for row in (0, 1) for site in range(4)), staged
 
 
-def _lines_per_phase(depth: int) -> dict[str, Counter[tuple[str, int]]]:
-    """normwatch's Python lines (function, line) run in each phase of a steady sentinel
-    step of a :class:`TinyLM` of ``depth`` blocks on the fused kernel's path, the early
-    warning folding each step as on CUDA, the launches stubbed out (in Triton's
-    interpreter the kernels' Python is the interpreter's, not the GPU's)."""
+def _lines_per_phase(depth: int, stats_every: int = 10**6, steps: int = 6
+                     ) -> list[dict[str, Counter[tuple[str, int]]]]:
+    """normwatch's Python lines (function, line) run in each phase of each of ``steps``
+    training steps (the last steady) of a :class:`TinyLM` of ``depth`` blocks on the fused
+    kernel's path, full-tier every ``stats_every`` steps, the early warning folding each
+    step as on CUDA, the launches stubbed out (in Triton's interpreter the kernels'
+    Python is the interpreter's, not the GPU's)."""
     import copy
     import functools
     import os
@@ -321,12 +323,12 @@ def _lines_per_phase(depth: int) -> dict[str, Counter[tuple[str, int]]]:
     model = copy.deepcopy(TinyLM(dim=32, depth=depth))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     w = normwatch.watch(model, optimizer, kernel="triton", report_dir=None,
-                        stats_every=10**6, flush_every=10**6)
+                        stats_every=stats_every, flush_every=10**6)
     w._early = EarlyWarning(w.config.limits.fp16_limit, opcount._Landed, pin=False)
-    found: dict[str, Counter[tuple[str, int]]] = {}
+    each: list[dict[str, Counter[tuple[str, int]]]] = []
 
     def traced(phase: str, run: Any) -> Any:
-        seen = found.setdefault(phase, Counter())
+        seen = each[-1].setdefault(phase, Counter())
 
         def trace(frame: Any, event: str, arg: object) -> Any:
             code = frame.f_code
@@ -344,8 +346,8 @@ def _lines_per_phase(depth: int) -> dict[str, Counter[tuple[str, int]]]:
 
     try:
         with stubbed():
-            for i in range(6):  # (the last: steady)
-                found.clear()
+            for i in range(steps):
+                each.append({})
                 batch = synthetic_batch(torch.Generator().manual_seed(i), batch=2, seq=8)
                 loss = traced("forward", functools.partial(lambda b: lm_loss(model(b), b),
                                                            batch))
@@ -355,7 +357,7 @@ def _lines_per_phase(depth: int) -> dict[str, Counter[tuple[str, int]]]:
                 traced("watch.step", functools.partial(w.step, loss))
     finally:
         w.close()
-    return found
+    return each
 
 
 @pytest.mark.skipif(not usable(), reason="Triton cannot run here")
@@ -371,9 +373,32 @@ def test_the_cuda_paths_sentinel_step_runs_no_python_per_norm_but_its_launches()
 
     if lane.module() is None:
         pytest.skip("no C++ lane here (no C++ compiler, torch headers or C library)")
-    small, large = _lines_per_phase(2), _lines_per_phase(4)
+    small, large = _lines_per_phase(2)[-1], _lines_per_phase(4)[-1]
     for phase in ("forward", "backward", "optimizer", "watch.step"):
         more = large[phase] - small[phase]
         assert {name for name, _ in more} <= {"lane_launch"}, (phase, more)
         assert not (small[phase] - large[phase]), phase
     assert large["forward"] and large["watch.step"] and large["optimizer"]
+
+
+@pytest.mark.skipif(not usable(), reason="Triton cannot run here")
+def test_the_cuda_paths_tiers_change_with_no_python_per_norm_but_launches() -> None:
+    """#48: on the fused kernel's path, with a full-tier step every other step, a
+    full-tier step and the sentinel step after it each run the same lines of normwatch's
+    Python for a model with 9 norms as for one with 5, but the launches (a call's, a
+    gradient site's): the C++ weight hooks stay armed between measured steps (returning
+    at once on the others) where Python ones were registered and removed, a layer at a
+    time, at each change of tier."""
+    from normwatch.measure.backends.native import lane
+
+    if lane.module() is None:
+        pytest.skip("no C++ lane here (no C++ compiler, torch headers or C library)")
+    small, large = (_lines_per_phase(depth, stats_every=2, steps=8)[-2:] for depth in (2, 4))
+    launches = {"forward": {"lane_launch"}, "backward": {"lane_grad_launch"}}
+    for step, tier in enumerate(("full", "sentinel")):
+        for phase in ("forward", "backward", "optimizer", "watch.step"):
+            more = large[step][phase] - small[step][phase]
+            assert {name for name, _ in more} <= launches.get(phase, set()), (tier, phase, more)
+            assert not (small[step][phase] - large[step][phase]), (tier, phase)
+    assert large[0]["backward"] and not large[1]["backward"]  # (the tiers as said)
+

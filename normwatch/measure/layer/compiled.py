@@ -22,7 +22,7 @@ from normwatch.guarded import guarded
 from normwatch.measure.layer.calls import input_of, other_tensor, output_of
 from normwatch.measure.layer.operators import disown, observe, observe_grad, own, ticket
 from normwatch.measure.layer.recorder import Recorder
-from normwatch.measure.state.rows import SITES
+from normwatch.measure.state.rows import NAMED
 
 
 class CompiledPath:
@@ -134,4 +134,4 @@ class CompiledPath:
         :meth:`GradHooks.measure`)."""
         recorder = self.recorder
         if recorder.grads is not None and recorder.failed is None:
-            recorder.grads.measure(SITES.index(at), g, x, weight)
+            recorder.grads.measure(NAMED.index(at), g, x, weight)

@@ -48,7 +48,7 @@ from normwatch.measure.backends.native.readers import PLAIN
 from normwatch.measure.layer.operators import observe_grad
 from normwatch.measure.model.sharding import local
 from normwatch.measure.state.backend import Backend
-from normwatch.measure.state.rows import HIDDEN, IN, OUT, SITES, WEIGHT, LayerRows
+from normwatch.measure.state.rows import HIDDEN, IN, NAMED, OUT, WEIGHT, LayerRows
 
 Target = Callable[[], "torch.Tensor | None"]
 Stage = Callable[[int, "tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]", int],
@@ -171,7 +171,8 @@ class GradHooks:
     def __init__(self, rows: LayerRows, backend: Callable[[torch.device], Backend],
                  target: Target, stage: Stage, fail: Callable[[Exception], None],
                  through: Through | None = None, computable: bool = False,
-                 lane: Callable[[GradHooks], GradLane | None] | None = None) -> None:
+                 lane: Callable[[GradHooks], GradLane | None] | None = None,
+                 toggled: set[GradHooks] | None = None) -> None:
         self.rows = rows
         self.tokens = rows.tokens
         self.backend = backend
@@ -186,8 +187,11 @@ class GradHooks:
         self._weight: torch.Tensor | None = None
         self._weight_handle: RemovableHandle | WeightHandle | None = None
         self._armed = True
-        """Whether the weight's hook is registered (on steps whose backward is measured:
-        a hook that fires only to return costs ~40 µs inside a backward, :meth:`arm`)."""
+        """Whether this step's backward is measured (:meth:`arm`)."""
+        self._toggled = set() if toggled is None else toggled
+        """Where these hooks are while the weight's hook is Python's (armed on measured
+        steps alone: a Python hook that fires only to return costs ~40 µs inside a
+        backward); a C++ one stays armed and returns at once on other steps."""
         self._first = {site: partial(self._node, site, 0) for site in (OUT, HIDDEN)}
         """The pre-hooks of nodes whose first output is the tensor watched."""
         self._computed = computable
@@ -245,6 +249,11 @@ class GradHooks:
         x, weight, version = box
         box.clear()
         try:  # (guarded in place, as _measure; the common case in few frames)
+            if torch.compiler.is_compiling():  # compiled autograd: measured by the operator
+                # (no version check: one Dynamo cannot trace, and the norm's backward,
+                # which saved x, refuses an x written in place anyway)
+                return self._traced(OUT, g, x=x.detach(),
+                                    weight=None if weight is None else weight.detach())
             if not g.numel() or self._target() is None:
                 return
             t = g.detach() if g.requires_grad else g
@@ -293,19 +302,27 @@ class GradHooks:
             return
         self.remove()
         self._weight = weight
+        if self._cpp(weight) is None:
+            self._toggled.add(self)
         self.arm(self._armed)
 
+    def _cpp(self, weight: torch.Tensor) -> GradLane | None:
+        """The C++ lane that hooks ``weight`` (``None``: a Python hook does)."""
+        return self._lane if type(weight) in PLAIN else None
+
     def arm(self, on: bool) -> None:
-        """Register the weight's hook (``on``: this step's backward is measured) or take it
-        off until the next measured step (between steps: no recompile, the hooks of a
-        leaf are run outside compiled graphs)."""
+        """Register the weight's hook (``on``: this step's backward is measured) or take a
+        Python one off until the next measured step (between steps: no recompile, the
+        hooks of a leaf are run outside compiled graphs); a C++ one stays."""
         self._armed = on
         weight = self._weight
-        if on and self._weight_handle is None and weight is not None:
-            self._weight_handle = self._lane.weight(weight) if self._lane is not None and \
-                type(weight) in PLAIN else \
+        if weight is None:
+            return
+        cpp = self._cpp(weight)
+        if self._weight_handle is None and (on or cpp is not None):
+            self._weight_handle = cpp.weight(weight) if cpp is not None else \
                 weight.register_hook(self._weight_grad)  # type: ignore[no-untyped-call]
-        elif not on and self._weight_handle is not None:
+        elif not on and cpp is None and self._weight_handle is not None:
             self._weight_handle.remove()
             self._weight_handle = None
 
@@ -315,6 +332,7 @@ class GradHooks:
             self._weight_handle.remove()
             self._weight_handle = None
         self._weight = None
+        self._toggled.discard(self)
 
     def close(self) -> None:
         """Remove the weight's hook; hooks still on live graphs measure nothing more."""
@@ -344,6 +362,8 @@ class GradHooks:
         when this backward is not measured."""
         if self._target() is None:
             return
+        if site == WEIGHT:
+            return self._weight_grad(g)
         if x is not None and self.through is not None and site == OUT:
             backend = self.backend(g.device)
             self._out_through(g, x, weight, backend.through_rows(self.rows, g, x, weight)
@@ -363,11 +383,8 @@ class GradHooks:
         # guarded as @guarded does, in place, and the common case in few frames: inside a
         # backward each frame costs several µs, and a full step runs four of these a norm
         try:
-            if torch.compiler.is_compiling():  # traced (the hidden state's hook)
-                row = self._target()
-                if row is not None:
-                    observe_grad(g, row, SITES[site], None, None)
-                return
+            if torch.compiler.is_compiling():  # traced (compiled autograd, a leaf's hook)
+                return self._traced(site, g, *parts)
             if not g.numel() or self._target() is None:
                 return
             t = self._view(g.detach() if g.requires_grad else g)  # (create_graph=True)
@@ -381,12 +398,31 @@ class GradHooks:
         except Exception as exc:  # never take the training run down
             self._fail(exc)
 
+    def _traced(self, site: int, g: torch.Tensor, *parts: torch.Tensor,
+                x: torch.Tensor | None = None, weight: torch.Tensor | None = None) -> None:
+        """A hook as Dynamo traces it (compiled autograd traces the backward's hooks): the
+        gradient handed to the compiled operator, whose body measures it at run time
+        (:meth:`measure`). No Python state is written here: Dynamo replays such writes
+        after the graph, over what the operators staged while it ran. A gradient that
+        came in parts is added in the graph, in float32 as the kernels add them."""
+        row = self._target()
+        if row is None:
+            return
+        if parts:
+            wide = torch.promote_types(g.dtype, torch.float32)
+            g = g.to(wide)
+            for part in parts:
+                g = g + part.to(wide)
+        observe_grad(g, row, NAMED[site], x, weight)
+
     def _view(self, g: torch.Tensor) -> torch.Tensor:
         """``g`` as tokens: as it is where its last dim holds one."""
         return g if g.shape[-1] == self.width else self.tokens(g)
 
     @guarded
     def _weight_grad(self, g: torch.Tensor) -> None:
+        if torch.compiler.is_compiling():  # (compiled autograd)
+            return self._traced(WEIGHT, g)
         if g is not None and self._target() is not None:
             g = local(g)
             g = g.detach() if g.requires_grad else g

@@ -79,7 +79,7 @@ class LayerHook:
         recorder = self.recorder
         grads = recorder.grads = GradHooks(rows, rt.backend, recorder.grad_target,
                                            recorder.stage_grad, recorder.fail, through,
-                                           computable, lane)
+                                           computable, lane, rt.toggled)
         grads.watch_weight(weight)
         self.compiled.hook_grads(through is not None)
 

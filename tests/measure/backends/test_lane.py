@@ -349,15 +349,20 @@ def test_the_lane_notes_a_full_tier_calls_dtypes_where_they_changed(
     assert tails == 3 and python_tails == 0  # (steps 3-5: the bfloat16 call's alone)
 
 
+@pytest.mark.parametrize("kernel", ["auto", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_autograd_traces_the_python_hooks_in_their_place(
-        built: object, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+        built: object, dtype: torch.dtype, kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Compiled autograd (the backward traced by Dynamo) runs no C++ hook: each hands it the
-    Python hook it stands for. The backward compiles and runs, the losses are an unwatched
-    run's, and the gradients' statistics an eager backward's. So in bfloat16, where the
-    gradient through the norm is gathered from the norm's own nodes (one Python gatherer
-    standing for their C++ post-hooks), not computed."""
+    Python hook it stands for, which hands the gradient to the compiled operator (no graph
+    break, no Python state written while traced: Dynamo would replay it after the graph,
+    over what the operators staged). The backward compiles and runs, the losses are an
+    unwatched run's, and the gradients' statistics an eager backward's. So in bfloat16,
+    where the gradient through the norm is gathered from the norm's own nodes (one Python
+    gatherer standing for their C++ post-hooks), not computed; so where the launch lane
+    (``kernel="triton"``) hooks the gradients, gathered in float32 in two parts too."""
     from torch._dynamo import compiled_autograd
+    from torch._dynamo.utils import counters
 
     from normwatch.measure.layer.gradients import GradHooks
 
@@ -369,12 +374,13 @@ def test_compiled_autograd_traces_the_python_hooks_in_their_place(
     base = tiny_llama(32, 1).to(dtype)
     models = [copy.deepcopy(base) for _ in range(3)]  # unwatched, eager, compiled autograd
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
-    watches = [None, *(normwatch.watch(m, report_dir=None, stats_every=1, flush_every=100)
-                       for m in models[1:])]
+    watches = [None, *(normwatch.watch(m, report_dir=None, stats_every=1, flush_every=100,
+                                       kernel=kernel) for m in models[1:])]
     assert all(h.grads._lane is not None for h in watches[2]._measure._hooks)  # type: ignore[union-attr]
     tokens = torch.randint(0, 1024, (2, 8), generator=torch.Generator().manual_seed(0))
     losses: list[list[float]] = [[], [], []]
     torch.compiler.reset()
+    counters.clear()
     try:
         for _ in range(3):
             for i, (m, o, w) in enumerate(zip(models, opts, watches, strict=True)):
@@ -392,7 +398,8 @@ def test_compiled_autograd_traces_the_python_hooks_in_their_place(
     finally:
         torch.compiler.reset()
     assert losses[0] == losses[1] == losses[2]
-    assert bool(gatherers) == (dtype == torch.bfloat16), gatherers
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert bool(gatherers) == (dtype == torch.bfloat16 or kernel == "triton"), gatherers
     eager, compiled = (w.flush() for w in watches[1:])  # type: ignore[union-attr]
     assert not watches[2].disabled  # type: ignore[union-attr]
     for name, want in eager.layers.items():

@@ -209,19 +209,28 @@ def test_activation_checkpointing_measures_each_backward_once(reentrant: bool) -
             assert b[field] == pytest.approx(a[field], rel=1e-5), (name, field)
 
 
-def test_only_full_tier_steps_are_measured_and_the_option_turns_it_off() -> None:
+@pytest.mark.parametrize("kernel", ["torch", "auto"])
+def test_only_full_tier_steps_are_measured_and_the_option_turns_it_off(kernel: str) -> None:
+    from normwatch.measure.backends.native import lane
+
     net = model()
-    w = normwatch.watch(net, flush_every=4, stats_every=2, report_dir=None)
+    w = normwatch.watch(net, flush_every=4, stats_every=2, report_dir=None, kernel=kernel)
     grads = [h.grads for h in w._measure._hooks]
+    in_cpp = [g is not None and g._lane is not None for g in grads]
+    # (kernel="torch": Python hooks; else the C++ lane's, where it is built)
+    assert all(in_cpp) == (kernel == "auto" and lane.module() is not None) and \
+        (any(in_cpp) or not all(in_cpp))
     hooked = []
-    for _ in range(4):  # full tier: steps 1 and 3
+    for step in range(4):  # full tier: steps 1 and 3
         # (a Python hook, or the C++ lane's: the layer holds its handle)
         hooked.append([g is not None and g._weight_handle is not None for g in grads])
         x, target = batch()
-        (net(x) * target).sum().backward()
+        scale = 1.0 if step % 2 == 0 else 10.0  # (a sentinel step measured would show)
+        (net(x) * target * scale).sum().backward()
         w.step()
-    # the weights' hooks are registered for the measured backwards only
-    assert hooked == [[True] * len(grads), [False] * len(grads)] * 2
+    # a Python weight hook is registered for the measured backwards only; a C++ one stays
+    # (returning at once on the other steps)
+    assert hooked == [[True] * len(grads), in_cpp] * 2
     snap = w.last_snapshot
     assert snap is not None
     one = train(model(), [batch()])
