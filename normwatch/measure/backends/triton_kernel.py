@@ -15,6 +15,11 @@ in chunks of ``BLOCK_D`` elements, and writes the rows every backend writes
 (NaN where the token holds a NaN or an inf), the output's the same, then (``full``) the
 sum, the L2 norm and the spread over the token (Chan's parallel merge of per-chunk
 two-pass moments: stable at |mean|/std = 1e3). So a fused call is folded as any other.
+Each chunk's reductions are few, since each costs the program a round through shared
+memory: one max gives max |x| and tells whether the token is finite (a NaN counted as
+inf), and a chunk's count is its width (a token that is not finite has NaN rows,
+whatever was summed): 4 a chunk on the full tier, 1 on the sentinel tier and 1 for the
+output (were 6, 2 and 2); a gradient's, 2 (were 3).
 A gradient's program reads one token of it (adding a second part as it reads) and writes
 its L2 norm and its max |g| (NaN where it holds a NaN or an inf): the rows of
 :attr:`~normwatch.measure.state.rows.GradRows.rowwise`.
@@ -142,7 +147,6 @@ def _grad_kernel() -> Any:
         inf = float("inf")
         sumsq = tl.zeros((), tl.float32)
         hi = tl.zeros((), tl.float32)
-        bad = tl.zeros((), tl.float32)
         for start in range(0, width, BLOCK_D):
             idx = start + offs
             inside = idx < width
@@ -150,11 +154,10 @@ def _grad_kernel() -> Any:
             if HAS_PART:  # added in float32, as the C kernel adds them
                 g += tl.load(p_ptr + row * width + idx, mask=inside, other=0.0).to(tl.float32)
             sumsq += tl.sum(g * g, 0)
-            ok = inside & (g == g) & (tl.abs(g) < inf)
-            bad += tl.sum((inside & ~ok).to(tl.float32), 0)
-            hi = tl.maximum(hi, tl.max(tl.where(ok, tl.abs(g), 0.0), 0))
+            a = tl.abs(g)
+            hi = tl.maximum(hi, tl.max(tl.where(a == a, a, inf), 0))  # (NaN: inf)
         tl.store(rows_ptr + row, tl.sqrt(sumsq))
-        tl.store(rows_ptr + n_tokens + row, tl.where(bad > 0, float("nan"), hi))
+        tl.store(rows_ptr + n_tokens + row, tl.where(hi == inf, float("nan"), hi))
 
     return grad_rows_kernel
 
@@ -176,52 +179,47 @@ def _kernel() -> Any:
         mean = tl.zeros((), tl.float32)
         m2 = tl.zeros((), tl.float32)
         sumsq = tl.zeros((), tl.float32)
-        bad = tl.zeros((), tl.float32)
         for start in range(0, width, BLOCK_D):
             idx = start + offs
             inside = idx < width
             x = tl.load(x_ptr + row * sxt + idx * sxd, mask=inside, other=0.0).to(tl.float32)
-            ok = inside & (x == x) & (tl.abs(x) < inf)
-            bad += tl.sum((inside & ~ok).to(tl.float32), 0)
-            xz = tl.where(ok, x, 0.0)
-            hi = tl.maximum(hi, tl.max(tl.abs(xz), 0))
-            if FULL:
-                c_n = tl.sum(ok.to(tl.float32), 0)
-                c_mean = tl.sum(xz, 0) / tl.maximum(c_n, 1.0)
-                dev = tl.where(ok, x - c_mean, 0.0)
+            a = tl.abs(x)  # a NaN counts as inf: one max gives max |x| and says if finite
+            hi = tl.maximum(hi, tl.max(tl.where(a == a, a, inf), 0))
+            if FULL:  # (a token holding NaN or inf: NaN below whatever these sum)
+                c_n = tl.minimum(width - start, BLOCK_D).to(tl.float32)
+                c_mean = tl.sum(x, 0) / c_n
+                dev = tl.where(inside, x - c_mean, 0.0)
                 c_m2 = tl.sum(dev * dev, 0)
-                sumsq += tl.sum(xz * xz, 0)
+                sumsq += tl.sum(x * x, 0)
                 total = n + c_n
                 delta = c_mean - mean
-                mean += delta * c_n / tl.maximum(total, 1.0)
-                m2 += c_m2 + delta * delta * n * c_n / tl.maximum(total, 1.0)
+                mean += delta * c_n / total
+                m2 += c_m2 + delta * delta * n * c_n / total
                 n = total
         nan = float("nan")
-        absmax = tl.where(bad > 0, nan, hi)
+        bad = hi == inf
+        absmax = tl.where(bad, nan, hi)
         tl.store(rows_ptr + row, absmax)
         tl.store(rows_ptr + n_tokens + row, absmax)
         at = 2
         if HAS_OUT:
             out_hi = tl.zeros((), tl.float32)
-            out_bad = tl.zeros((), tl.float32)
             for start in range(0, width, BLOCK_D):
                 idx = start + offs
                 inside = idx < width
                 y = tl.load(y_ptr + row * syt + idx * syd, mask=inside, other=0.0)
-                y = y.to(tl.float32)
-                ok = inside & (y == y) & (tl.abs(y) < inf)
-                out_bad += tl.sum((inside & ~ok).to(tl.float32), 0)
-                out_hi = tl.maximum(out_hi, tl.max(tl.where(ok, tl.abs(y), 0.0), 0))
-            out_absmax = tl.where(out_bad > 0, nan, out_hi)
+                a = tl.abs(y.to(tl.float32))
+                out_hi = tl.maximum(out_hi, tl.max(tl.where(a == a, a, inf), 0))
+            out_absmax = tl.where(out_hi == inf, nan, out_hi)
             tl.store(rows_ptr + 2 * n_tokens + row, out_absmax)
             tl.store(rows_ptr + 3 * n_tokens + row, out_absmax)
             at = 4
         if FULL:
             l2 = tl.sqrt(sumsq)
             spread = tl.sqrt(m2) if CENTRED else l2
-            tl.store(rows_ptr + at * n_tokens + row, tl.where(bad > 0, nan, mean * n))
-            tl.store(rows_ptr + (at + 1) * n_tokens + row, tl.where(bad > 0, nan, l2))
-            tl.store(rows_ptr + (at + 2) * n_tokens + row, tl.where(bad > 0, nan, spread))
+            tl.store(rows_ptr + at * n_tokens + row, tl.where(bad, nan, mean * n))
+            tl.store(rows_ptr + (at + 1) * n_tokens + row, tl.where(bad, nan, l2))
+            tl.store(rows_ptr + (at + 2) * n_tokens + row, tl.where(bad, nan, spread))
 
     return row_stats_kernel
 

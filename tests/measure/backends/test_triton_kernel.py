@@ -94,6 +94,67 @@ def test_kernel_matches_the_reference(dtype: torch.dtype, width: int, centred: b
         assert rows[2:4, 0].isnan().all() and not rows[inputs, 0].isnan().any()
 
 
+_HOPPER = """
+import json, re, sys, warnings
+warnings.filterwarnings("ignore")
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from normwatch.measure.backends.triton_kernel import _grad_kernel, _kernel
+
+ROWS = {"x_ptr": "*bf16", "y_ptr": "*bf16", "rows_ptr": "*fp32", "n_tokens": "i32",
+        "width": "i32", "sxt": "i32", "sxd": "i32", "syt": "i32", "syd": "i32",
+        "HAS_OUT": "constexpr", "FULL": "constexpr", "CENTRED": "constexpr",
+        "BLOCK_D": "constexpr"}
+GRADS = {"g_ptr": "*bf16", "p_ptr": "*bf16", "rows_ptr": "*fp32", "n_tokens": "i32",
+         "width": "i32", "HAS_PART": "constexpr", "BLOCK_D": "constexpr"}
+counts = {}
+for name, kernel, signature, constants in (
+        ("full", _kernel(), ROWS, {"HAS_OUT": True, "FULL": True, "CENTRED": True}),
+        ("sentinel", _kernel(), ROWS, {"HAS_OUT": True, "FULL": False, "CENTRED": True}),
+        ("gradient", _grad_kernel(), GRADS, {"HAS_PART": True})):
+    try:
+        made = triton.compile(ASTSource(kernel, signature, {**constants, "BLOCK_D": 1024}),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    except Exception as exc:  # no CUDA backend or ptxas in this Triton, another API
+        print(json.dumps({"skip": repr(exc)[-400:]}))
+        sys.exit(0)
+    counts[name] = [made.asm["ttir"].count('"tt.reduce"('),
+                    len(re.findall(r"\\bbar\\.sync\\b", made.asm["ptx"]))]
+print(json.dumps(counts))
+"""
+"""Compiles the kernels for an sm_90 GPU as they are launched (4 warps, bfloat16) and
+prints each one's reductions (Triton's IR) and block-wide barriers (PTX). Needs no
+GPU: Triton's compiler and ptxas run on the CPU (not under its interpreter: hence a
+process of its own)."""
+
+
+def test_the_kernels_reduce_few_times_a_chunk() -> None:
+    """#48 item 3: each reduction costs a program a round through shared memory (two
+    barriers), so a chunk's are few: one max gives max |x| and whether the token is
+    finite, a chunk's count is its width. Counted in the kernels as compiled for an
+    sm_90 GPU: the row kernel's full tier with its output 5 (x's max, sum, centred and
+    plain squares; y's max: was 8), its sentinel tier 2 (was 4), the gradient kernel's 2
+    (was 3)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _HOPPER], env=env, capture_output=True,
+                          text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    if "skip" in counts:
+        pytest.skip(f"Triton cannot compile for sm_90 here: {counts['skip']}")
+    reductions = {name: c[0] for name, c in counts.items()}
+    assert reductions == {"full": 5, "sentinel": 2, "gradient": 2}, counts
+    # (two barriers a reduction across the program's warps)
+    assert all(barriers <= 2 * reductions[name] for name, (_, barriers) in counts.items()), \
+        counts
+
+
 def test_the_sentinel_tier_writes_the_extremes_only() -> None:
     x = hard(5, 64, torch.float32).to(DEVICE)
     for out in (None, x * 2):
