@@ -37,6 +37,7 @@ import torch
 import normwatch
 from normwatch.measure.backends import triton_folds, triton_kernel, triton_optimizer
 from normwatch.measure.backends.native import lane
+from tests.benchmarks.opcount import in_kernel
 
 PHASES = ("forward", "backward", "optimizer", "watch.step")
 LAUNCHES = ((triton_kernel, "launch"), (triton_kernel, "launch_grad"),
@@ -164,8 +165,7 @@ def frames() -> Iterator[Callable[[], float]]:
 
     def profile(frame: Any, event: str, arg: object) -> None:
         code = frame.f_code
-        if event == "call" and code.co_filename.startswith(home) and \
-                not code.co_name.endswith("_kernel"):
+        if event == "call" and code.co_filename.startswith(home) and not in_kernel(frame):
             seen[0] += 1
 
     sys.setprofile(profile)

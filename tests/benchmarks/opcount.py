@@ -51,6 +51,13 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def in_kernel(frame: Any) -> bool:
+    """Whether ``frame`` runs a kernel's body or one of its helpers, called by Triton's
+    interpreter (where there is a GPU, the GPU runs them: not the host's Python)."""
+    caller = frame.f_back
+    return caller is not None and f"{os.sep}triton{os.sep}" in caller.f_code.co_filename
+
+
 @dataclass(frozen=True)
 class Count:
     kernels: Counter[str]

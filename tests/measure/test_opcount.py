@@ -14,6 +14,7 @@ from torch import nn
 from normwatch.measure.backends.native.build import library, threaded
 from normwatch.measure.backends.triton_kernel import usable
 from tests.benchmarks import opcount
+from tests.benchmarks.opcount import in_kernel
 
 NATIVE = library() is not None
 """Whether the CPU sentinel's compiled kernel runs here (a C compiler is on PATH)."""
@@ -219,7 +220,7 @@ def test_the_cuda_paths_sentinel_call_runs_no_python_of_normwatch_but_the_launch
 
         def profile(frame: Any, event: str, arg: object) -> None:
             if event == "call" and frame.f_code.co_filename.startswith(home) and \
-                    not frame.f_code.co_name.endswith("_kernel"):  # (the interpreter's run)
+                    not in_kernel(frame):  # (the interpreter's run)
                 frames.append(frame.f_code.co_name)
 
         sys.setprofile(profile)
@@ -264,7 +265,7 @@ def test_the_cuda_paths_full_tier_step_runs_no_python_of_normwatch_but_its_launc
 
     def profile(frame: Any, event: str, arg: object) -> None:
         if event == "call" and frame.f_code.co_filename.startswith(home) and \
-                not frame.f_code.co_name.endswith("_kernel"):  # (the interpreter's run)
+                not in_kernel(frame):  # (the interpreter's run)
             frames.append(frame.f_code.co_name)
 
     forward: list[str] = []

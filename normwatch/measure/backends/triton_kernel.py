@@ -15,11 +15,12 @@ in chunks of ``BLOCK_D`` elements, and writes the rows every backend writes
 (NaN where the token holds a NaN or an inf), the output's the same, then (``full``) the
 sum, the L2 norm and the spread over the token (Chan's parallel merge of per-chunk
 two-pass moments: stable at |mean|/std = 1e3). So a fused call is folded as any other.
-Each chunk's reductions are few, since each costs the program a round through shared
+A chunk's reductions are few, since each costs the program a round through shared
 memory: one max gives max |x| and tells whether the token is finite (a NaN counted as
-inf), and a chunk's count is its width (a token that is not finite has NaN rows,
-whatever was summed): 4 a chunk on the full tier, 1 on the sentinel tier and 1 for the
-output (were 6, 2 and 2); a gradient's, 2 (were 3).
+inf), a chunk's count is its width (a token that is not finite has NaN rows, whatever
+was summed), and what a chunk reduces alike goes in one reduction of a tuple (the
+input's and the output's max, read in one loop, the sum and the squares): 2 a chunk on
+the full tier, 1 on the sentinel tier, 1 for a gradient (were 8, 4 and 3).
 A gradient's program reads one token of it (adding a second part as it reads) and writes
 its L2 norm and its max |g| (NaN where it holds a NaN or an inf): the rows of
 :attr:`~normwatch.measure.state.rows.GradRows.rowwise`.
@@ -134,10 +135,43 @@ def launch_grad(g: torch.Tensor, part: torch.Tensor | None, rows: torch.Tensor,
                                 HAS_PART=part is not None, BLOCK_D=block)
 
 
+_sum_max: Any = None
+_maxes: Any = None
+_moments: Any = None
+"""The kernels' combining functions, made with them (:func:`_combiners`): Triton finds a
+kernel's helpers among its module's globals (its compiler and its interpreter both)."""
+
+
+def _combiners() -> None:
+    """Define :data:`_sum_max`, :data:`_maxes` and :data:`_moments`: one reduction of a
+    tuple is one round through shared memory, however many values it carries."""
+    global _sum_max, _maxes, _moments
+    if _moments is not None:
+        return
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def sum_max(s0, a0, s1, a1):
+        return s0 + s1, tl.maximum(a0, a1)
+
+    @triton.jit
+    def maxes(a0, b0, a1, b1):
+        return tl.maximum(a0, a1), tl.maximum(b0, b1)
+
+    @triton.jit
+    def moments(a0, b0, s0, q0, a1, b1, s1, q1):
+        return tl.maximum(a0, a1), tl.maximum(b0, b1), s0 + s1, q0 + q1
+
+    _sum_max, _maxes, _moments = sum_max, maxes, moments
+
+
 @functools.cache
 def _grad_kernel() -> Any:
     import triton
     import triton.language as tl
+
+    _combiners()
 
     @triton.jit
     def grad_rows_kernel(g_ptr, p_ptr, rows_ptr, n_tokens, width, HAS_PART: tl.constexpr,
@@ -153,9 +187,10 @@ def _grad_kernel() -> Any:
             g = tl.load(g_ptr + row * width + idx, mask=inside, other=0.0).to(tl.float32)
             if HAS_PART:  # added in float32, as the C kernel adds them
                 g += tl.load(p_ptr + row * width + idx, mask=inside, other=0.0).to(tl.float32)
-            sumsq += tl.sum(g * g, 0)
-            a = tl.abs(g)
-            hi = tl.maximum(hi, tl.max(tl.where(a == a, a, inf), 0))  # (NaN: inf)
+            a = tl.abs(g)  # (a NaN counts as inf)
+            c_sq, c_hi = tl.reduce((g * g, tl.where(a == a, a, inf)), 0, _sum_max)
+            sumsq += c_sq
+            hi = tl.maximum(hi, c_hi)
         tl.store(rows_ptr + row, tl.sqrt(sumsq))
         tl.store(rows_ptr + n_tokens + row, tl.where(hi == inf, float("nan"), hi))
 
@@ -167,6 +202,8 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
+    _combiners()
+
     @triton.jit
     def row_stats_kernel(x_ptr, y_ptr, rows_ptr, n_tokens, width, sxt, sxd, syt, syd,
                          HAS_OUT: tl.constexpr, FULL: tl.constexpr, CENTRED: tl.constexpr,
@@ -175,6 +212,7 @@ def _kernel() -> Any:
         offs = tl.arange(0, BLOCK_D)
         inf = float("inf")
         hi = tl.zeros((), tl.float32)
+        out_hi = tl.zeros((), tl.float32)
         n = tl.zeros((), tl.float32)
         mean = tl.zeros((), tl.float32)
         m2 = tl.zeros((), tl.float32)
@@ -184,18 +222,28 @@ def _kernel() -> Any:
             inside = idx < width
             x = tl.load(x_ptr + row * sxt + idx * sxd, mask=inside, other=0.0).to(tl.float32)
             a = tl.abs(x)  # a NaN counts as inf: one max gives max |x| and says if finite
-            hi = tl.maximum(hi, tl.max(tl.where(a == a, a, inf), 0))
+            a = tl.where(a == a, a, inf)
+            b = a  # (the output's, where there is one)
+            if HAS_OUT:
+                y = tl.load(y_ptr + row * syt + idx * syd, mask=inside, other=0.0)
+                b = tl.abs(y.to(tl.float32))
+                b = tl.where(b == b, b, inf)
             if FULL:  # (a token holding NaN or inf: NaN below whatever these sum)
+                c_hi, c_out, c_sum, c_sq = tl.reduce((a, b, x, x * x), 0, _moments)
                 c_n = tl.minimum(width - start, BLOCK_D).to(tl.float32)
-                c_mean = tl.sum(x, 0) / c_n
+                c_mean = c_sum / c_n
                 dev = tl.where(inside, x - c_mean, 0.0)
                 c_m2 = tl.sum(dev * dev, 0)
-                sumsq += tl.sum(x * x, 0)
+                sumsq += c_sq
                 total = n + c_n
                 delta = c_mean - mean
                 mean += delta * c_n / total
                 m2 += c_m2 + delta * delta * n * c_n / total
                 n = total
+            else:
+                c_hi, c_out = tl.reduce((a, b), 0, _maxes)
+            hi = tl.maximum(hi, c_hi)
+            out_hi = tl.maximum(out_hi, c_out)
         nan = float("nan")
         bad = hi == inf
         absmax = tl.where(bad, nan, hi)
@@ -203,13 +251,6 @@ def _kernel() -> Any:
         tl.store(rows_ptr + n_tokens + row, absmax)
         at = 2
         if HAS_OUT:
-            out_hi = tl.zeros((), tl.float32)
-            for start in range(0, width, BLOCK_D):
-                idx = start + offs
-                inside = idx < width
-                y = tl.load(y_ptr + row * syt + idx * syd, mask=inside, other=0.0)
-                a = tl.abs(y.to(tl.float32))
-                out_hi = tl.maximum(out_hi, tl.max(tl.where(a == a, a, inf), 0))
             out_absmax = tl.where(out_hi == inf, nan, out_hi)
             tl.store(rows_ptr + 2 * n_tokens + row, out_absmax)
             tl.store(rows_ptr + 3 * n_tokens + row, out_absmax)

@@ -130,12 +130,14 @@ process of its own)."""
 
 
 def test_the_kernels_reduce_few_times_a_chunk() -> None:
-    """#48 item 3: each reduction costs a program a round through shared memory (two
-    barriers), so a chunk's are few: one max gives max |x| and whether the token is
-    finite, a chunk's count is its width. Counted in the kernels as compiled for an
-    sm_90 GPU: the row kernel's full tier with its output 5 (x's max, sum, centred and
-    plain squares; y's max: was 8), its sentinel tier 2 (was 4), the gradient kernel's 2
-    (was 3)."""
+    """#48 item 3: each reduction costs a program a round through shared memory between
+    barriers, so a chunk's are few: one max gives max |x| and whether the token is
+    finite, a chunk's count is its width, and the values a chunk reduces alike go in
+    one reduction of a tuple (the input's and the output's max, the sum and the squares;
+    the centred squares need the mean after). Counted in the kernels as compiled for an
+    sm_90 GPU: the row kernel's full tier with its output 2 reductions (was 8, with 16
+    barriers), its sentinel tier 1 (was 4, 8 barriers), the gradient kernel's 1 (was 3,
+    6 barriers)."""
     import json
     import os
     import subprocess
@@ -149,10 +151,10 @@ def test_the_kernels_reduce_few_times_a_chunk() -> None:
     if "skip" in counts:
         pytest.skip(f"Triton cannot compile for sm_90 here: {counts['skip']}")
     reductions = {name: c[0] for name, c in counts.items()}
-    assert reductions == {"full": 5, "sentinel": 2, "gradient": 2}, counts
-    # (two barriers a reduction across the program's warps)
-    assert all(barriers <= 2 * reductions[name] for name, (_, barriers) in counts.items()), \
-        counts
+    assert reductions == {"full": 2, "sentinel": 1, "gradient": 1}, counts
+    barriers = {name: c[1] for name, c in counts.items()}  # (at most half what they were)
+    assert 0 < barriers["full"] <= 8 and 0 < barriers["sentinel"] <= 4 and \
+        0 < barriers["gradient"] <= 3, counts
 
 
 def test_the_sentinel_tier_writes_the_extremes_only() -> None:
