@@ -187,7 +187,9 @@ class GradHooks:
         self._weight: torch.Tensor | None = None
         self._weight_handle: RemovableHandle | WeightHandle | None = None
         self._armed = True
-        """Whether this step's backward is measured (:meth:`arm`)."""
+        """What the last :meth:`arm` said: whether that step's backward is measured (said
+        at each change while the weight's hook is Python's; a C++ hook, on whatever the
+        step, is not told again)."""
         self._toggled = set() if toggled is None else toggled
         """Where these hooks are while the weight's hook is Python's (armed on measured
         steps alone: a Python hook that fires only to return costs ~40 µs inside a

@@ -62,7 +62,7 @@ class Runtime:
     recomputing: bool = False
     """A training call without grad was counted as one to be recomputed in the backward
     (:attr:`Recorder.pending_recompute`) since the step began."""
-    toggled: set[Any] = field(default_factory=set)
+    toggled: set[GradHooks] = field(default_factory=set)
     """The gradient hooks whose weight's hook is Python's, armed on measured steps alone
     (:meth:`~normwatch.measure.layer.gradients.GradHooks.arm`)."""
 

@@ -219,7 +219,7 @@ def test_only_full_tier_steps_are_measured_and_the_option_turns_it_off(kernel: s
     in_cpp = [g is not None and g._lane is not None for g in grads]
     # (kernel="torch": Python hooks; else the C++ lane's, where it is built)
     assert all(in_cpp) == (kernel == "auto" and lane.module() is not None) and \
-        (any(in_cpp) or not all(in_cpp))
+        (all(in_cpp) or not any(in_cpp))
     hooked = []
     for step in range(4):  # full tier: steps 1 and 3
         # (a Python hook, or the C++ lane's: the layer holds its handle)
