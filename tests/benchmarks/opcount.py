@@ -53,8 +53,11 @@ class OpCounter(TorchDispatchMode):
 
 def in_kernel(frame: Any) -> bool:
     """Whether ``frame`` runs a kernel's body or one of its helpers, called by Triton's
-    interpreter (where there is a GPU, the GPU runs them: not the host's Python)."""
+    interpreter (where there is a GPU, the GPU runs them: not the host's Python); a
+    helper is called by the body, from the body's module."""
     caller = frame.f_back
+    while caller is not None and caller.f_code.co_filename == frame.f_code.co_filename:
+        caller = caller.f_back
     return caller is not None and f"{os.sep}triton{os.sep}" in caller.f_code.co_filename
 
 

@@ -138,30 +138,65 @@ def launch_grad(g: torch.Tensor, part: torch.Tensor | None, rows: torch.Tensor,
 _sum_max: Any = None
 _maxes: Any = None
 _moments: Any = None
-"""The kernels' combining functions, made with them (:func:`_combiners`): Triton finds a
-kernel's helpers among its module's globals (its compiler and its interpreter both)."""
+"""A chunk's reductions, made with the kernels (:func:`_combiners`; Triton finds a
+kernel's helpers among its module's globals, its compiler and its interpreter both):
+compiled, each one reduction of a tuple, one round through shared memory however many
+values it carries; interpreted, each value by its own reduction (the interpreter runs a
+tuple's combining function element by element, in Python: 20 s for a 512-token call,
+against numpy's reductions)."""
+_combine_sum_max: Any = None
+_combine_maxes: Any = None
+_combine_moments: Any = None
+"""The combining functions of :data:`_sum_max`, :data:`_maxes` and :data:`_moments`."""
 
 
-def _combiners() -> None:
-    """Define :data:`_sum_max`, :data:`_maxes` and :data:`_moments`: one reduction of a
-    tuple is one round through shared memory, however many values it carries."""
-    global _sum_max, _maxes, _moments
-    if _moments is not None:
-        return
+def _combiners(tuples: bool | None = None) -> None:
+    """Define :data:`_sum_max`, :data:`_maxes` and :data:`_moments` (``tuples``: as
+    compiled, reductions of tuples; ``None``: as where they run)."""
+    global _sum_max, _maxes, _moments, _combine_sum_max, _combine_maxes, _combine_moments
+    if tuples is None:
+        if _moments is not None:
+            return
+        tuples = not interpreted()
     import triton
     import triton.language as tl
 
     @triton.jit
-    def sum_max(s0, a0, s1, a1):
+    def combine_sum_max(s0, a0, s1, a1):
         return s0 + s1, tl.maximum(a0, a1)
 
     @triton.jit
-    def maxes(a0, b0, a1, b1):
+    def combine_maxes(a0, b0, a1, b1):
         return tl.maximum(a0, a1), tl.maximum(b0, b1)
 
     @triton.jit
-    def moments(a0, b0, s0, q0, a1, b1, s1, q1):
+    def combine_moments(a0, b0, s0, q0, a1, b1, s1, q1):
         return tl.maximum(a0, a1), tl.maximum(b0, b1), s0 + s1, q0 + q1
+
+    _combine_sum_max, _combine_maxes, _combine_moments = \
+        combine_sum_max, combine_maxes, combine_moments
+    if tuples:
+        @triton.jit
+        def sum_max(s, a):
+            return tl.reduce((s, a), 0, _combine_sum_max)
+
+        @triton.jit
+        def maxes(a, b):
+            return tl.reduce((a, b), 0, _combine_maxes)
+
+        @triton.jit
+        def moments(a, b, s, q):
+            return tl.reduce((a, b, s, q), 0, _combine_moments)
+    else:  # plain functions: the interpreter patches Triton's language at each call of
+        # a jitted one (1.3 ms)
+        def sum_max(s, a):
+            return tl.sum(s, 0), tl.max(a, 0)
+
+        def maxes(a, b):
+            return tl.max(a, 0), tl.max(b, 0)
+
+        def moments(a, b, s, q):
+            return tl.max(a, 0), tl.max(b, 0), tl.sum(s, 0), tl.sum(q, 0)
 
     _sum_max, _maxes, _moments = sum_max, maxes, moments
 
@@ -188,7 +223,7 @@ def _grad_kernel() -> Any:
             if HAS_PART:  # added in float32, as the C kernel adds them
                 g += tl.load(p_ptr + row * width + idx, mask=inside, other=0.0).to(tl.float32)
             a = tl.abs(g)  # (a NaN counts as inf)
-            c_sq, c_hi = tl.reduce((g * g, tl.where(a == a, a, inf)), 0, _sum_max)
+            c_sq, c_hi = _sum_max(g * g, tl.where(a == a, a, inf))
             sumsq += c_sq
             hi = tl.maximum(hi, c_hi)
         tl.store(rows_ptr + row, tl.sqrt(sumsq))
@@ -229,7 +264,7 @@ def _kernel() -> Any:
                 b = tl.abs(y.to(tl.float32))
                 b = tl.where(b == b, b, inf)
             if FULL:  # (a token holding NaN or inf: NaN below whatever these sum)
-                c_hi, c_out, c_sum, c_sq = tl.reduce((a, b, x, x * x), 0, _moments)
+                c_hi, c_out, c_sum, c_sq = _moments(a, b, x, x * x)
                 c_n = tl.minimum(width - start, BLOCK_D).to(tl.float32)
                 c_mean = c_sum / c_n
                 dev = tl.where(inside, x - c_mean, 0.0)
@@ -241,7 +276,7 @@ def _kernel() -> Any:
                 m2 += c_m2 + delta * delta * n * c_n / total
                 n = total
             else:
-                c_hi, c_out = tl.reduce((a, b), 0, _maxes)
+                c_hi, c_out = _maxes(a, b)
             hi = tl.maximum(hi, c_hi)
             out_hi = tl.maximum(out_hi, c_out)
         nan = float("nan")

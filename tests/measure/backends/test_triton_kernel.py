@@ -4,6 +4,8 @@ call's. Skips cleanly where Triton is absent."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from torch import nn
@@ -92,6 +94,38 @@ def test_kernel_matches_the_reference(dtype: torch.dtype, width: int, centred: b
         inputs = [0, 1, 4, 5, 6]
         assert rows[inputs, 4].isnan().all() and not rows[2:4, 4].isnan().any()
         assert rows[2:4, 0].isnan().all() and not rows[inputs, 0].isnan().any()
+
+
+
+@pytest.fixture
+def tuples() -> Iterator[None]:
+    """The chunks' reductions as compiled (reductions of tuples), run by the interpreter
+    too (where they are otherwise one reduction a value)."""
+    from normwatch.measure.backends import triton_kernel
+
+    names = ("_sum_max", "_maxes", "_moments", "_combine_sum_max", "_combine_maxes",
+             "_combine_moments")
+    kept = {name: getattr(triton_kernel, name) for name in names}
+    triton_kernel._combiners(tuples=True)
+    yield
+    for name, value in kept.items():
+        setattr(triton_kernel, name, value)
+
+
+@pytest.mark.usefixtures("tuples")
+@pytest.mark.parametrize("width", [3, 100])
+def test_the_reductions_of_tuples_match_the_reference(width: int) -> None:
+    """The kernels as compiled for a GPU (each chunk's values reduced together, by the
+    combining functions) give the reference's rows, the gradient kernel's too (the
+    interpreter runs them element by element: small tokens only)."""
+    x, part = hard(6, width, torch.bfloat16).to(DEVICE), torch.randn(6, width).to(DEVICE)
+    y = (torch.randn(6, width) * 2).to(DEVICE)
+    y[0, 0] = float("nan")
+    for full in (True, False):
+        assert_rows_match(row_stats_triton(x, y, full, True), row_stats_torch(x, y, full, True))
+    rows = torch.full((2, 6), -1.0, device=DEVICE)
+    launch_grad(x, part, rows, 6, width)
+    assert_rows_match(rows, grad_rows_reference(x, part))
 
 
 _HOPPER = """
