@@ -207,18 +207,33 @@ def ops(p: Plan, steps: int = 4) -> str:
     and the difference per norm call."""
     from torch.profiler import ProfilerActivity, profile
 
+    from normwatch.measure.backends import triton_kernel
+
     setup = p.step
     counts = {}
+    python = {"launch": 0, "launch_grad": 0}  # Triton's launches from normwatch's Python
+    real = {name: getattr(triton_kernel, name) for name in python}
+
+    def counted(name: str, *args: Any, **kwargs: Any) -> None:
+        python[name] += 1
+        real[name](*args, **kwargs)
+
     for watched, model, opt, w, tokens in copies(setup, flush_every=10**9):
         for _ in range(4):  # warm: the first calls plan, build and allocate
             overhead.train_step(model, opt, tokens, w, autocast=setup.autocast)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
                                                if setup.device == "cuda" else [])
-        with profile(activities=activities) as prof:
-            for _ in range(steps):
-                overhead.train_step(model, opt, tokens, w, autocast=setup.autocast)
-            if setup.device == "cuda":
-                torch.cuda.synchronize()
+        for name in python:
+            setattr(triton_kernel, name, partial(counted, name))
+        try:
+            with profile(activities=activities) as prof:
+                for _ in range(steps):
+                    overhead.train_step(model, opt, tokens, w, autocast=setup.autocast)
+                if setup.device == "cuda":
+                    torch.cuda.synchronize()
+        finally:
+            for name, fn in real.items():
+                setattr(triton_kernel, name, fn)
         events = prof.events()
         aten = sum(1 for e in events if e.name.startswith("aten::"))
         launches = sum(1 for e in events if "LaunchKernel" in e.name)
@@ -231,7 +246,10 @@ def ops(p: Plan, steps: int = 4) -> str:
             f"| unmonitored | {a0:.0f} | {k0:.0f} |\n"
             f"| watched | {a1:.0f} | {k1:.0f} |\n"
             f"| added per norm call ({norms} a forward; cross-layer work included) | "
-            f"{(a1 - a0) / norms:.1f} | {(k1 - k0) / norms:.1f} |")
+            f"{(a1 - a0) / norms:.1f} | {(k1 - k0) / norms:.1f} |\n\n"
+            f"Triton launched from normwatch's Python per step (0: the lanes' static "
+            f"launches from C++): {python['launch'] / steps:g} calls, "
+            f"{python['launch_grad'] / steps:g} gradients")
 
 
 def sync(p: Plan) -> str:

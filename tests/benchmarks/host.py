@@ -5,8 +5,10 @@ host-bound GPU step pays on the host besides Triton's launch: Python, dispatch, 
     python tests/benchmarks/host.py
     python tests/benchmarks/host.py --rounds 60
 
-Two tables, each for the launch lane (the C++ lane launching the kernel) against the
-Python hook alone (as ``tests/benchmarks/lane.py`` compares the CPU's):
+Two tables, each for the launch lane (the C++ lane launching the kernel: by Triton's
+launch from Python, or by a static launch from C++, here one whose launcher is a C
+function that does nothing) against the Python hook alone (as
+``tests/benchmarks/lane.py`` compares the CPU's):
 
 - *per call*: what a sentinel call adds to an unwatched one, in µs of the thread's CPU
   time (torch on one thread; a machine's neighbours' time is not counted), on a stack of
@@ -44,6 +46,26 @@ LAUNCHES = ((triton_kernel, "launch"), (triton_kernel, "launch_grad"),
             (triton_folds, "launch_calls"), (triton_folds, "launch_accumulate"),
             (triton_folds, "launch_grads"), (triton_optimizer, "launch_sample"),
             (triton_optimizer, "launch_check"))
+
+
+def noop_launch(kernel: Any, args: Any, constexprs: Any, grid: int, device: Any,
+                warps: int = 4) -> Any:
+    """A static launch (:func:`~normwatch.measure.backends.triton_launch.static_launch`'s)
+    whose launcher is a C function that does nothing (``str.format``): what is left of a
+    call is the lane's."""
+    return "".format, (0, grid, 1, 1, warps, 0, "OOO"), (None, None, None), (0, 1, 2), None
+
+
+@contextmanager
+def static(on: bool) -> Iterator[None]:
+    """Lanes planned here get the no-op static launch (``on``), else none (the CPU's)."""
+    real = triton_kernel.static_launch
+    if on:
+        triton_kernel.static_launch = noop_launch
+    try:
+        yield
+    finally:
+        triton_kernel.static_launch = real
 
 
 @contextmanager
@@ -88,20 +110,23 @@ def watched(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
 
 
 def per_call(rounds: int, calls: int = 50) -> dict[str, float]:
-    """µs a sentinel call adds to an unwatched one: ``"launch lane"``, ``"Python hook"``,
-    ``"a hook that does nothing"``."""
+    """µs a sentinel call adds to an unwatched one, for each of :data:`KINDS` and ``"a hook
+    that does nothing"``."""
     base = torch.nn.Sequential(*[torch.nn.RMSNorm(64) for _ in range(25)])
     copies = {name: copy.deepcopy(base) for name in ("unwatched", *KINDS,
                                                      "a hook that does nothing")}
     for norm in copies["a hook that does nothing"]:
         norm.register_forward_hook(lambda *args: None, with_kwargs=True)
     watches = [watched(copies[name], None, launch_lane, early_warning=False,
-                       stats_every=10**6) for name, launch_lane in KINDS.items()]
+                       stats_every=10**6) for name, (launch_lane, _) in KINDS.items()]
     for w in watches:
         w._measure._rt.update(full_stats=False, check_outputs=False)
     x = torch.randn(8, 64, requires_grad=True)
     times: dict[str, list[float]] = {name: [] for name in copies}
     with stubbed():
+        for name, (_, launched) in KINDS.items():  # each lane's plan made once, here
+            with static(launched):
+                copies[name](x)
         for _ in range(rounds + 3):
             for name, model in copies.items():
                 start = time.thread_time()
@@ -119,39 +144,42 @@ def per_call(rounds: int, calls: int = 50) -> dict[str, float]:
 
 
 def per_step(**options: Any) -> dict[str, dict[str, float]]:
-    """normwatch's Python frames a step, per phase: ``"launch lane"``, ``"Python hook"``
-    (four steps in steady state, averaged)."""
+    """normwatch's Python frames a step, per phase, for each of :data:`KINDS` (four
+    steps in steady state, averaged)."""
     base = llama()
     batch = torch.randint(0, 128, (1, 8))
     found = {}
     with stubbed(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the stubbed folds measure nothing: it says so)
-        for name, launch_lane in KINDS.items():
+        for name, (launch_lane, launched) in KINDS.items():
             model = copy.deepcopy(base)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
             w = watched(model, optimizer, launch_lane, **options)
             counted = dict.fromkeys(PHASES, 0.0)
-            for i in range(12):
-                with frames() as count:
-                    marks = [count()]
-                    loss = model(batch, labels=batch).loss
-                    marks.append(count())
-                    loss.backward()
-                    marks.append(count())
-                    optimizer.step()
-                    optimizer.zero_grad()
-                    marks.append(count())
-                    w.step(loss)
-                    marks.append(count())
-                if i >= 8:
-                    for phase, a, b in zip(PHASES, marks, marks[1:], strict=False):
-                        counted[phase] += (b - a) / 4
+            with static(launched):
+                for i in range(12):
+                    with frames() as count:
+                        marks = [count()]
+                        loss = model(batch, labels=batch).loss
+                        marks.append(count())
+                        loss.backward()
+                        marks.append(count())
+                        optimizer.step()
+                        optimizer.zero_grad()
+                        marks.append(count())
+                        w.step(loss)
+                        marks.append(count())
+                    if i >= 8:
+                        for phase, x, y in zip(PHASES, marks, marks[1:], strict=False):
+                            counted[phase] += (y - x) / 4
             w.close()
             found[name] = counted
     return found
 
 
-KINDS = {"launch lane": True, "Python hook": False}
+KINDS = {"static launch": (True, True), "launch lane": (True, False),
+         "Python hook": (False, False)}
+"""The paths compared: (a launch lane, its launches static)."""
 
 
 @contextmanager

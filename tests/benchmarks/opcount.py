@@ -15,6 +15,7 @@ compiled rows are what the operators' bodies run at run time, plus the operator 
 from __future__ import annotations
 
 import os
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -59,6 +60,25 @@ def in_kernel(frame: Any) -> bool:
     while caller is not None and caller.f_code.co_filename == frame.f_code.co_filename:
         caller = caller.f_back
     return caller is not None and f"{os.sep}triton{os.sep}" in caller.f_code.co_filename
+
+
+def frames_of(fn: Callable[[], object]) -> list[str]:
+    """The names of normwatch's Python frames ``fn()`` enters, in order (its kernels'
+    bodies and helpers aside: see :func:`in_kernel`)."""
+    home = os.path.dirname(normwatch.__file__)
+    frames: list[str] = []
+
+    def profile(frame: Any, event: str, arg: object) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(home) and \
+                not in_kernel(frame):
+            frames.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return frames
 
 
 @dataclass(frozen=True)

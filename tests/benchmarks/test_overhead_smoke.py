@@ -99,7 +99,9 @@ def test_the_gpu_benchmark_runs_on_a_cpu() -> None:
 
 def test_the_cuda_paths_host_benchmark_runs() -> None:
     """``host.py``: the launch lane's sentinel forward runs one Python frame of
-    normwatch's a norm call (its launch's), the Python hook's some twenty."""
+    normwatch's a norm call (its launch's), the Python hook's some twenty; with static
+    launches none: a sentinel step's forward runs the step's bookkeeping alone, a
+    full-tier backward no frame at all."""
     from normwatch.measure.backends.native import lane as fastlane
     from normwatch.measure.backends.triton_kernel import usable
     from tests.benchmarks import host
@@ -111,5 +113,10 @@ def test_the_cuda_paths_host_benchmark_runs() -> None:
     assert torch.get_num_threads() == threads  # (it measures on one: given back)
     rows = {line.split(" | ")[1]: line.split(" | ")[2:] for line in text.splitlines()
             if line.startswith("| sentinel only |")}
-    lane_forward, python_forward = (float(rows[k][0]) for k in ("launch lane", "Python hook"))
+    lane_forward, python_forward, static_forward = (
+        float(rows[k][0]) for k in ("launch lane", "Python hook", "static launch"))
     assert lane_forward < 25 * 2 and python_forward > 25 * 15, rows
+    assert static_forward == lane_forward - 25, rows  # (one frame a call less: the launch)
+    defaults = {line.split(" | ")[1]: line.split(" | ")[2:] for line in text.splitlines()
+                if line.startswith("| defaults")}
+    assert float(defaults["static launch"][1]) == 0 < float(defaults["launch lane"][1])

@@ -196,20 +196,19 @@ def test_a_compiled_operator_call_is_its_body_and_no_python_around_it() -> None:
 
 
 @pytest.mark.skipif(not usable(), reason="Triton cannot run here")
-def test_the_cuda_paths_sentinel_call_runs_no_python_of_normwatch_but_the_launch() -> None:
+def test_the_cuda_paths_sentinel_call_runs_no_python_of_normwatch_but_the_launch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """#48: where the fused kernel serves a layer (CUDA; here Triton's interpreter), the
     C++ lane records a sentinel call, and normwatch's only Python left is the launch's
-    (``lane_launch``, ``launch``): before, the hook, the recorder, the backend's choice,
-    the lender and the staging ran some 20 frames a call."""
-    import os
-    import sys
-
-    import normwatch
+    (``lane_launch``, ``launch``; Triton's launch from Python, where there is no static
+    launch from C++: ``test_triton_launch.py``): before, the hook, the recorder, the
+    backend's choice, the lender and the staging ran some 20 frames a call."""
+    from normwatch.measure.backends import triton_kernel
     from normwatch.measure.backends.native import lane
 
     if lane.module() is None:
         pytest.skip("no C++ lane here (no C++ compiler, torch headers or C library)")
-    home = os.path.dirname(normwatch.__file__)
+    monkeypatch.setattr(triton_kernel, "static_launch", lambda *args, **kwargs: None)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # (a GPU: the real launch)
     model = nn.Sequential(nn.Linear(64, 64), nn.RMSNorm(64), nn.RMSNorm(64)).to(device)
     x = torch.randn(8, 64, requires_grad=True, device=device)
@@ -217,18 +216,7 @@ def test_the_cuda_paths_sentinel_call_runs_no_python_of_normwatch_but_the_launch
         hook.rt.update(full_stats=False, check_outputs=False)
         model(x)  # the interval's first calls (their dtypes noted), the lender filled
         hook.rt.accumulator.buffers.give_back()
-        frames: list[str] = []
-
-        def profile(frame: Any, event: str, arg: object) -> None:
-            if event == "call" and frame.f_code.co_filename.startswith(home) and \
-                    not in_kernel(frame):  # (the interpreter's run)
-                frames.append(frame.f_code.co_name)
-
-        sys.setprofile(profile)
-        try:
-            model(x)
-        finally:
-            sys.setprofile(None)
+        frames = opcount.frames_of(lambda: model(x))
         norms = [hook.rt.accumulator._staged[-k].row for k in (1, 2)]
     # the model's own hooks (the step's bookkeeping around its forward), then per norm
     assert frames == ["_forward_begins", "forward", "mark", "lane_launch", "launch",
@@ -238,15 +226,16 @@ def test_the_cuda_paths_sentinel_call_runs_no_python_of_normwatch_but_the_launch
 
 @pytest.mark.skipif(not usable(), reason="Triton cannot run here")
 def test_the_cuda_paths_full_tier_step_runs_no_python_of_normwatch_but_its_launches(
-        ) -> None:
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """#48: on a full-tier step of the fused kernel's path (CUDA; here Triton's
     interpreter), the C++ lane records each call and places its gradient hooks (the
     norm's own nodes found in C++), and the C++ gradient hooks read each norm's
     output's gradient, the hidden state's and the one through the norm with a launch each
     as their only Python (``lane_grad_launch``, ``launch_grad``), and the weight's norm
-    with none. Before, each call's hooks were placed by Python (some 20 frames a norm)
-    and each site ran the Python hook, the backend's choice, the lender and the staging
-    (some 50 frames a norm)."""
+    with none (Triton's launches from Python, where there is no static launch from C++:
+    ``test_triton_launch.py``). Before, each call's hooks were placed by Python (some 20
+    frames a norm) and each site ran the Python hook, the backend's choice, the lender and
+    the staging (some 50 frames a norm)."""
     import os
     import sys
 
@@ -255,6 +244,9 @@ def test_the_cuda_paths_full_tier_step_runs_no_python_of_normwatch_but_its_launc
 
     if lane.module() is None:
         pytest.skip("no C++ lane here (no C++ compiler, torch headers or C library)")
+    from normwatch.measure.backends import triton_kernel
+
+    monkeypatch.setattr(triton_kernel, "static_launch", lambda *args, **kwargs: None)
     home = os.path.dirname(normwatch.__file__)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # (a GPU: the real launch)
     torch.manual_seed(0)

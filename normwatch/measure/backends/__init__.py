@@ -8,7 +8,9 @@
   gradient's in one fused pass each (CUDA; the CPU in Triton's interpreter), the step's
   folds in a launch or two (:mod:`~normwatch.measure.backends.triton_folds`), the update
   monitor's sample and the guard's check a launch each
-  (:mod:`~normwatch.measure.backends.triton_optimizer`);
+  (:mod:`~normwatch.measure.backends.triton_optimizer`); the C++ lanes launch a call's
+  and a gradient's kernel themselves, through torch's static CUDA launcher
+  (:mod:`~normwatch.measure.backends.triton_launch`);
 - :mod:`~normwatch.measure.backends.native` (``"native"``): the CPU's C readers and folds,
   the C++ lanes that measure common calls with no Python frame, the update sample.
 """

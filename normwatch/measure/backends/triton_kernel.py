@@ -41,6 +41,7 @@ from normwatch.measure.backends.triton_folds import (
     fold_calls_fused,
     fold_grads_fused,
 )
+from normwatch.measure.backends.triton_launch import Spec, static_launch
 from normwatch.measure.backends.triton_optimizer import TritonPack, check_step
 from normwatch.measure.state import buffers
 from normwatch.measure.state.backend import Launcher, Sample
@@ -108,11 +109,9 @@ def launch(x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, n_tokens: int, 
     call)."""
     if n_tokens == 0:
         return
-    import triton
-
     if not x.is_cuda:  # the interpreter copies its arguments through NumPy
         x, y = x.detach(), y.detach()
-    block = min(MAX_BLOCK_D, triton.next_power_of_2(max(width, 1)))
+    block = min(MAX_BLOCK_D, 1 << max(width - 1, 0).bit_length())  # (_block's, no frame)
     _kernel()[(n_tokens,)](x, y, rows, n_tokens, width, *strides, HAS_OUT=has_out,
                            FULL=full, CENTRED=centred, BLOCK_D=block, num_warps=warps)
 
@@ -125,14 +124,18 @@ def launch_grad(g: torch.Tensor, part: torch.Tensor | None, rows: torch.Tensor,
     the way."""
     if n_tokens == 0:
         return
-    import triton
-
     if not g.is_cuda:  # the interpreter copies its arguments through NumPy
         g = g.detach()
         part = None if part is None else part.detach()
-    block = min(MAX_BLOCK_D, triton.next_power_of_2(max(width, 1)))
+    block = min(MAX_BLOCK_D, 1 << max(width - 1, 0).bit_length())  # (_block's, no frame)
     _grad_kernel()[(n_tokens,)](g, g if part is None else part, rows, n_tokens, width,
                                 HAS_PART=part is not None, BLOCK_D=block)
+
+
+def _block(width: int) -> int:
+    """The chunk a program reads of a token of ``width`` at a time (``BLOCK_D``; the
+    launches above write it out, a frame less a launch)."""
+    return min(MAX_BLOCK_D, 1 << max(width - 1, 0).bit_length())
 
 
 _sum_max: Any = None
@@ -341,15 +344,23 @@ class TritonBackend(TorchBackend):
                         full, layer.centred, spare)
 
     @staticmethod
-    def lane_plan(x: torch.Tensor, y: torch.Tensor, full: bool
-                  ) -> tuple[tuple[int, int], object, torch.device] | None:
+    def lane_plan(x: torch.Tensor, y: torch.Tensor, full: bool, centred: bool
+                  ) -> tuple[tuple[int, int], object, torch.device, Spec | None] | None:
         """A launch lane's plan of a call's layout (:mod:`~normwatch.measure.backends.
-        native.lane`: asked once per layout and tier): its rows' shape and where the
-        lender keeps them (``None``: not a floating call, or a device the kernel does
-        not run on: a model moved off CUDA)."""
+        native.lane`: asked once per layout and tier): its rows' shape, where the lender
+        keeps them and the kernel's static launch (``None``: not a floating call, or a
+        device the kernel does not run on: a model moved off CUDA)."""
         if not (x.is_floating_point() and y.is_floating_point() and x.device == y.device):
             return None
-        return _lane_rows(x, row_count(True, full))
+        where = _lane_rows(x, row_count(True, full))
+        if where is None:
+            return None
+        width = x.shape[-1]
+        n = where[0][1]
+        return (*where, static_launch(
+            _kernel(), (x.dtype, y.dtype, torch.float32, n, width, width, 1, width, 1),
+            {"HAS_OUT": True, "FULL": full, "CENTRED": centred, "BLOCK_D": _block(width)},
+            n, x.device))
 
     @staticmethod
     def lane_launch(x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, n: int, width: int,
@@ -359,9 +370,18 @@ class TritonBackend(TorchBackend):
         launch(x, y, rows, n, width, (width, 1, width, 1), True, full, centred)
 
     @staticmethod
-    def lane_grad_plan(g: torch.Tensor) -> tuple[tuple[int, int], object, torch.device] | None:
-        """A launch lane's plan of a gradient's layout, as :meth:`lane_plan`'s."""
-        return _lane_rows(g, 2)
+    def lane_grad_plan(g: torch.Tensor) -> tuple[tuple[int, int], object, torch.device,
+                                                  tuple[Spec | None, Spec | None]] | None:
+        """A launch lane's plan of a gradient's layout, as :meth:`lane_plan`'s, with two
+        static launches: a gradient alone, and with a second part laid out alike."""
+        where = _lane_rows(g, 2)
+        if where is None:
+            return None
+        width = g.shape[-1]
+        n = where[0][1]
+        return (*where, tuple(static_launch(  # type: ignore[return-value]
+            _grad_kernel(), (g.dtype, g.dtype, torch.float32, n, width),
+            {"HAS_PART": part, "BLOCK_D": _block(width)}, n, g.device) for part in (False, True)))
 
     @staticmethod
     def lane_grad_launch(g: torch.Tensor, part: torch.Tensor | None, rows: torch.Tensor,

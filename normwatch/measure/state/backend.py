@@ -19,7 +19,7 @@ behind it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -53,19 +53,22 @@ class Launcher(Protocol):
     """A backend's kernel as a C++ lane launches it to read a call (a *launch lane*:
     :mod:`~normwatch.measure.backends.native.lane`)."""
 
-    def lane_plan(self, x: torch.Tensor, y: torch.Tensor, full: bool
-                  ) -> tuple[tuple[int, int], object, torch.device] | None:
-        """A call's layout planned: ``(rows' shape, the lender's key, device)``, or
-        ``None``: not covered (asked once per layout and tier)."""
+    def lane_plan(self, x: torch.Tensor, y: torch.Tensor, full: bool, centred: bool
+                  ) -> tuple[tuple[int, int], object, torch.device, Any] | None:
+        """A call's layout planned: ``(rows' shape, the lender's key, device, static
+        launch)`` (the last: a :data:`~normwatch.measure.backends.triton_launch.Spec` the
+        lane launches from C++, or ``None``: by :meth:`lane_launch`), or ``None``: not
+        covered (asked once per layout and tier)."""
 
     def lane_launch(self, x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, n: int,
                     width: int, full: bool, centred: bool) -> None:
         """A call of ``n`` tokens of ``width`` read into ``rows`` (one launch)."""
 
     def lane_grad_plan(self, g: torch.Tensor
-                       ) -> tuple[tuple[int, int], object, torch.device] | None:
+                       ) -> tuple[tuple[int, int], object, torch.device, Any] | None:
         """A gradient's layout planned as :meth:`lane_plan` plans a call's (a site's, not
-        the weight's: its whole norm is torch's)."""
+        the weight's: its whole norm is torch's), its static launches a pair: without
+        and with a second part."""
 
     def lane_grad_launch(self, g: torch.Tensor, part: torch.Tensor | None,
                          rows: torch.Tensor, n: int, width: int) -> None:

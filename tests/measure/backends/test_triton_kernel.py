@@ -5,6 +5,7 @@ call's. Skips cleanly where Triton is absent."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -163,6 +164,25 @@ GPU: Triton's compiler and ptxas run on the CPU (not under its interpreter: henc
 process of its own)."""
 
 
+def compiled_for_sm90(script: str) -> Any:
+    """What ``script`` (one that compiles kernels for an sm_90 GPU) prints last, as JSON,
+    run in a process of its own, not under Triton's interpreter (its compiler and ptxas
+    run on the CPU); skips where it prints ``{"skip": why}``."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    if isinstance(got, dict) and "skip" in got:
+        pytest.skip(f"Triton cannot compile for sm_90 here: {got['skip']}")
+    return got
+
+
 def test_the_kernels_reduce_few_times_a_chunk() -> None:
     """#48 item 3: each reduction costs a program a round through shared memory between
     barriers, so a chunk's are few: one max gives max |x| and whether the token is
@@ -172,18 +192,7 @@ def test_the_kernels_reduce_few_times_a_chunk() -> None:
     sm_90 GPU: the row kernel's full tier with its output 2 reductions (was 8, with 16
     barriers), its sentinel tier 1 (was 4, 8 barriers), the gradient kernel's 1 (was 3,
     6 barriers)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _HOPPER], env=env, capture_output=True,
-                          text=True, timeout=600, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    counts = json.loads(done.stdout.strip().splitlines()[-1])
-    if "skip" in counts:
-        pytest.skip(f"Triton cannot compile for sm_90 here: {counts['skip']}")
+    counts = compiled_for_sm90(_HOPPER)
     reductions = {name: c[0] for name, c in counts.items()}
     assert reductions == {"full": 2, "sentinel": 1, "gradient": 1}, counts
     barriers = {name: c[1] for name, c in counts.items()}  # (at most half what they were)

@@ -162,6 +162,60 @@ int stage(PyObject *runtime, PyObject *queue, PyObject *rows, int64_t n) {
     return done.p == nullptr ? -1 : 0;
 }
 
+void release(Plan &plan) {
+    for (PyObject **o : {&plan.shape, &plan.key, &plan.where, &plan.native}) Py_CLEAR(*o);
+}
+
+int launch_native(PyObject *spec, std::initializer_list<const at::Tensor *> tensors) {
+    if (spec == nullptr || spec == Py_None) return 0;
+    PyObject *head, *kept, *at;
+    if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 5 ||
+        !PyTuple_Check(head = PyTuple_GET_ITEM(spec, 1)) ||
+        !PyTuple_Check(kept = PyTuple_GET_ITEM(spec, 2)) ||
+        !PyTuple_Check(at = PyTuple_GET_ITEM(spec, 3)) ||
+        PyTuple_GET_SIZE(at) != (Py_ssize_t)tensors.size()) {
+        PyErr_SetString(PyExc_TypeError,
+                        "lane: a static launch: (launcher, head, args, pointers, stream)");
+        return -1;
+    }
+    for (const at::Tensor *t : tensors)  // (as compiled: Triton's aligned pointers)
+        if (reinterpret_cast<uintptr_t>(t->const_data_ptr()) % 16) return 0;
+    Py_ssize_t n = PyTuple_GET_SIZE(kept), h = PyTuple_GET_SIZE(head), k = 0;
+    Owned args(PyTuple_New(n));
+    if (args.p == nullptr) return -1;
+    for (Py_ssize_t i = 0; i < n; i++)
+        PyTuple_SET_ITEM(args.p, i, Py_NewRef(PyTuple_GET_ITEM(kept, i)));
+    for (const at::Tensor *t : tensors) {
+        Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(at, k++));
+        if (i < 0 || i >= n) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_IndexError, "lane: a pointer's index");
+            return -1;
+        }
+        PyObject *p = PyLong_FromVoidPtr(const_cast<void *>(t->const_data_ptr()));
+        if (p == nullptr || PyTuple_SetItem(args.p, i, p) < 0) return -1;
+    }
+    PyObject *streams = PyTuple_GET_ITEM(spec, 4), *stream;  // (the device's current one)
+    if (streams == Py_None) {
+        stream = PyLong_FromLong(0);
+    } else {
+        Owned index(PyLong_FromLong(tensors.begin()[0]->device().index()));
+        stream = index.p ? PyObject_CallOneArg(streams, index.p) : nullptr;
+    }
+    if (stream == nullptr) return -1;
+    Owned call(PyTuple_New(h + 2));
+    if (call.p == nullptr) {
+        Py_DECREF(stream);
+        return -1;
+    }
+    PyTuple_SET_ITEM(call.p, h + 1, stream);
+    for (Py_ssize_t i = 0; i < h; i++)
+        PyTuple_SET_ITEM(call.p, i, Py_NewRef(PyTuple_GET_ITEM(head, i)));
+    PyTuple_SET_ITEM(call.p, h, args.p);
+    args.p = nullptr;
+    Owned done(PyObject_Call(PyTuple_GET_ITEM(spec, 0), call.p, nullptr));
+    return done.p == nullptr ? -1 : 1;
+}
+
 bool same_layout(const Plan &plan, const at::Tensor &x, at::ScalarType dy) {
     return plan.threads == at::get_num_threads() && plan.dx == x.scalar_type() &&
            plan.dy == dy && plan.device == x.device() && x.sizes().equals(plan.sizes);
@@ -170,15 +224,16 @@ bool same_layout(const Plan &plan, const at::Tensor &x, at::ScalarType dy) {
 int take_plan(Plan &plan, PyObject *got, const at::Tensor &x, at::ScalarType dy) {
     plan.threads = -1;  // (until the new plan is read whole)
     plan.args.clear();
-    PyObject *args = got, *shape = nullptr, *key = nullptr, *where = nullptr;
+    PyObject *args = got, *shape = nullptr, *key = nullptr, *where = nullptr, *native = nullptr;
     Py_ssize_t parts = PyTuple_Check(got) ? PyTuple_GET_SIZE(got) : 0;
-    if (parts == 2 || parts == 3) {  // a readers.RowPlan, or a launcher's lane_plan
+    if (parts >= 2 && parts <= 4) {  // a readers.RowPlan, or a launcher's lane_plan
         shape = PyTuple_GET_ITEM(got, 0);
         args = parts == 2 ? PyTuple_GET_ITEM(got, 1) : nullptr;
-        if (parts == 3) {
+        if (parts >= 3) {
             key = PyTuple_GET_ITEM(got, 1);
             where = PyTuple_GET_ITEM(got, 2);
         }
+        if (parts == 4) native = PyTuple_GET_ITEM(got, 3);
     }
     if (args != nullptr && got != Py_None) {
         Py_ssize_t n = PySequence_Size(args);
@@ -193,6 +248,7 @@ int take_plan(Plan &plan, PyObject *got, const at::Tensor &x, at::ScalarType dy)
     Py_XSETREF(plan.shape, Py_XNewRef(shape));
     Py_XSETREF(plan.key, Py_XNewRef(key));
     Py_XSETREF(plan.where, Py_XNewRef(where));
+    Py_XSETREF(plan.native, Py_XNewRef(native));
     plan.device = x.device();
     plan.sizes.assign(x.sizes().begin(), x.sizes().end());
     plan.dx = x.scalar_type();

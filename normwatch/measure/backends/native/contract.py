@@ -26,14 +26,17 @@ What the lanes run, and where the Python they stand for is:
   A *launch lane* (a layer whose backend has a launcher,
   :meth:`Backend.launcher <normwatch.measure.state.backend.Backend.launcher>`: the Triton
   backend's, on CUDA or in Triton's interpreter) records the same calls the same way,
-  planning with the launcher's ``lane_plan`` and reading with its ``lane_launch`` (one
-  launch into the lent buffer, on the lender's device key), and hands every full-tier
-  call's rest to ``_tail``.
+  planning with the launcher's ``lane_plan`` and reading with one launch into the lent
+  buffer (on the lender's device key): the plan's static launch
+  (:mod:`~normwatch.measure.backends.triton_launch`), called from here with the call's
+  pointers and its device's current stream, else the launcher's ``lane_launch``; and
+  hands every full-tier call's rest to ``_tail``.
 - **The gradient hooks** (``grads.cpp``, one capsule per layer's
   :class:`~normwatch.measure.layer.gradients.GradHooks`): a gradient of the plain case is
   read by the C reader its site's plan names and staged as ``GradHooks._measure`` stages
-  it; a launch lane's site by its launcher's ``lane_grad_plan`` and ``lane_grad_launch``
-  (one launch), its weight's norm by torch's op; every other case calls the GradHooks
+  it; a launch lane's site planned by its launcher's ``lane_grad_plan`` and read by one
+  launch (the plan's static launch, without or with a second part, else
+  ``lane_grad_launch``), its weight's norm by torch's op; every other case calls the GradHooks
   method it stands for.
 - **The step hooks** (``sampler.cpp``): an optimizer whose samples are all
   :class:`~normwatch.measure.backends.native.sampler.NativePack` is sampled as

@@ -125,8 +125,8 @@ int read_rows(Grads &gr, int site, const at::Tensor &g, int whole, int64_t width
 }
 
 // A launch lane's read of `g` at `site`: a buffer of its launcher's plan from the lender,
-// filled by the launcher (the backend's lane_grad_launch: one launch), staged: 1 read
-// here, 0 not planned, -1 an error
+// filled by one launch (the plan's static launch, from here; else the backend's
+// lane_grad_launch), staged: 1 read here, 0 not planned, -1 an error
 int launch_rows(Grads &gr, int site, const at::Tensor &g, const at::Tensor *part) {
     Plan &plan = gr.plans[site];
     int t = grad_plan(plan, gr.site_planner, g, -1);
@@ -134,6 +134,18 @@ int launch_rows(Grads &gr, int site, const at::Tensor &g, const at::Tensor *part
     PyObject *buffer = lend_launch(gr.lender, plan);
     if (buffer == nullptr) return -1;
     int64_t width = g.size(-1);
+    PyObject *specs = plan.native;  // (without a part, with one)
+    t = specs != nullptr && PyTuple_Check(specs) && PyTuple_GET_SIZE(specs) == 2
+            ? launch_native(PyTuple_GET_ITEM(specs, part != nullptr),
+                            {&g, part ? part : &g, &THPVariable_Unpack(buffer)})
+            : 0;
+    if (t != 0) {
+        if (t < 0) {
+            Py_DECREF(buffer);
+            return -1;
+        }
+        return stage(gr, buffer, site, width) < 0 ? -1 : 1;
+    }
     Owned go(THPVariable_Wrap(g)), po(part ? THPVariable_Wrap(*part) : Py_NewRef(Py_None)),
         n(PyLong_FromLongLong(g.numel() / width)), w(PyLong_FromLongLong(width));
     PyObject *run[5] = {go.p, po.p, buffer, n.p, w.p};

@@ -32,6 +32,8 @@ struct Grads {
         for (PyObject **o : {&owner, &runtime, &lender, &rows_type, &row, &site_planner,
                              &through_planner, &launcher})
             Py_CLEAR(*o);
+        for (Plan &p : plans) release(p);
+        release(through_plan);
     }
 };
 

@@ -60,8 +60,7 @@ void drop(PyObject *capsule) {
                         lane->planner, lane->call_type, lane->row, lane->eps, lane->centred,
                         lane->moments, lane->launcher, lane->signature})
         Py_XDECREF(o);
-    for (Plan &p : lane->tiers)
-        for (PyObject *o : {p.shape, p.key, p.where}) Py_XDECREF(o);
+    for (Plan &p : lane->tiers) release(p);
     delete lane;
 }
 
@@ -93,20 +92,26 @@ int full_tail(Lane *lane, PyObject *module, PyObject *args, PyObject *kwargs, Py
               PyObject *yo, const at::Tensor &x, const at::Tensor &y);
 
 // A launch lane's read of a call of `tokens` tokens: a buffer from the lender, of the
-// tier's plan for x and y's layout, filled by the launcher (the backend's lane_launch:
-// one launch, on x's stream). The buffer (a new reference), Py_None where the planner
-// does not cover the layout (a new reference too), nullptr an error.
+// tier's plan for x and y's layout, filled by one launch on x's stream (the plan's static
+// launch, from here; else the backend's lane_launch). The buffer (a new reference),
+// Py_None where the planner does not cover the layout (a new reference too), nullptr an
+// error.
 PyObject *launch_rows(Lane *lane, bool full, PyObject *xo, PyObject *yo, const at::Tensor &x,
                       const at::Tensor &y, int64_t tokens) {
     Plan &tier = lane->tiers[full];
     if (!same_layout(tier, x, y.scalar_type())) {
-        PyObject *ask[3] = {xo, yo, full ? Py_True : Py_False};
-        Owned got(PyObject_Vectorcall(lane->planner, ask, 3, nullptr));
+        PyObject *ask[4] = {xo, yo, full ? Py_True : Py_False, lane->centred};
+        Owned got(PyObject_Vectorcall(lane->planner, ask, 4, nullptr));
         if (got.p == nullptr || take_plan(tier, got.p, x, y.scalar_type()) < 0) return nullptr;
     }
     if (!tier.planned) return Py_NewRef(Py_None);
     PyObject *buffer = lend_launch(lane->lender, tier);
     if (buffer == nullptr) return nullptr;
+    int t = launch_native(tier.native, {&x, &y, &THPVariable_Unpack(buffer)});
+    if (t != 0) {
+        if (t < 0) Py_CLEAR(buffer);
+        return buffer;
+    }
     Owned n(PyLong_FromLongLong(tokens)), width(PyLong_FromLongLong(lane->width));
     PyObject *run[7] = {xo, yo, buffer, n.p, width.p, full ? Py_True : Py_False, lane->centred};
     Owned done(n.p && width.p ? PyObject_Vectorcall(lane->launcher, run, 7, nullptr) : nullptr);

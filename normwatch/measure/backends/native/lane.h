@@ -10,6 +10,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <vector>
 
 namespace normwatch {
@@ -57,14 +58,19 @@ struct Plan {
     std::vector<int64_t> args;   // the reader's plan (its arguments)
     PyObject *shape = nullptr;   // the rows' shape, where the planner gives one (owned)
     PyObject *key = nullptr, *where = nullptr;  // a launcher's: the lender's key, device
+    PyObject *native = nullptr;  // a launcher's static launch (triton_launch.Spec, or None;
+                                 // a gradient's: a pair, without and with a second part)
 };
+
+// Drop a plan's references
+void release(Plan &plan);
 
 // Whether `plan` was made for x's layout (and a second tensor's dtype `dy`)
 bool same_layout(const Plan &plan, const at::Tensor &x, at::ScalarType dy);
 // Take a planner's answer for x's layout into `plan`: None (not covered), a sequence of
 // int64 (the reader's arguments), a pair (the rows' shape, the arguments) or a launcher's
-// triple (the rows' shape, the lender's key, the device): 1 planned, 0 not covered, -1
-// an error
+// triple (the rows' shape, the lender's key, the device), or that and its static launch:
+// 1 planned, 0 not covered, -1 an error
 int take_plan(Plan &plan, PyObject *got, const at::Tensor &x, at::ScalarType dy);
 
 // A contiguous strided tensor, no vmap or grad wrapper
@@ -77,6 +83,13 @@ bool launchable(const at::Tensor &x, const at::Tensor &y);
 bool own(const at::Tensor &t);
 // A C reader's: defined, on the CPU, own
 bool plain(const at::Tensor &t);
+
+// Launch `spec` (a launcher's triton_launch.Spec; None: none) with the tensors' pointers
+// (put in its arguments in order) on the first one's device's current stream (the spec's
+// stream getter's; none: 0): 1
+// launched, 0 not (no spec, or a pointer off the 16-byte alignment the kernel was
+// compiled for: the launcher's Python launches it), -1 an error
+int launch_native(PyObject *spec, std::initializer_list<const at::Tensor *> tensors);
 
 // A buffer of a launcher's planned `plan` (its shape, the lender's key, the device) from
 // `lender`: a new reference, or nullptr with an error (a plan that is not a launcher's)

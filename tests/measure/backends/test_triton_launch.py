@@ -1,0 +1,285 @@
+"""The fused kernels launched from C++ (normwatch.measure.backends.triton_launch): a static
+launch passes what the compiled kernel takes (its PTX's parameters, compiled for an
+sm_90 GPU on this CPU), and the lanes launch it with the call's pointers and no Python of
+normwatch's: here through a stand-in for torch's static CUDA launcher that runs the
+kernel in Triton's interpreter on the memory the pointers name, so that the rows it
+writes are checked against Triton's own launch. Skips cleanly where Triton is absent."""
+
+from __future__ import annotations
+
+import ctypes
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import normwatch
+from normwatch.measure.backends import triton_kernel
+from normwatch.measure.backends.native import lane as fastlane
+from normwatch.measure.backends.triton_launch import compiled_spec, static_launch
+from tests.benchmarks.overhead import tiny_llama, train_step
+from tests.measure.backends.test_triton_kernel import compiled_for_sm90
+
+_PTX = """
+import json, re, sys, warnings
+warnings.filterwarnings("ignore")
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from normwatch.measure.backends.triton_kernel import _grad_kernel, _kernel
+from normwatch.measure.backends.triton_launch import compiled_spec
+
+TYPES = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}
+cases = []
+for kernel, args, constexprs in (
+        (_kernel(), ("x_ptr", torch.bfloat16, "y_ptr", torch.bfloat16, "rows_ptr",
+                     torch.float32, "n_tokens", 96, "width", 64, "sxt", 64, "sxd", 1,
+                     "syt", 64, "syd", 1),
+         {"HAS_OUT": True, "FULL": True, "CENTRED": True, "BLOCK_D": 64}),
+        (_kernel(), ("x_ptr", torch.bfloat16, "y_ptr", torch.bfloat16, "rows_ptr",
+                     torch.float32, "n_tokens", 1, "width", 48, "sxt", 48, "sxd", 1,
+                     "syt", 48, "syd", 1),
+         {"HAS_OUT": True, "FULL": False, "CENTRED": False, "BLOCK_D": 64}),
+        (_grad_kernel(), ("g_ptr", torch.bfloat16, "p_ptr", torch.bfloat16, "rows_ptr",
+                          torch.float32, "n_tokens", 8, "width", 64),
+         {"HAS_PART": True, "BLOCK_D": 64})):
+    values = dict(zip(args[::2], args[1::2]))
+    # as Triton's JIT specializes: an int of 1 is a constexpr
+    signature = {name: TYPES[v] if isinstance(v, torch.dtype) else
+                 "constexpr" if v == 1 else "i32" for name, v in values.items()}
+    constants = {name: v for name, v in values.items() if signature[name] == "constexpr"}
+    signature.update({name: "constexpr" for name in constexprs})
+    try:
+        made = triton.compile(ASTSource(kernel, signature, {**constants, **constexprs}),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    except Exception as exc:  # no CUDA backend or ptxas in this Triton, another API
+        print(json.dumps({"skip": repr(exc)[-400:]}))
+        sys.exit(0)
+    head, kept, pointers = compiled_spec(made, {**values, **constexprs}, values["n_tokens"])
+    entry = re.search(r"\\.entry\\s+\\w+\\s*\\((.*?)\\)", made.asm["ptx"], re.S).group(1)
+    cases.append({"head": list(head), "kept": list(kept), "pointers": list(pointers),
+                  "params": re.findall(r"\\.param\\s+\\.(\\w+)", entry)})
+print(json.dumps(cases))
+"""
+"""Compiles the kernels for an sm_90 GPU as Triton's JIT would for a lane's launch (a
+full-tier call, a one-token sentinel call, a gradient with a part) and prints each
+one's static launch and its PTX entry's parameters (Triton's compiler and ptxas run on
+the CPU, not under its interpreter: hence a process of its own)."""
+
+
+def test_a_static_launch_passes_what_the_compiled_kernel_takes() -> None:
+    """#48 item 1: the static launcher passes each argument as its format letter says (a
+    pointer 8 bytes, an i32 4), so the letters must be the compiled kernel's parameters,
+    in order: its pointers, its ints but those Triton made constants (an int of 1: the
+    element strides, a call of one token), its scratch pointers last (null); the call's
+    pointers go where the pointers are."""
+    cases = compiled_for_sm90(_PTX)
+    ptx = {"O": "u64", "i": "u32", "l": "u64"}
+    for case in cases:
+        kinds = case["head"][6]
+        assert [ptx[k] for k in kinds] == case["params"], case
+        assert case["pointers"] == [0, 1, 2], case
+        kept = case["kept"]  # (the pointers' places empty: the call's, then the scratch)
+        assert [i for i, v in enumerate(kept) if v is None] == \
+            [0, 1, 2, len(kept) - 2, len(kept) - 1], case
+    full, single, grad = cases
+    assert full["head"][1:4] == [96, 1, 1] and full["head"][6] == "OOOiiiiOO"
+    assert full["kept"][3:7] == [96, 64, 64, 64]  # tokens, width, the token strides
+    assert single["head"][6] == "OOOiiiOO" and single["kept"][3:6] == [48, 48, 48]  # (1 token)
+    assert grad["head"][6] == "OOOiiOO" and grad["kept"][3:5] == [8, 64]
+
+
+_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
+
+
+class StandIn:
+    """A stand-in for torch's static CUDA launcher (``_StaticCudaLauncher._launch_kernel``,
+    which a CPU build of torch has not) for the specs :meth:`spec` makes: it reads the
+    call's arguments as the real one does, by the format letters, finds the memory each
+    pointer names, and runs the kernel on it in Triton's interpreter."""
+
+    def __init__(self) -> None:
+        self.launches = 0
+
+    def spec(self, kernel: Any, args: Any, constexprs: dict[str, Any], grid: int,
+             device: torch.device, warps: int = 4) -> Any:
+        """:func:`static_launch`'s spec for the CPU: a compiled kernel as Triton's JIT
+        specializes one (an int of 1 a constant), made into a spec by the module's own
+        :func:`compiled_spec`, launched by :meth:`launch`."""
+        names = list(kernel.arg_names)
+        values = {**dict(zip(names, args, strict=False)), **constexprs}
+        signature = {name: "constexpr" if name in constexprs or v == 1 else
+                     _TYPES[v] if isinstance(v, torch.dtype) else "i32"
+                     for name, v in values.items()}
+        compiled = SimpleNamespace(
+            src=SimpleNamespace(fn=kernel, signature=signature, constants={}),
+            metadata=SimpleNamespace(num_warps=warps, shared=0, num_ctas=1,
+                                     global_scratch_size=0, profile_scratch_size=0))
+        made = compiled_spec(compiled, values, grid)
+        assert made is not None
+        head, kept, pointers = made
+        n, width = values["n_tokens"], values["width"]
+        rows = n * (triton_kernel.row_count(True, constexprs["FULL"])
+                    if "FULL" in constexprs else 2)
+        counts = {name: rows if name == "rows_ptr" else n * width
+                  for name, kind in signature.items() if kind.startswith("*")}
+
+        def launch(function: int, gx: int, gy: int, gz: int, num_warps: int, shared: int,
+                   kinds: str, got: tuple[Any, ...], stream: int) -> None:
+            assert (gx, gy, gz, num_warps, kinds) == (grid, 1, 1, warps, head[6])
+            assert len(got) == len(kinds) and stream == 0
+            given = iter(got)
+            positional = []
+            for name in names:
+                if name in constexprs:
+                    continue
+                if signature[name] != "constexpr":
+                    value = next(given)
+                    if signature[name].startswith("*"):  # the memory the pointer names
+                        dtype = values[name]
+                        memory = (ctypes.c_byte * (counts[name] * dtype.itemsize)
+                                  ).from_address(value)
+                        value = torch.frombuffer(memory, dtype=dtype)
+                    positional.append(value)
+                else:
+                    positional.append(values[name])
+            self.launches += 1
+            kernel[(gx,)](*positional, **constexprs, num_warps=num_warps)
+
+        return launch, head, kept, pointers, None
+
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def standin(monkeypatch: pytest.MonkeyPatch) -> StandIn | None:
+    """The stand-in's static launches on the CPU; on a GPU torch's own (``None``)."""
+    if fastlane.module() is None:
+        pytest.skip("no C++ lane here (no C++ compiler, torch headers or C library)")
+    if not triton_kernel.usable():
+        pytest.skip("Triton cannot run here")
+    if DEVICE.type == "cuda":
+        return None
+    made = StandIn()
+    monkeypatch.setattr(triton_kernel, "static_launch", made.spec)
+    return made
+
+
+def _steps(dtype: torch.dtype, steps: int = 3, offset: bool = False
+           ) -> tuple[list[float], Any, dict[str, int]]:
+    """A tiny Llama in ``dtype`` trained ``steps`` full-tier steps with the fused kernel
+    (``offset``: each norm's input 2 bytes past an aligned address): its losses, its
+    flush, and how often normwatch's Python launched each kernel after the first step
+    (whose first calls, the interval's output check, are the Python hook's)."""
+    torch.manual_seed(0)
+    model = tiny_llama(32, 2).to(DEVICE, dtype)
+    if offset:
+        for layer in [m for m in model.modules() if type(m).__name__ == "LlamaRMSNorm"]:
+            layer.register_forward_pre_hook(
+                lambda m, a: (torch.cat([a[0].new_zeros(1), a[0].flatten()])[1:]
+                              .view_as(a[0]),))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    watch = normwatch.watch(model, opt, report_dir=None, kernel="triton", stats_every=1,
+                            flush_every=100, early_warning=False)
+    python = {"launch": 0, "launch_grad": 0}
+    real = {name: getattr(triton_kernel, name) for name in python}
+
+    def spy(name: str) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> None:
+            python[name] += 1
+            real[name](*args, **kwargs)
+        return counted
+
+    tokens = torch.randint(0, 1024, (2, 8), generator=torch.Generator().manual_seed(0))
+    tokens = tokens.to(DEVICE)
+    try:
+        for name in python:
+            setattr(triton_kernel, name, spy(name))
+        losses = []
+        for step in range(steps):
+            losses.append(train_step(model, opt, tokens, watch).item())
+            if step == 0:
+                python.update(launch=0, launch_grad=0)
+        snap = watch.flush()
+    finally:
+        for name, fn in real.items():
+            setattr(triton_kernel, name, fn)
+        watch.close()
+    return losses, snap, python
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_lanes_launch_the_static_launch_and_read_what_tritons_launch_reads(
+        standin: StandIn | None, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    """#48 item 1: where a lane's plan has a static launch, the C++ lanes launch every
+    call and every gradient site through it (no Python of normwatch's on the way), and
+    the statistics are those of Triton's own launch, every one of them, bit for bit (on
+    a GPU: torch's static launcher against Triton's)."""
+    losses, snap, python = _steps(dtype)
+    assert python == {"launch": 0, "launch_grad": 0}, python
+    launches = standin.launches if standin else None
+    monkeypatch.undo()  # (Triton's launch from Python, as on the CPU)
+    monkeypatch.setattr(triton_kernel, "static_launch", lambda *args, **kwargs: None)
+    want_losses, want, launched = _steps(dtype)
+    assert losses == want_losses
+    assert launched["launch"] > 0 and launched["launch_grad"] > 0
+    assert launches is None or launches >= launched["launch"] + launched["launch_grad"]
+    assert snap.layers.keys() == want.layers.keys()
+    for name, layer in want.layers.items():
+        assert layer.grad_out_rms is not None and layer.rms_max is not None
+        assert snap.layers[name] == layer, name
+
+
+def test_a_pointer_off_the_compiled_alignment_is_launched_by_triton(
+        standin: StandIn | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel compiled for aligned pointers reads a misaligned one wrongly (or faults):
+    a call whose input is not 16-byte aligned goes to Triton's launch, which compiles
+    for it; the rest (the gradients, aligned) still go through the static launch; the
+    statistics are Triton's launch's throughout."""
+    losses, snap, python = _steps(torch.bfloat16, offset=True)
+    assert python["launch"] > 0 and python["launch_grad"] == 0
+    assert standin is None or standin.launches > 0
+    monkeypatch.undo()
+    monkeypatch.setattr(triton_kernel, "static_launch", lambda *args, **kwargs: None)
+    want_losses, want, _ = _steps(torch.bfloat16, offset=True)
+    assert losses == want_losses and snap.layers == want.layers
+
+
+def test_there_is_no_static_launch_off_cuda() -> None:
+    x = torch.randn(4, 8)  # (the CPU: Triton's interpreter; the lanes launch by Triton)
+    assert static_launch(triton_kernel._kernel(), (x.dtype, x.dtype, torch.float32, 4, 8,
+                                                   8, 1, 8, 1),
+                         {"HAS_OUT": True, "FULL": True, "CENTRED": True, "BLOCK_D": 8},
+                         4, x.device) is None
+
+
+def test_a_statically_launched_call_runs_no_python_of_normwatch(
+        standin: StandIn | None) -> None:
+    """#48 item 1, "no Python per call": with a static launch, a sentinel call of a launch
+    lane runs none of normwatch's Python, its launch included (with Triton's launch from
+    Python, ``lane_launch`` and ``launch`` a call: ``test_opcount.py``); what is left is
+    the step's bookkeeping around the model's forward."""
+    from torch import nn
+
+    from tests.benchmarks import opcount
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.RMSNorm(64), nn.RMSNorm(64)).to(DEVICE)
+    x = torch.randn(8, 64, requires_grad=True, device=DEVICE)
+    with opcount.watched(model, kernel="triton") as hook:
+        hook.rt.update(full_stats=False, check_outputs=False)
+        model(x)  # the interval's first calls (their dtypes noted), the lender filled
+        hook.rt.accumulator.buffers.give_back()
+        before = standin.launches if standin else 0
+        frames = opcount.frames_of(lambda: model(x))
+        rows = [hook.rt.accumulator._staged[-k] for k in (1, 2)]
+    assert frames == ["_forward_begins", "forward", "mark", "_forward_ends"], frames
+    assert standin is None or standin.launches - before == 2
+    assert sorted(r.row for r in rows) == [0, 1]
+    with torch.no_grad():  # (read by the launch: each token's max |x| is its own)
+        inputs = [model[0](x), model[1](model[0](x))]
+    for r in rows:
+        assert torch.equal(r.v[0], inputs[r.row].abs().amax(1)), r.row
