@@ -5,6 +5,7 @@
 #include "lane.h"
 
 #include <ATen/Parallel.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 namespace normwatch {
 
@@ -180,6 +181,9 @@ int launch_native(PyObject *spec, std::initializer_list<const at::Tensor *> tens
     }
     for (const at::Tensor *t : tensors)  // (as compiled: Triton's aligned pointers)
         if (reinterpret_cast<uintptr_t>(t->const_data_ptr()) % 16) return 0;
+    const c10::Device device = tensors.begin()[0]->device();
+    if (device.is_cuda() && c10::impl::getDeviceGuardImpl(device.type())->getDevice() != device)
+        return 0;  // (its kernel is loaded in its device's context: Triton's launch serves)
     Py_ssize_t n = PyTuple_GET_SIZE(kept), h = PyTuple_GET_SIZE(head), k = 0;
     Owned args(PyTuple_New(n));
     if (args.p == nullptr) return -1;
@@ -198,7 +202,7 @@ int launch_native(PyObject *spec, std::initializer_list<const at::Tensor *> tens
     if (streams == Py_None) {
         stream = PyLong_FromLong(0);
     } else {
-        Owned index(PyLong_FromLong(tensors.begin()[0]->device().index()));
+        Owned index(PyLong_FromLong(device.index()));
         stream = index.p ? PyObject_CallOneArg(streams, index.p) : nullptr;
     }
     if (stream == nullptr) return -1;

@@ -86,9 +86,9 @@ bool plain(const at::Tensor &t);
 
 // Launch `spec` (a launcher's triton_launch.Spec; None: none) with the tensors' pointers
 // (put in its arguments in order) on the first one's device's current stream (the spec's
-// stream getter's; none: 0): 1
-// launched, 0 not (no spec, or a pointer off the 16-byte alignment the kernel was
-// compiled for: the launcher's Python launches it), -1 an error
+// stream getter's; none: 0): 1 launched, 0 not (no spec, a pointer off the 16-byte
+// alignment the kernel was compiled for, or a device not the current one: the
+// launcher's Python launches it), -1 an error
 int launch_native(PyObject *spec, std::initializer_list<const at::Tensor *> tensors);
 
 // A buffer of a launcher's planned `plan` (its shape, the lender's key, the device) from
