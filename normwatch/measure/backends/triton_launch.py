@@ -17,10 +17,13 @@ what it does not pass (scratch memory, clusters, cooperative or dependent launch
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 Spec = tuple[Any, tuple[Any, ...], tuple[Any, ...], tuple[int, ...], Any]
 """``(launcher, head, args, pointers, streams)``: ``launcher(*head, args, stream)``
@@ -103,5 +106,7 @@ def static_launch(kernel: Any, args: Sequence[Any], constexprs: dict[str, Any], 
         head, kept, pointers = spec
         return _StaticCudaLauncher._launch_kernel, (compiled.function, *head[1:]), kept, \
             pointers, _cuda_getCurrentRawStream
-    except Exception:  # an older torch or Triton: Triton's own launch serves
+    except Exception as exc:  # an older torch or Triton: Triton's own launch serves
+        log.debug("normwatch: no static launch of %s (%r); Triton launches it",
+                  getattr(kernel, "__name__", kernel), exc)
         return None
