@@ -174,7 +174,13 @@ def _steps(dtype: torch.dtype, steps: int = 3, offset: bool = False
     """A tiny Llama in ``dtype`` trained ``steps`` full-tier steps with the fused kernel
     (``offset``: each norm's input 2 bytes past an aligned address): its losses, its
     flush, and how often normwatch's Python launched each kernel after the first step
-    (whose first calls, the interval's output check, are the Python hook's)."""
+    (whose first calls, the interval's output check, are the Python hook's). On a GPU the
+    attention is the math backend's, whose backward is deterministic: two runs are then
+    bit-identical."""
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     torch.manual_seed(0)
     model = tiny_llama(32, 2).to(DEVICE, dtype)
     if offset:
@@ -201,7 +207,9 @@ def _steps(dtype: torch.dtype, steps: int = 3, offset: bool = False
             setattr(triton_kernel, name, spy(name))
         losses = []
         for step in range(steps):
-            losses.append(train_step(model, opt, tokens, watch).item())
+            losses.append(train_step(
+                model, opt, tokens, watch, context=(lambda: sdpa_kernel(SDPBackend.MATH))
+                if DEVICE.type == "cuda" else contextlib.nullcontext).item())
             if step == 0:
                 python.update(launch=0, launch_grad=0)
         snap = watch.flush()
