@@ -213,6 +213,7 @@ def _steps(dtype: torch.dtype, steps: int = 3, offset: bool = False
             if step == 0:
                 python.update(launch=0, launch_grad=0)
         snap = watch.flush()
+        assert not watch.disabled, watch.disabled  # (no layer lost on the way)
     finally:
         for name, fn in real.items():
             setattr(triton_kernel, name, fn)
@@ -254,6 +255,29 @@ def test_a_pointer_off_the_compiled_alignment_is_launched_by_triton(
     monkeypatch.undo()
     monkeypatch.setattr(triton_kernel, "static_launch", lambda *args, **kwargs: None)
     want_losses, want, _ = _steps(torch.bfloat16, offset=True)
+    assert losses == want_losses and snap.layers == want.layers
+
+
+def test_a_static_launch_that_fails_gives_way_to_tritons_launch(
+        standin: StandIn | None, monkeypatch: pytest.MonkeyPatch,
+        recwarn: pytest.WarningsRecorder) -> None:
+    """A launcher that refuses (a torch or a Triton unlike the ones this was written
+    for) costs speed, nothing else: the lane launches by Triton from then on, with no
+    warning, no layer disabled, and the statistics of Triton's launch."""
+    if standin is None:
+        pytest.skip("a refusing stand-in: the CPU's")
+
+    def refuse(*args: Any) -> None:
+        raise RuntimeError("refused")
+
+    made = standin.spec
+    monkeypatch.setattr(triton_kernel, "static_launch",
+                        lambda *args, **kwargs: (refuse, *made(*args, **kwargs)[1:]))
+    losses, snap, python = _steps(torch.float32)
+    assert python["launch"] > 0 and python["launch_grad"] > 0
+    assert not [w for w in recwarn if "normwatch" in str(w.message)], list(recwarn)
+    monkeypatch.setattr(triton_kernel, "static_launch", lambda *args, **kwargs: None)
+    want_losses, want, _ = _steps(torch.float32)
     assert losses == want_losses and snap.layers == want.layers
 
 

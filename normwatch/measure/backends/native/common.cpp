@@ -167,8 +167,12 @@ void release(Plan &plan) {
     for (PyObject **o : {&plan.shape, &plan.key, &plan.where, &plan.native}) Py_CLEAR(*o);
 }
 
-int launch_native(PyObject *spec, std::initializer_list<const at::Tensor *> tensors) {
-    if (spec == nullptr || spec == Py_None) return 0;
+int launch_native(Plan &plan, int part, std::initializer_list<const at::Tensor *> tensors) {
+    PyObject *spec = plan.native;
+    if (spec != nullptr && part >= 0)  // (a pair's item)
+        spec = PyTuple_Check(spec) && PyTuple_GET_SIZE(spec) == 2 ? PyTuple_GET_ITEM(spec, part)
+                                                                  : nullptr;
+    if (spec == nullptr || spec == Py_None || plan.refused & (1 << (part + 1))) return 0;
     PyObject *head, *kept, *at;
     if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 5 ||
         !PyTuple_Check(head = PyTuple_GET_ITEM(spec, 1)) ||
@@ -217,7 +221,10 @@ int launch_native(PyObject *spec, std::initializer_list<const at::Tensor *> tens
     PyTuple_SET_ITEM(call.p, h, args.p);
     args.p = nullptr;
     Owned done(PyObject_Call(PyTuple_GET_ITEM(spec, 0), call.p, nullptr));
-    return done.p == nullptr ? -1 : 1;
+    if (done.p != nullptr) return 1;
+    PyErr_Clear();  // (a launcher that refuses: Triton's launch serves from now on)
+    plan.refused |= 1 << (part + 1);
+    return 0;
 }
 
 bool same_layout(const Plan &plan, const at::Tensor &x, at::ScalarType dy) {
@@ -253,6 +260,7 @@ int take_plan(Plan &plan, PyObject *got, const at::Tensor &x, at::ScalarType dy)
     Py_XSETREF(plan.key, Py_XNewRef(key));
     Py_XSETREF(plan.where, Py_XNewRef(where));
     Py_XSETREF(plan.native, Py_XNewRef(native));
+    plan.refused = 0;
     plan.device = x.device();
     plan.sizes.assign(x.sizes().begin(), x.sizes().end());
     plan.dx = x.scalar_type();

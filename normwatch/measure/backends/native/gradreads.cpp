@@ -134,11 +134,8 @@ int launch_rows(Grads &gr, int site, const at::Tensor &g, const at::Tensor *part
     PyObject *buffer = lend_launch(gr.lender, plan);
     if (buffer == nullptr) return -1;
     int64_t width = g.size(-1);
-    PyObject *specs = plan.native;  // (without a part, with one)
-    t = specs != nullptr && PyTuple_Check(specs) && PyTuple_GET_SIZE(specs) == 2
-            ? launch_native(PyTuple_GET_ITEM(specs, part != nullptr),
-                            {&g, part ? part : &g, &THPVariable_Unpack(buffer)})
-            : 0;
+    t = launch_native(plan, part != nullptr,  // (the pair's: without a part, with one)
+                      {&g, part ? part : &g, &THPVariable_Unpack(buffer)});
     if (t != 0) {
         if (t < 0) {
             Py_DECREF(buffer);

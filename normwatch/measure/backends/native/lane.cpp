@@ -107,7 +107,7 @@ PyObject *launch_rows(Lane *lane, bool full, PyObject *xo, PyObject *yo, const a
     if (!tier.planned) return Py_NewRef(Py_None);
     PyObject *buffer = lend_launch(lane->lender, tier);
     if (buffer == nullptr) return nullptr;
-    int t = launch_native(tier.native, {&x, &y, &THPVariable_Unpack(buffer)});
+    int t = launch_native(tier, -1, {&x, &y, &THPVariable_Unpack(buffer)});
     if (t != 0) {
         if (t < 0) Py_CLEAR(buffer);
         return buffer;

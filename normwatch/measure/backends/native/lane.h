@@ -60,6 +60,7 @@ struct Plan {
     PyObject *key = nullptr, *where = nullptr;  // a launcher's: the lender's key, device
     PyObject *native = nullptr;  // a launcher's static launch (triton_launch.Spec, or None;
                                  // a gradient's: a pair, without and with a second part)
+    int refused = 0;             // the parts whose static launch failed (bits): not tried again
 };
 
 // Drop a plan's references
@@ -84,12 +85,13 @@ bool own(const at::Tensor &t);
 // A C reader's: defined, on the CPU, own
 bool plain(const at::Tensor &t);
 
-// Launch `spec` (a launcher's triton_launch.Spec; None: none) with the tensors' pointers
-// (put in its arguments in order) on the first one's device's current stream (the spec's
-// stream getter's; none: 0): 1 launched, 0 not (no spec, a pointer off the 16-byte
-// alignment the kernel was compiled for, or a device not the current one: the
+// Launch `plan`'s static launch (its native; a pair's item `part`) with the tensors'
+// pointers (put in its arguments in order) on the first one's device's current stream
+// (the spec's stream getter's; none: 0): 1 launched, 0 not (no spec, a pointer off the
+// 16-byte alignment the kernel was compiled for, a device not the current one, or a
+// launch that failed, whose error is dropped and whose spec is not tried again: the
 // launcher's Python launches it), -1 an error
-int launch_native(PyObject *spec, std::initializer_list<const at::Tensor *> tensors);
+int launch_native(Plan &plan, int part, std::initializer_list<const at::Tensor *> tensors);
 
 // A buffer of a launcher's planned `plan` (its shape, the lender's key, the device) from
 // `lender`: a new reference, or nullptr with an error (a plan that is not a launcher's)
