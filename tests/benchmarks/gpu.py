@@ -208,15 +208,23 @@ def ops(p: Plan, steps: int = 4) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     from normwatch.measure.backends import triton_kernel
+    from normwatch.measure.backends.triton_launch import Launch
 
     setup = p.step
     counts = {}
     python = {"launch": 0, "launch_grad": 0}  # Triton's launches from normwatch's Python
     real = {name: getattr(triton_kernel, name) for name in python}
+    cross = {True: 0, False: 0}  # the step's cross-layer launches: static, Triton's
+    static = Launch._static
 
     def counted(name: str, *args: Any, **kwargs: Any) -> None:
         python[name] += 1
         real[name](*args, **kwargs)
+
+    def crossed(self: Launch, *args: Any) -> bool:
+        done = static(self, *args)
+        cross[done] += 1
+        return done
 
     for watched, model, opt, w, tokens in copies(setup, flush_every=10**9):
         for _ in range(4):  # warm: the first calls plan, build and allocate
@@ -225,6 +233,7 @@ def ops(p: Plan, steps: int = 4) -> str:
                                                if setup.device == "cuda" else [])
         for name in python:
             setattr(triton_kernel, name, partial(counted, name))
+        Launch._static = crossed  # type: ignore[method-assign]
         try:
             with profile(activities=activities) as prof:
                 for _ in range(steps):
@@ -234,6 +243,7 @@ def ops(p: Plan, steps: int = 4) -> str:
         finally:
             for name, fn in real.items():
                 setattr(triton_kernel, name, fn)
+            Launch._static = static  # type: ignore[method-assign]
         events = prof.events()
         aten = sum(1 for e in events if e.name.startswith("aten::"))
         launches = sum(1 for e in events if "LaunchKernel" in e.name)
@@ -249,7 +259,9 @@ def ops(p: Plan, steps: int = 4) -> str:
             f"{(a1 - a0) / norms:.1f} | {(k1 - k0) / norms:.1f} |\n\n"
             f"Triton launched from normwatch's Python per step (0: the lanes' static "
             f"launches from C++): {python['launch'] / steps:g} calls, "
-            f"{python['launch_grad'] / steps:g} gradients")
+            f"{python['launch_grad'] / steps:g} gradients; the step's cross-layer "
+            f"launches per step: {cross[True] / steps:g} static, {cross[False] / steps:g} "
+            "by Triton's launch")
 
 
 def sync(p: Plan) -> str:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from normwatch.catalog import COLUMNS, SCORE_BASE
+from normwatch.measure.backends.triton_launch import Launch
 from normwatch.measure.state.accumulator import MAX_END, N_SUM
 from normwatch.measure.state.fold import FoldPlan, gathered
 from normwatch.measure.state.grad_fold import GradPlan
@@ -81,9 +82,9 @@ def launch_calls(v: torch.Tensor, consts: torch.Tensor, identity: torch.Tensor,
     if not v.is_cuda:  # the interpreter copies its arguments through NumPy
         v = v.detach()
     n_calls, n_tokens = lines.shape[0], v.shape[1]
-    _calls_kernel()[(n_calls,)](
-        v, consts, identity, at, lines, n_tokens, n_calls, len(COLUMNS), *scalars, FULL=full,
-        BLOCK_T=_block(n_tokens // max(n_calls, 1)), BLOCK_C=_block(len(COLUMNS)))
+    _FOLD_CALLS(n_calls, v, consts, identity, at, lines, n_tokens, n_calls, len(COLUMNS),
+                *scalars, FULL=full, BLOCK_T=_block(n_tokens // max(n_calls, 1)),
+                BLOCK_C=_block(len(COLUMNS)))
 
 
 def accumulate_fused(lines: torch.Tensor, rows: torch.Tensor, block: torch.Tensor) -> bool:
@@ -102,9 +103,8 @@ def launch_accumulate(lines: torch.Tensor, rows: torch.Tensor, block: torch.Tens
     """One launch of :func:`accumulate_fused`'s kernel."""
     if not block.is_cuda:
         lines = lines.detach()
-    _accumulate_kernel()[(block.shape[0],)](
-        lines, rows, block, lines.shape[0], block.shape[1], N_SUM=N_SUM, MAX_END=MAX_END,
-        BLOCK_C=_block(block.shape[1]))
+    _ACCUMULATE(block.shape[0], lines, rows, block, lines.shape[0], block.shape[1],
+                N_SUM=N_SUM, MAX_END=MAX_END, BLOCK_C=_block(block.shape[1]))
 
 
 @functools.cache
@@ -274,9 +274,8 @@ def launch_grads(rows: torch.Tensor, widths: torch.Tensor, norms: torch.Tensor,
     if not block.is_cuda:  # the interpreter copies its arguments through NumPy
         rows, norms = rows.detach(), norms.detach()
     n_tokens, n_grads, n_cells, n_weights, n_layers = counts
-    _grads_kernel()[(n_cells + n_layers,)](rows, widths, norms, cells, block, n_tokens,
-                                           n_grads, n_cells, n_weights,
-                                           BLOCK_T=_block(n_tokens))
+    _FOLD_GRADS(n_cells + n_layers, rows, widths, norms, cells, block, n_tokens, n_grads,
+                n_cells, n_weights, BLOCK_T=_block(n_tokens))
 
 
 @functools.cache
@@ -346,3 +345,7 @@ def _grads_kernel() -> Any:
             tl.store(at + 1, tl.load(at + 1) + squares)
 
     return fold_grads_kernel
+
+
+_FOLD_CALLS, _ACCUMULATE, _FOLD_GRADS = map(Launch, (_calls_kernel, _accumulate_kernel,
+                                                    _grads_kernel))

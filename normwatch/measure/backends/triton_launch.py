@@ -1,24 +1,28 @@
-"""The fused kernels launched with no Python per call: the C++ lanes launch the kernel
-Triton compiled through torch's static CUDA launcher (``torch._C._StaticCudaLauncher``,
+"""The fused kernels launched without Triton's Python: the kernel Triton compiled,
+launched through torch's static CUDA launcher (``torch._C._StaticCudaLauncher``,
 inductor's: the CUDA driver's ``cuLaunchKernel`` from C++, no CUDA compiler needed).
 
     >>> spec = static_launch(_kernel(), (x.dtype, y.dtype, torch.float32, n, width, width,
     ...                      1, width, 1), {"HAS_OUT": True, ...}, n, x.device)
-    >>> fn, head, args, pointers, streams = spec   # per call, in C++ (common.cpp's
-    >>> fn(*head, args with the call's pointers at `pointers`, streams(device))  # launch_native)
+    >>> fn, head, args, places, streams = spec   # per call, in C++ (common.cpp's
+    >>> fn(*head, args with the call's pointers at `places`, streams(device))  # launch_native)
 
-A spec is made once per layout, by a lane's planner, from the kernel Triton compiled for
-those arguments (its warmup: the cache its own launches use), the pointers taken as
-16-byte aligned (as Triton specializes a pointer that is); the lanes launch a call whose
-pointer is not by Triton's own launcher (the backend's ``lane_launch``). ``None`` where
-there is no static launch: no CUDA, a torch without the launcher, or a kernel that needs
-what it does not pass (scratch memory, clusters, cooperative or dependent launches).
+    >>> fold = Launch(_calls_kernel)               # a step's few cross-layer launches
+    >>> fold(n_calls, v, consts, ..., FULL=full)   # as kernel[(n_calls,)](v, consts, ...)
+
+A spec is made once per layout (the C++ lanes': by a lane's planner) or per
+specialization (:class:`Launch`'s: as Triton's own, each integer by whether it is 1 or a
+multiple of 16), from the kernel Triton compiled for those arguments (its warmup: the
+cache its own launches use), the pointers taken as 16-byte aligned (as Triton specializes
+a pointer that is); a call whose pointer is not goes to Triton's own launch. ``None``
+where there is no static launch: no CUDA, a torch without the launcher, or a kernel that
+needs what it does not pass (scratch memory, clusters, cooperative or dependent launches).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -26,9 +30,10 @@ import torch
 log = logging.getLogger(__name__)
 
 Spec = tuple[Any, tuple[Any, ...], tuple[Any, ...], tuple[int, ...], Any]
-"""``(launcher, head, args, pointers, streams)``: ``launcher(*head, args, stream)``
-launches the kernel once, with the call's pointers put in ``args`` at the indices
-``pointers``, on ``streams(device index)``, the device's current stream (``None``: 0)."""
+"""``(launcher, head, args, places, streams)``: ``launcher(*head, args, stream)`` launches
+the kernel once, with the call's arguments put in ``args`` at ``places`` (each leading
+argument's index there; -1: one the compiled kernel does not take, a constant), on
+``streams(device index)``, the device's current stream (``None``: 0)."""
 
 _TYPES = {"i1": "i", "i8": "b", "i16": "h", "i32": "i", "i64": "l", "u1": "I", "u8": "B",
           "u16": "H", "u32": "I", "u64": "K", "fp16": "f", "bf16": "f", "fp32": "f",
@@ -44,9 +49,9 @@ def compiled_spec(compiled: Any, values: dict[str, Any], grid: int
                   ) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[int, ...]] | None:
     """``compiled``'s (a Triton ``CompiledKernel``) launch with ``values`` (the kernel's
     arguments by name, constexprs included; a tensor or its dtype for each pointer) on a
-    grid of ``grid`` programs: ``(head, args, pointers)`` of :data:`Spec` (the function handle,
-    ``compiled.function``, read later: 0 here), or ``None`` where the static launcher
-    cannot launch it."""
+    grid of ``grid`` programs: ``(head, args, places)`` of :data:`Spec`, a place for each
+    of the kernel's arguments (the function handle, ``compiled.function``, read later: 0
+    here), or ``None`` where the static launcher cannot launch it."""
     meta = compiled.metadata
     if getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "launch_cooperative_grid", False) \
             or getattr(meta, "launch_pdl", False) or getattr(meta, "tensordesc_meta", None) \
@@ -58,16 +63,17 @@ def compiled_spec(compiled: Any, values: dict[str, Any], grid: int
                  for k in getattr(src, "constants", {})}
     kinds: list[str] = []
     kept: list[int | float | None] = []
-    pointers: list[int] = []
+    places: list[int] = []
     for i, name in enumerate(names):
         value = values[name]
         kind = src.signature.get(name, "constexpr")
         if kind == "constexpr" or i in constants:
+            places.append(-1)
             continue
+        places.append(len(kept))
         if kind.startswith("*"):
             if not isinstance(value, torch.Tensor | torch.dtype):
                 return None
-            pointers.append(len(kept))
             kinds.append("O")
             kept.append(None)
         elif kind in _TYPES and isinstance(value, int | float):
@@ -82,7 +88,7 @@ def compiled_spec(compiled: Any, values: dict[str, Any], grid: int
             kinds.append("O")
             kept.append(None)
     head = (0, grid, 1, 1, meta.num_warps, meta.shared, "".join(kinds))
-    return head, tuple(kept), tuple(pointers)
+    return head, tuple(kept), tuple(places)
 
 
 def static_launch(kernel: Any, args: Sequence[Any], constexprs: dict[str, Any], grid: int,
@@ -90,7 +96,7 @@ def static_launch(kernel: Any, args: Sequence[Any], constexprs: dict[str, Any], 
     """The :data:`Spec` of ``kernel`` (a ``triton.jit`` function) launched on ``device``
     with ``args`` (its leading arguments; a tensor's dtype for each pointer) and
     ``constexprs`` on ``grid`` programs of ``warps`` warps, or ``None`` (see the module
-    docstring; an error on the way: ``None`` too, the lane then launches by Triton)."""
+    docstring; an error on the way: ``None`` too, the caller then launches by Triton)."""
     if device.type != "cuda":
         return None
     try:
@@ -103,10 +109,79 @@ def static_launch(kernel: Any, args: Sequence[Any], constexprs: dict[str, Any], 
         spec = compiled_spec(compiled, {**values, **constexprs}, grid)
         if spec is None:
             return None
-        head, kept, pointers = spec
+        head, kept, places = spec
         return _StaticCudaLauncher._launch_kernel, (compiled.function, *head[1:]), kept, \
-            pointers, _cuda_getCurrentRawStream
+            places[:len(args)], _cuda_getCurrentRawStream
     except Exception as exc:  # an older torch or Triton: Triton's own launch serves
         log.debug("normwatch: no static launch of %s (%r); Triton launches it",
                   getattr(kernel, "__name__", kernel), exc)
         return None
+
+
+address = torch.Tensor.data_ptr
+"""A tensor's address as a static launch passes it (a stand-in launcher on the CPU, in the
+tests, reads from it which tensor a pointer names)."""
+
+
+def _specialized(value: Any) -> Any:
+    """What Triton's JIT specializes a kernel's argument on (a pointer: its dtype, its
+    alignment checked at the launch; an integer: whether it is 1, a multiple of 16, and
+    its width); ``None``: an argument no static launch passes."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value == 1, value % 16 == 0, -2**31 <= value < 2**31
+    return float if isinstance(value, float) else None
+
+
+class Launch:
+    """``kernel[(grid,)](*args, **constexprs)``, a step's cross-layer launch (the folds,
+    the update monitor's sample, the guard's check): by a static launch from here where
+    one serves, made once per device and specialization, else by Triton's own launch (off
+    CUDA, a pointer off 16-byte alignment, a tensor not on the current device, a launch
+    the launcher refused: its plan is then Triton's for good). ``kernel`` is a function
+    returning the ``triton.jit`` kernel (read at the first launch)."""
+
+    def __init__(self, kernel: Callable[[], Any]) -> None:
+        self.kernel = kernel
+        self.specs: dict[tuple[Any, ...], Spec | None] = {}
+
+    def __call__(self, grid: int, *args: Any, **constexprs: Any) -> None:
+        kernel = self.kernel()
+        if not self._static(kernel, grid, args, constexprs):
+            kernel[(grid,)](*args, **constexprs)
+
+    def _static(self, kernel: Any, grid: int, args: tuple[Any, ...],
+                constexprs: dict[str, Any]) -> bool:
+        """Launch by the static launch of this specialization (made here the first time:
+        :func:`static_launch`, ``None`` off CUDA); ``False``: none serves this call."""
+        device = next(a for a in args if isinstance(a, torch.Tensor)).device
+        key = (device, *map(_specialized, args), *constexprs.values())
+        if key not in self.specs:
+            self.specs[key] = None if None in key else static_launch(
+                kernel, [a.dtype if isinstance(a, torch.Tensor) else a for a in args],
+                constexprs, grid, device)
+        spec = self.specs[key]
+        if spec is None or (device.type == "cuda" and
+                            torch.cuda.current_device() != device.index):
+            return False
+        fn, head, kept, places, streams = spec
+        given = list(kept)
+        for value, place in zip(args, places, strict=True):
+            if isinstance(value, torch.Tensor):
+                value = address(value)
+                if value % 16:
+                    return False
+            if place >= 0:
+                given[place] = value
+        try:
+            fn(head[0], grid, *head[2:], tuple(given),
+               0 if streams is None else streams(device.index))
+        except Exception as exc:  # refused: Triton's launch from now on
+            log.debug("normwatch: the static launch of %s refused (%r); Triton launches it",
+                      getattr(kernel, "__name__", kernel), exc)
+            self.specs[key] = None
+            return False
+        return True

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from normwatch.measure.backends.triton_launch import Launch
 from normwatch.measure.state.rows import dense, plain_samples
 
 CHUNK = 1024
@@ -173,10 +174,9 @@ def launch_sample(params: torch.Tensor, grads: torch.Tensor, kept: torch.Tensor,
     (:data:`KEPT`, ... ``mode``)."""
     import triton.language as tl
 
-    _kernels()[0][(n,)](params, grads, kept, scale, meta, starts, tensors, row,
-                        KEEP=bool(mode & KEPT), MEASURE=bool(mode & MEASURE),
-                        SIZE=bool(mode & SIZE), GRADS=bool(mode & GRADS),
-                        DTYPE=getattr(tl, dtype), CHUNK=CHUNK, STEPS=_steps(tensors))
+    _SAMPLE(n, params, grads, kept, scale, meta, starts, tensors, row, KEEP=bool(mode & KEPT),
+            MEASURE=bool(mode & MEASURE), SIZE=bool(mode & SIZE), GRADS=bool(mode & GRADS),
+            DTYPE=getattr(tl, dtype), CHUNK=CHUNK, STEPS=_steps(tensors))
 
 
 @functools.cache
@@ -299,5 +299,7 @@ def launch_check(table: torch.Tensor, out: torch.Tensor, n: int, programs: int,
     (:func:`_check_table`), ``programs`` programs, into ``out``."""
     import triton.language as tl
 
-    _kernels()[1][(programs,)](table, out, n, DTYPE=getattr(tl, dtype), CHUNK=CHUNK,
-                               STEPS=_steps(n))
+    _CHECK(programs, table, out, n, DTYPE=getattr(tl, dtype), CHUNK=CHUNK, STEPS=_steps(n))
+
+
+_SAMPLE, _CHECK = Launch(lambda: _kernels()[0]), Launch(lambda: _kernels()[1])

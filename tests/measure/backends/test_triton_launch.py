@@ -8,6 +8,8 @@ writes are checked against Triton's own launch. Skips cleanly where Triton is ab
 from __future__ import annotations
 
 import ctypes
+import math
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -58,9 +60,9 @@ for kernel, args, constexprs in (
     except Exception as exc:  # no CUDA backend or ptxas in this Triton, another API
         print(json.dumps({"skip": repr(exc)[-400:]}))
         sys.exit(0)
-    head, kept, pointers = compiled_spec(made, {**values, **constexprs}, values["n_tokens"])
+    head, kept, places = compiled_spec(made, {**values, **constexprs}, values["n_tokens"])
     entry = re.search(r"\\.entry\\s+\\w+\\s*\\((.*?)\\)", made.asm["ptx"], re.S).group(1)
-    cases.append({"head": list(head), "kept": list(kept), "pointers": list(pointers),
+    cases.append({"head": list(head), "kept": list(kept), "places": list(places),
                   "params": re.findall(r"\\.param\\s+\\.(\\w+)", entry)})
 print(json.dumps(cases))
 """
@@ -81,13 +83,15 @@ def test_a_static_launch_passes_what_the_compiled_kernel_takes() -> None:
     for case in cases:
         kinds = case["head"][6]
         assert [ptx[k] for k in kinds] == case["params"], case
-        assert case["pointers"] == [0, 1, 2], case
+        assert case["places"][:3] == [0, 1, 2], case  # (the call's three pointers)
         kept = case["kept"]  # (the pointers' places empty: the call's, then the scratch)
         assert [i for i, v in enumerate(kept) if v is None] == \
             [0, 1, 2, len(kept) - 2, len(kept) - 1], case
     full, single, grad = cases
     assert full["head"][1:4] == [96, 1, 1] and full["head"][6] == "OOOiiiiOO"
     assert full["kept"][3:7] == [96, 64, 64, 64]  # tokens, width, the token strides
+    assert full["places"][3:9] == [3, 4, 5, -1, 6, -1]  # (the element strides: constants)
+    assert single["places"][3] == -1 and grad["places"][3:5] == [3, 4]
     assert single["head"][6] == "OOOiiiOO" and single["kept"][3:6] == [48, 48, 48]  # (1 token)
     assert grad["head"][6] == "OOOiiOO" and grad["kept"][3:5] == [8, 64]
 
@@ -120,7 +124,7 @@ class StandIn:
                                      global_scratch_size=0, profile_scratch_size=0))
         made = compiled_spec(compiled, values, grid)
         assert made is not None
-        head, kept, pointers = made
+        head, kept, places = made
         n, width = values["n_tokens"], values["width"]
         rows = n * (triton_kernel.row_count(True, constexprs["FULL"])
                     if "FULL" in constexprs else 2)
@@ -149,7 +153,7 @@ class StandIn:
             self.launches += 1
             kernel[(gx,)](*positional, **constexprs, num_warps=num_warps)
 
-        return launch, head, kept, pointers, None
+        return launch, head, kept, places, None
 
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -315,3 +319,144 @@ def test_a_statically_launched_call_runs_no_python_of_normwatch(
         inputs = [model[0](x), model[1](model[0](x))]
     for r in rows:
         assert torch.equal(r.v[0], inputs[r.row].abs().amax(1)), r.row
+
+
+_POINTEES = {torch.float32: "*fp32", torch.float64: "*fp64", torch.int64: "*i64",
+             torch.int32: "*i32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
+
+
+class StepStandIn:
+    """A stand-in for torch's static launcher behind the step's cross-layer launches
+    (:class:`~normwatch.measure.backends.triton_launch.Launch`: the folds, the update
+    monitor's sample, the guard's check) on the CPU: specs made by the module's own
+    :func:`compiled_spec` as Triton specializes (an int of 1 a constant), launched by
+    reading the arguments by their letters and running the kernel in the interpreter on
+    the tensors the pointers name (noted as the launch takes their addresses)."""
+
+    def __init__(self) -> None:
+        self.launched: dict[str, int] = {}
+        self.named: dict[int, torch.Tensor] = {}
+        self.made = 0
+
+    def address(self, t: torch.Tensor) -> int:
+        self.named[t.data_ptr()] = t
+        return t.data_ptr()
+
+    def spec(self, kernel: Any, args: Any, constexprs: dict[str, Any], grid: int,
+             device: torch.device, warps: int = 4) -> Any:
+        names = list(kernel.arg_names)
+        values = {**dict(zip(names, args, strict=False)), **constexprs}
+        signature = {
+            name: "constexpr" if name in constexprs or (isinstance(v, int) and v == 1) else
+            _POINTEES[v] if isinstance(v, torch.dtype) else "fp32" if isinstance(v, float)
+            else "i32" if -2**31 <= v < 2**31 else "i64" for name, v in values.items()}
+        compiled = SimpleNamespace(
+            src=SimpleNamespace(fn=kernel, signature=signature, constants={}),
+            metadata=SimpleNamespace(num_warps=warps, shared=0, num_ctas=1))
+        made = compiled_spec(compiled, values, grid)
+        assert made is not None
+        head, kept, places = made
+        self.made += 1
+
+        def launch(function: int, gx: int, gy: int, gz: int, num_warps: int, shared: int,
+                   kinds: str, got: tuple[Any, ...], stream: int) -> None:
+            assert (gy, gz, num_warps, kinds, stream) == (1, 1, warps, head[6], 0)
+            assert len(got) == len(kinds) and None not in got
+            positional = []
+            for name, place in zip(names, places, strict=True):
+                if name in constexprs:
+                    continue
+                value = values[name] if place < 0 else got[place]
+                positional.append(self.named[value] if kinds[place:place + 1] == "O"
+                                  else value)
+            self.launched[kernel.__name__] = self.launched.get(kernel.__name__, 0) + 1
+            kernel[(gx,)](*positional, **constexprs)
+
+        return launch, head, kept, places[:len(args)], None
+
+
+def _guarded_steps(made: Callable[[], int] = lambda: 0, steps: int = 4
+                   ) -> tuple[list[float], Any, list[int]]:
+    """A tiny Llama trained on the fused kernels' path with every cross-layer launch a
+    step makes: the calls' fold and accumulate each step (the early warning's, as on
+    CUDA), the gradients' fold (``stats_every=2``), the update monitor's sample and the
+    guard's check; an inf planted in the last step's final norm (its step is read from
+    the calls' score base, an argument new every step). Its losses, its interval's
+    snapshot and ``made()`` after each step."""
+    from normwatch.measure.step.early import EarlyWarning
+    from tests.benchmarks.opcount import _Landed
+
+    torch.manual_seed(0)
+    model = tiny_llama(16, 1, vocab=64, heads=2, kv_heads=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    watch = normwatch.watch(model, opt, report_dir=None, kernel="triton", stats_every=2,
+                            flush_every=100, guard=True)
+    watch._early = EarlyWarning(watch.config.limits.fp16_limit, _Landed, pin=False)
+    tokens = torch.randint(0, 64, (1, 4), generator=torch.Generator().manual_seed(0))
+    planted = [False]
+
+    def plant(module: Any, args: tuple[torch.Tensor, ...]) -> Any:
+        return (args[0].index_fill(-1, torch.tensor([3]), float("inf")),) if planted[0] \
+            else None
+
+    model.model.norm.register_forward_pre_hook(plant)
+    losses, counts = [], []
+    try:
+        for step in range(steps):
+            planted[0] = step == steps - 1
+            losses.append(train_step(model, opt, tokens, watch).item())
+            counts.append(made())
+        snap = watch.flush() if watch.unflushed else watch.last_flush.snapshot
+        assert not watch.disabled, watch.disabled
+    finally:
+        watch.close()
+    return losses, snap, counts
+
+
+def test_the_steps_cross_layer_launches_go_static_and_read_what_tritons_launch_reads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """#48 items 1-2: a step's cross-layer kernels (the calls' fold, the accumulate, the
+    gradients' fold, the update monitor's sample, the guard's check) are launched by a
+    static launch made once per specialization (the calls' score base changes every
+    step: the launch does not), not by Triton's Python; the statistics, updates and
+    losses are those of Triton's own launch, bit for bit."""
+    from normwatch.measure.backends import triton_launch
+
+    if not triton_kernel.usable() or DEVICE.type == "cuda":
+        pytest.skip("the stand-in is the CPU's (on a GPU: gpu.py's ops part)")
+    standin = StepStandIn()
+    monkeypatch.setattr(triton_launch, "static_launch", standin.spec)
+    monkeypatch.setattr(triton_launch, "address", standin.address)
+    real = triton_launch.Launch.__call__
+    python: list[str] = []
+
+    def spied(self: Any, grid: int, *args: Any, **constexprs: Any) -> None:
+        python.append(self.kernel().__name__)
+        real(self, grid, *args, **constexprs)
+
+    monkeypatch.setattr(triton_launch.Launch, "__call__", spied)
+    for launch in _launches():
+        launch.specs.clear()
+    losses, snap, made = _guarded_steps(lambda: standin.made)
+    launched = dict(standin.launched)
+    assert set(launched) == {"fold_calls_kernel", "accumulate_kernel", "fold_grads_kernel",
+                             "sample_kernel", "check_kernel"}, launched
+    assert sum(launched.values()) == len(python)  # (every one of them static)
+    assert made[1] == made[-1], made  # (each tier's specs made once: none after step 2)
+    monkeypatch.undo()
+    for launch in _launches():
+        launch.specs.clear()
+    want_losses, want, _ = _guarded_steps()
+    assert losses[:-1] == want_losses[:-1] and math.isnan(losses[-1] + want_losses[-1])
+    assert snap.layers == want.layers and snap.updates == want.updates
+    assert snap.first_nonfinite == want.first_nonfinite
+    assert want.first_nonfinite is not None and want.first_nonfinite.step == 4
+    assert all(s.grad_out_rms is not None and s.rms_max is not None
+               for s in want.layers.values())
+
+
+def _launches() -> list[Any]:
+    from normwatch.measure.backends import triton_folds, triton_optimizer
+
+    return [triton_folds._FOLD_CALLS, triton_folds._ACCUMULATE, triton_folds._FOLD_GRADS,
+            triton_optimizer._SAMPLE, triton_optimizer._CHECK]

@@ -178,9 +178,9 @@ int launch_native(Plan &plan, int part, std::initializer_list<const at::Tensor *
         !PyTuple_Check(head = PyTuple_GET_ITEM(spec, 1)) ||
         !PyTuple_Check(kept = PyTuple_GET_ITEM(spec, 2)) ||
         !PyTuple_Check(at = PyTuple_GET_ITEM(spec, 3)) ||
-        PyTuple_GET_SIZE(at) != (Py_ssize_t)tensors.size()) {
+        PyTuple_GET_SIZE(at) < (Py_ssize_t)tensors.size()) {
         PyErr_SetString(PyExc_TypeError,
-                        "lane: a static launch: (launcher, head, args, pointers, stream)");
+                        "lane: a static launch: (launcher, head, args, places, stream)");
         return -1;
     }
     for (const at::Tensor *t : tensors)  // (as compiled: Triton's aligned pointers)

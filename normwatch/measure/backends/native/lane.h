@@ -86,7 +86,7 @@ bool own(const at::Tensor &t);
 bool plain(const at::Tensor &t);
 
 // Launch `plan`'s static launch (its native; a pair's item `part`) with the tensors'
-// pointers (put in its arguments in order) on the first one's device's current stream
+// pointers (the kernel's leading arguments: put at the spec's first places) on the first one's device's current stream
 // (the spec's stream getter's; none: 0): 1 launched, 0 not (no spec, a pointer off the
 // 16-byte alignment the kernel was compiled for, a device not the current one, or a
 // launch that failed, whose error is dropped and whose spec is not tried again: the
