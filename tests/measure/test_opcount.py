@@ -200,9 +200,10 @@ def test_the_cuda_paths_sentinel_call_runs_no_python_of_normwatch_but_the_launch
         monkeypatch: pytest.MonkeyPatch) -> None:
     """#48: where the fused kernel serves a layer (CUDA; here Triton's interpreter), the
     C++ lane records a sentinel call, and normwatch's only Python left is the launch's
-    (``lane_launch``, ``launch``; Triton's launch from Python, where there is no static
-    launch from C++: ``test_triton_launch.py``): before, the hook, the recorder, the
-    backend's choice, the lender and the staging ran some 20 frames a call."""
+    (``lane_launch``, ``launch`` and its :class:`Launch`'s call; Triton's launch from
+    Python, where there is no static launch from C++: ``test_triton_launch.py``): before,
+    the hook, the recorder, the backend's choice, the lender and the staging ran some 20
+    frames a call."""
     from normwatch.measure.backends import triton_kernel
     from normwatch.measure.backends.native import lane
 
@@ -219,8 +220,9 @@ def test_the_cuda_paths_sentinel_call_runs_no_python_of_normwatch_but_the_launch
         frames = opcount.frames_of(lambda: model(x))
         norms = [hook.rt.accumulator._staged[-k].row for k in (1, 2)]
     # the model's own hooks (the step's bookkeeping around its forward), then per norm
-    assert frames == ["_forward_begins", "forward", "mark", "lane_launch", "launch",
-                      "lane_launch", "launch", "_forward_ends"], frames
+    launch = ["lane_launch", "launch", "__call__"]
+    assert frames == ["_forward_begins", "forward", "mark", *launch, *launch,
+                      "_forward_ends"], frames
     assert sorted(norms) == [0, 1]
 
 
@@ -231,7 +233,8 @@ def test_the_cuda_paths_full_tier_step_runs_no_python_of_normwatch_but_its_launc
     interpreter), the C++ lane records each call and places its gradient hooks (the
     norm's own nodes found in C++), and the C++ gradient hooks read each norm's
     output's gradient, the hidden state's and the one through the norm with a launch each
-    as their only Python (``lane_grad_launch``, ``launch_grad``), and the weight's norm
+    as their only Python (``lane_grad_launch``, ``launch_grad``, its :class:`Launch`'s
+    call), and the weight's norm
     with none (Triton's launches from Python, where there is no static launch from C++:
     ``test_triton_launch.py``). Before, each call's hooks were placed by Python (some 20
     frames a norm) and each site ran the Python hook, the backend's choice, the lender and
@@ -284,12 +287,12 @@ def test_the_cuda_paths_full_tier_step_runs_no_python_of_normwatch_but_its_launc
         watch.close()
     # per norm: three sites read by a launch each (the gradient through the norm's parts
     # added as it is read), the weight by torch's norm in C++: nothing else of Python's
-    assert frames == ["lane_grad_launch", "launch_grad"] * 6, frames
+    assert frames == ["lane_grad_launch", "launch_grad", "__call__"] * 6, frames
     # the forward's calls as a sentinel step's, their gradient hooks placed in C++; the
     # step's bookkeeping around them (a full-tier step notes the RNG's state)
     assert forward == ["_forward_begins", "forward", "rng_states", "_integer_tensors",
-                       "_integer_tensors", "mark", "lane_launch", "launch", "lane_launch",
-                       "launch", "_forward_ends"], repr(forward)
+                       "_integer_tensors", "mark", "lane_launch", "launch", "__call__",
+                       "lane_launch", "launch", "__call__", "_forward_ends"], repr(forward)
     assert sorted((g.layer, g.site) for g in staged) == sorted(
         (row, site) for row in (0, 1) for site in range(4)), staged
 

@@ -41,7 +41,7 @@ from normwatch.measure.backends.triton_folds import (
     fold_calls_fused,
     fold_grads_fused,
 )
-from normwatch.measure.backends.triton_launch import Spec, static_launch
+from normwatch.measure.backends.triton_launch import Launch, Spec, static_launch
 from normwatch.measure.backends.triton_optimizer import TritonPack, check_step
 from normwatch.measure.state import buffers
 from normwatch.measure.state.backend import Launcher, Sample
@@ -112,8 +112,8 @@ def launch(x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, n_tokens: int, 
     if not x.is_cuda:  # the interpreter copies its arguments through NumPy
         x, y = x.detach(), y.detach()
     block = min(MAX_BLOCK_D, 1 << max(width - 1, 0).bit_length())  # (_block's, no frame)
-    _kernel()[(n_tokens,)](x, y, rows, n_tokens, width, *strides, HAS_OUT=has_out,
-                           FULL=full, CENTRED=centred, BLOCK_D=block, num_warps=warps)
+    _ROWS(n_tokens, x, y, rows, n_tokens, width, *strides, HAS_OUT=has_out, FULL=full,
+          CENTRED=centred, BLOCK_D=block, num_warps=warps)
 
 
 def launch_grad(g: torch.Tensor, part: torch.Tensor | None, rows: torch.Tensor,
@@ -128,8 +128,8 @@ def launch_grad(g: torch.Tensor, part: torch.Tensor | None, rows: torch.Tensor,
         g = g.detach()
         part = None if part is None else part.detach()
     block = min(MAX_BLOCK_D, 1 << max(width - 1, 0).bit_length())  # (_block's, no frame)
-    _grad_kernel()[(n_tokens,)](g, g if part is None else part, rows, n_tokens, width,
-                                HAS_PART=part is not None, BLOCK_D=block)
+    _GRAD_ROWS(n_tokens, g, g if part is None else part, rows, n_tokens, width,
+               HAS_PART=part is not None, BLOCK_D=block)
 
 
 def _block(width: int) -> int:
@@ -431,3 +431,6 @@ class TritonBackend(TorchBackend):
 
 
 TRITON = TritonBackend()
+
+
+_ROWS, _GRAD_ROWS = Launch(_kernel), Launch(_grad_kernel)

@@ -123,65 +123,60 @@ address = torch.Tensor.data_ptr
 tests, reads from it which tensor a pointer names)."""
 
 
-def _specialized(value: Any) -> Any:
-    """What Triton's JIT specializes a kernel's argument on (a pointer: its dtype, its
-    alignment checked at the launch; an integer: whether it is 1, a multiple of 16, and
-    its width); ``None``: an argument no static launch passes."""
-    if isinstance(value, torch.Tensor):
-        return value.dtype
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value == 1, value % 16 == 0, -2**31 <= value < 2**31
-    return float if isinstance(value, float) else None
-
-
 class Launch:
-    """``kernel[(grid,)](*args, **constexprs)``, a step's cross-layer launch (the folds,
-    the update monitor's sample, the guard's check): by a static launch from here where
-    one serves, made once per device and specialization, else by Triton's own launch (off
-    CUDA, a pointer off 16-byte alignment, a tensor not on the current device, a launch
-    the launcher refused: its plan is then Triton's for good). ``kernel`` is a function
-    returning the ``triton.jit`` kernel (read at the first launch)."""
+    """``kernel[(grid,)](*args, **constexprs)`` from normwatch's Python (a step's
+    cross-layer launches: the folds, the update monitor's sample, the guard's check; a
+    call's or a gradient's where no C++ lane launches it: a compiled call's operator, the
+    Python hook): by a static launch where one serves, made once per device and
+    specialization (as Triton's JIT specializes: a pointer by its dtype, an integer by
+    whether it is 1, a multiple of 16, 32-bit), else by Triton's own launch (off CUDA, a
+    pointer off 16-byte alignment, a tensor not on the current device, an argument no
+    static launch passes, a launch the launcher refused: that specialization's for
+    good). ``kernel`` is a function returning the ``triton.jit`` kernel. One frame a
+    launch."""
 
     def __init__(self, kernel: Callable[[], Any]) -> None:
         self.kernel = kernel
         self.specs: dict[tuple[Any, ...], Spec | None] = {}
 
-    def __call__(self, grid: int, *args: Any, **constexprs: Any) -> None:
+    def __call__(self, grid: int, *args: Any, num_warps: int = 4, **constexprs: Any) -> None:
         kernel = self.kernel()
-        if not self._static(kernel, grid, args, constexprs):
-            kernel[(grid,)](*args, **constexprs)
-
-    def _static(self, kernel: Any, grid: int, args: tuple[Any, ...],
-                constexprs: dict[str, Any]) -> bool:
-        """Launch by the static launch of this specialization (made here the first time:
-        :func:`static_launch`, ``None`` off CUDA); ``False``: none serves this call."""
-        device = next(a for a in args if isinstance(a, torch.Tensor)).device
-        key = (device, *map(_specialized, args), *constexprs.values())
-        if key not in self.specs:
-            self.specs[key] = None if None in key else static_launch(
+        device: torch.device | None = None
+        key: list[Any] = [num_warps, *constexprs.values()]
+        for a in args:  # (inline: no frame an argument)
+            if isinstance(a, torch.Tensor):
+                key.append(a.dtype)
+                if device is None:
+                    device = a.device
+            elif type(a) is int:
+                key.append((a == 1, a % 16 == 0, -2**31 <= a < 2**31))
+            else:
+                key.append(float if type(a) is float else None)
+        key.append(device)
+        made = tuple(key)
+        if made not in self.specs:
+            self.specs[made] = None if None in made or device is None else static_launch(
                 kernel, [a.dtype if isinstance(a, torch.Tensor) else a for a in args],
-                constexprs, grid, device)
-        spec = self.specs[key]
-        if spec is None or (device.type == "cuda" and
-                            torch.cuda.current_device() != device.index):
-            return False
-        fn, head, kept, places, streams = spec
-        given = list(kept)
-        for value, place in zip(args, places, strict=True):
-            if isinstance(value, torch.Tensor):
-                value = address(value)
-                if value % 16:
-                    return False
-            if place >= 0:
-                given[place] = value
-        try:
-            fn(head[0], grid, *head[2:], tuple(given),
-               0 if streams is None else streams(device.index))
-        except Exception as exc:  # refused: Triton's launch from now on
-            log.debug("normwatch: the static launch of %s refused (%r); Triton launches it",
-                      getattr(kernel, "__name__", kernel), exc)
-            self.specs[key] = None
-            return False
-        return True
+                constexprs, grid, device, num_warps)
+        spec = self.specs[made]
+        if spec is not None and device is not None and (
+                device.type != "cuda" or torch._C._cuda_getDevice() == device.index):
+            fn, head, kept, places, streams = spec
+            given = list(kept)
+            for value, place in zip(args, places, strict=True):
+                if isinstance(value, torch.Tensor):
+                    value = address(value)
+                    if value % 16:  # (compiled for aligned pointers)
+                        break
+                if place >= 0:
+                    given[place] = value
+            else:
+                try:
+                    fn(head[0], grid, *head[2:], tuple(given),
+                       0 if streams is None else streams(device.index))
+                    return
+                except Exception as exc:  # refused: Triton's launch from now on
+                    log.debug("normwatch: the static launch of %s refused (%r); Triton "
+                              "launches it", getattr(kernel, "__name__", kernel), exc)
+                    self.specs[made] = None
+        kernel[(grid,)](*args, num_warps=num_warps, **constexprs)

@@ -440,7 +440,8 @@ def test_the_steps_cross_layer_launches_go_static_and_read_what_tritons_launch_r
     losses, snap, made = _guarded_steps(lambda: standin.made)
     launched = dict(standin.launched)
     assert set(launched) == {"fold_calls_kernel", "accumulate_kernel", "fold_grads_kernel",
-                             "sample_kernel", "check_kernel"}, launched
+                             "sample_kernel", "check_kernel", "row_stats_kernel",
+                             "grad_rows_kernel"}, launched  # (the lanes': by lane_launch)
     assert sum(launched.values()) == len(python)  # (every one of them static)
     assert made[1] == made[-1], made  # (each tier's specs made once: none after step 2)
     monkeypatch.undo()
@@ -459,4 +460,52 @@ def _launches() -> list[Any]:
     from normwatch.measure.backends import triton_folds, triton_optimizer
 
     return [triton_folds._FOLD_CALLS, triton_folds._ACCUMULATE, triton_folds._FOLD_GRADS,
-            triton_optimizer._SAMPLE, triton_optimizer._CHECK]
+            triton_optimizer._SAMPLE, triton_optimizer._CHECK, triton_kernel._ROWS,
+            triton_kernel._GRAD_ROWS]
+
+
+def _compiled_steps(steps: int = 2) -> Any:
+    """A tiny Llama compiled (``aot_eager``: the graph's operators run as compiled code
+    runs them), on the fused kernels' path, every step full-tier: its flush."""
+    torch.compiler.reset()  # (the class's code compiled by another run: compiled anew)
+    torch.manual_seed(0)
+    model = tiny_llama(16, 1, vocab=64, heads=2, kv_heads=1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    watch = normwatch.watch(model, opt, report_dir=None, kernel="triton", stats_every=1,
+                            flush_every=100, early_warning=False)
+    run = torch.compile(model, backend="aot_eager")
+    tokens = torch.randint(0, 64, (1, 4), generator=torch.Generator().manual_seed(0))
+    try:
+        for _ in range(steps):
+            train_step(run, opt, tokens, watch)
+        snap = watch.flush()
+        assert not watch.disabled, watch.disabled
+    finally:
+        watch.close()
+    return snap
+
+
+def test_a_compiled_calls_operator_launches_by_a_static_launch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``torch.compile`` a norm call's and a gradient's operator body reads by the
+    fused kernels from Python: by a static launch too (:class:`Launch`), not by Triton's
+    launch path; the statistics are those of Triton's own launch."""
+    from normwatch.measure.backends import triton_launch
+
+    if not triton_kernel.usable() or DEVICE.type == "cuda":
+        pytest.skip("the stand-in is the CPU's (on a GPU: gpu.py's ops part)")
+    standin = StepStandIn()
+    monkeypatch.setattr(triton_launch, "static_launch", standin.spec)
+    monkeypatch.setattr(triton_launch, "address", standin.address)
+    for launch in _launches():
+        launch.specs.clear()
+    snap = _compiled_steps()
+    assert standin.launched.get("row_stats_kernel", 0) >= 3 * 2, standin.launched
+    assert standin.launched.get("grad_rows_kernel", 0) >= 3 * 2, standin.launched
+    monkeypatch.undo()
+    for launch in _launches():
+        launch.specs.clear()
+    want = _compiled_steps()
+    assert snap.layers == want.layers
+    assert all(s.grad_out_rms is not None and s.rms_max is not None
+               for s in want.layers.values())
