@@ -16,6 +16,8 @@ one runs):
 
 - ``bandwidth``: the per-call kernel against a device copy of the same bytes, on a
   125M call's input ([8192, 768] bf16) and a large one ([32768, 2048]); CUDA only.
+- ``launch``: the host's µs a launch of the per-call kernel from Python, by its static
+  launch against Triton's own; CUDA only.
 - ``eager``: every watch mode of #48's table, and HF's ``DebugUnderflowOverflow`` and
   ``detect_anomaly`` for comparison.
 - ``ops``: per step, the aten ops and kernel launches (``torch.profiler``) of a watched
@@ -131,6 +133,32 @@ def bandwidth(p: Plan) -> str:
     return "\n".join(lines)
 
 
+def launch_cost(p: Plan, launches: int = 2000) -> str:
+    """The host's µs a launch of the per-call kernel (a sentinel call of 8 tokens),
+    from normwatch's Python: by its static launch (``Launch``) against Triton's own."""
+    from normwatch.measure.backends.triton_kernel import _ROWS, _kernel, row_count
+
+    x = torch.randn(8, 768, device="cuda", dtype=torch.bfloat16)
+    v = torch.empty(row_count(True, False), 8, device="cuda")
+    args = (x, x, v, 8, 768, 768, 1, 768, 1)
+    constexprs = {"HAS_OUT": True, "FULL": False, "CENTRED": False, "BLOCK_D": 1024}
+    ways = {"static (Launch)": lambda: _ROWS(8, *args, **constexprs),
+            "Triton's launch": lambda: _kernel()[(8,)](*args, **constexprs)}
+    lines = ["| a launch from Python | µs of host time |", "|---|---:|"]
+    for name, way in ways.items():
+        for _ in range(50):
+            way()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(launches):
+            way()
+        took = time.perf_counter() - start
+        torch.cuda.synchronize()
+        lines.append(f"| {name} | {took / launches * 1e6:.1f} |")
+    served = any(spec is not None for spec in _ROWS.specs.values())
+    return "\n".join(lines) + f"\n\n(a static launch served: {served})"
+
+
 EAGER = ("unmonitored (control)", "normwatch (defaults)", "normwatch + optimizer",
          "normwatch + optimizer + guard", "normwatch stats_every=1",
          "normwatch gradients=False", "normwatch sentinel only", "normwatch kernel=torch",
@@ -214,17 +242,28 @@ def ops(p: Plan, steps: int = 4) -> str:
     counts = {}
     python = {"launch": 0, "launch_grad": 0}  # Triton's launches from normwatch's Python
     real = {name: getattr(triton_kernel, name) for name in python}
-    cross = {True: 0, False: 0}  # the step's cross-layer launches: static, Triton's
-    static = Launch._static
+    launched = {True: 0, False: 0}  # Launch's launches (from Python): static, Triton's
+    runs = [0]  # Triton's own launches
+    call = Launch.__call__
 
     def counted(name: str, *args: Any, **kwargs: Any) -> None:
         python[name] += 1
         real[name](*args, **kwargs)
 
-    def crossed(self: Launch, *args: Any) -> bool:
-        done = static(self, *args)
-        cross[done] += 1
-        return done
+    def by_launch(self: Launch, *args: Any, **kwargs: Any) -> None:
+        before = runs[0]
+        call(self, *args, **kwargs)
+        launched[runs[0] == before] += 1
+
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        JITFunction = None
+    triton_run = getattr(JITFunction, "run", None)
+
+    def counted_run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        runs[0] += 1
+        return triton_run(self, *args, **kwargs)  # type: ignore[misc]
 
     for watched, model, opt, w, tokens in copies(setup, flush_every=10**9):
         for _ in range(4):  # warm: the first calls plan, build and allocate
@@ -233,7 +272,9 @@ def ops(p: Plan, steps: int = 4) -> str:
                                                if setup.device == "cuda" else [])
         for name in python:
             setattr(triton_kernel, name, partial(counted, name))
-        Launch._static = crossed  # type: ignore[method-assign]
+        Launch.__call__ = by_launch  # type: ignore[method-assign]
+        if triton_run is not None:
+            JITFunction.run = counted_run
         try:
             with profile(activities=activities) as prof:
                 for _ in range(steps):
@@ -243,7 +284,9 @@ def ops(p: Plan, steps: int = 4) -> str:
         finally:
             for name, fn in real.items():
                 setattr(triton_kernel, name, fn)
-            Launch._static = static  # type: ignore[method-assign]
+            Launch.__call__ = call  # type: ignore[method-assign]
+            if triton_run is not None:
+                JITFunction.run = triton_run
         events = prof.events()
         aten = sum(1 for e in events if e.name.startswith("aten::"))
         launches = sum(1 for e in events if "LaunchKernel" in e.name)
@@ -259,9 +302,9 @@ def ops(p: Plan, steps: int = 4) -> str:
             f"{(a1 - a0) / norms:.1f} | {(k1 - k0) / norms:.1f} |\n\n"
             f"Triton launched from normwatch's Python per step (0: the lanes' static "
             f"launches from C++): {python['launch'] / steps:g} calls, "
-            f"{python['launch_grad'] / steps:g} gradients; the step's cross-layer "
-            f"launches per step: {cross[True] / steps:g} static, {cross[False] / steps:g} "
-            "by Triton's launch")
+            f"{python['launch_grad'] / steps:g} gradients; all launches from normwatch's "
+            f"Python per step (those, and the cross-layer ones): {launched[True] / steps:g} "
+            f"by a static launch, {launched[False] / steps:g} by Triton's launch")
 
 
 def sync(p: Plan) -> str:
@@ -325,7 +368,8 @@ def memory(p: Plan, steps: int = 4) -> str:
 
 
 PARTS: dict[str, tuple[Callable[[Plan], str], bool]] = {
-    "bandwidth": (bandwidth, True), "eager": (eager, False), "ops": (ops, False),
+    "bandwidth": (bandwidth, True), "launch": (launch_cost, True), "eager": (eager, False),
+    "ops": (ops, False),
     "compiled": (compiled, False), "cudagraphs": (cuda_graphs, True), "sync": (sync, True),
     "memory": (memory, True),
     "1b": (billion, False)}

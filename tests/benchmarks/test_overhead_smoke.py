@@ -94,7 +94,8 @@ def test_the_gpu_benchmark_runs_on_a_cpu() -> None:
                  "compiled + normwatch + optimizer + guard"):
         assert f"| {mode} |" in text
     assert "| compiled | " in text and "(reduce-overhead)" not in text  # CPU: no CUDA graphs
-    assert text.count("(CUDA only: skipped)") == 4 and "| added per norm call" in text
+    assert text.count("(CUDA only: skipped)") == sum(cuda for _, cuda in gpu.PARTS.values())
+    assert "| added per norm call" in text and "by a static launch" in text
 
 
 def test_the_cuda_paths_host_benchmark_runs() -> None:
