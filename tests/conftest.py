@@ -15,6 +15,14 @@ import pytest
 import torch
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _no_compiled_code() -> None:
+    """Each test file starts with no code compiled by another (the suite runs in workers,
+    a file at a time, in an order that depends on timing: a class compiled by an earlier
+    file would make ``watch()`` warn that the model was compiled before it)."""
+    torch.compiler.reset()
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> Iterator[None]:
     torch.manual_seed(0)
