@@ -132,15 +132,14 @@ class Launch:
     whether it is 1, a multiple of 16, 32-bit), else by Triton's own launch (off CUDA, a
     pointer off 16-byte alignment, a tensor not on the current device, an argument no
     static launch passes, a launch the launcher refused: that specialization's for
-    good). ``kernel`` is a function returning the ``triton.jit`` kernel. One frame a
-    launch."""
+    good). ``kernel`` is a function returning the ``triton.jit`` kernel (called where a
+    spec is made or Triton launches, not on a static launch). One frame a launch."""
 
     def __init__(self, kernel: Callable[[], Any]) -> None:
         self.kernel = kernel
         self.specs: dict[tuple[Any, ...], Spec | None] = {}
 
     def __call__(self, grid: int, *args: Any, num_warps: int = 4, **constexprs: Any) -> None:
-        kernel = self.kernel()
         device: torch.device | None = None
         key: list[Any] = [num_warps, *constexprs.values()]
         for a in args:  # (inline: no frame an argument)
@@ -156,7 +155,7 @@ class Launch:
         made = tuple(key)
         if made not in self.specs:
             self.specs[made] = None if None in made or device is None else static_launch(
-                kernel, [a.dtype if isinstance(a, torch.Tensor) else a for a in args],
+                self.kernel(), [a.dtype if isinstance(a, torch.Tensor) else a for a in args],
                 constexprs, grid, device, num_warps)
         spec = self.specs[made]
         if spec is not None and device is not None and (
@@ -177,6 +176,6 @@ class Launch:
                     return
                 except Exception as exc:  # refused: Triton's launch from now on
                     log.debug("normwatch: the static launch of %s refused (%r); Triton "
-                              "launches it", getattr(kernel, "__name__", kernel), exc)
+                              "launches it", getattr(self.kernel(), "__name__", "?"), exc)
                     self.specs[made] = None
-        kernel[(grid,)](*args, num_warps=num_warps, **constexprs)
+        self.kernel()[(grid,)](*args, num_warps=num_warps, **constexprs)

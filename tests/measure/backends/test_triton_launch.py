@@ -96,7 +96,26 @@ def test_a_static_launch_passes_what_the_compiled_kernel_takes() -> None:
     assert grad["head"][6] == "OOOiiOO" and grad["kept"][3:5] == [8, 64]
 
 
-_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
+_POINTEES = {torch.float32: "*fp32", torch.float64: "*fp64", torch.int64: "*i64",
+             torch.int32: "*i32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
+
+
+def jit_compiled(kernel: Any, args: Any, constexprs: dict[str, Any], warps: int,
+                 **metadata: Any) -> tuple[list[str], dict[str, Any], dict[str, str], Any]:
+    """``kernel`` as Triton's JIT compiles it for ``args`` (a dtype for each pointer) and
+    ``constexprs`` (an int of 1 a constant, a float ``fp32``, an int past 32 bits
+    ``i64``), as far as :func:`compiled_spec` reads one: its argument names, their
+    values, its signature and the compiled stand-in (``metadata``: more of its fields)."""
+    names = list(kernel.arg_names)
+    values = {**dict(zip(names, args, strict=False)), **constexprs}
+    signature = {
+        name: "constexpr" if name in constexprs or (isinstance(v, int) and v == 1) else
+        _POINTEES[v] if isinstance(v, torch.dtype) else "fp32" if isinstance(v, float)
+        else "i32" if -2**31 <= v < 2**31 else "i64" for name, v in values.items()}
+    compiled = SimpleNamespace(
+        src=SimpleNamespace(fn=kernel, signature=signature, constants={}),
+        metadata=SimpleNamespace(num_warps=warps, shared=0, num_ctas=1, **metadata))
+    return names, values, signature, compiled
 
 
 class StandIn:
@@ -113,15 +132,8 @@ class StandIn:
         """:func:`static_launch`'s spec for the CPU: a compiled kernel as Triton's JIT
         specializes one (an int of 1 a constant), made into a spec by the module's own
         :func:`compiled_spec`, launched by :meth:`launch`."""
-        names = list(kernel.arg_names)
-        values = {**dict(zip(names, args, strict=False)), **constexprs}
-        signature = {name: "constexpr" if name in constexprs or v == 1 else
-                     _TYPES[v] if isinstance(v, torch.dtype) else "i32"
-                     for name, v in values.items()}
-        compiled = SimpleNamespace(
-            src=SimpleNamespace(fn=kernel, signature=signature, constants={}),
-            metadata=SimpleNamespace(num_warps=warps, shared=0, num_ctas=1,
-                                     global_scratch_size=0, profile_scratch_size=0))
+        names, values, signature, compiled = jit_compiled(
+            kernel, args, constexprs, warps, global_scratch_size=0, profile_scratch_size=0)
         made = compiled_spec(compiled, values, grid)
         assert made is not None
         head, kept, places = made
@@ -321,10 +333,6 @@ def test_a_statically_launched_call_runs_no_python_of_normwatch(
         assert torch.equal(r.v[0], inputs[r.row].abs().amax(1)), r.row
 
 
-_POINTEES = {torch.float32: "*fp32", torch.float64: "*fp64", torch.int64: "*i64",
-             torch.int32: "*i32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
-
-
 class StepStandIn:
     """A stand-in for torch's static launcher behind the step's cross-layer launches
     (:class:`~normwatch.measure.backends.triton_launch.Launch`: the folds, the update
@@ -344,15 +352,7 @@ class StepStandIn:
 
     def spec(self, kernel: Any, args: Any, constexprs: dict[str, Any], grid: int,
              device: torch.device, warps: int = 4) -> Any:
-        names = list(kernel.arg_names)
-        values = {**dict(zip(names, args, strict=False)), **constexprs}
-        signature = {
-            name: "constexpr" if name in constexprs or (isinstance(v, int) and v == 1) else
-            _POINTEES[v] if isinstance(v, torch.dtype) else "fp32" if isinstance(v, float)
-            else "i32" if -2**31 <= v < 2**31 else "i64" for name, v in values.items()}
-        compiled = SimpleNamespace(
-            src=SimpleNamespace(fn=kernel, signature=signature, constants={}),
-            metadata=SimpleNamespace(num_warps=warps, shared=0, num_ctas=1))
+        names, values, _, compiled = jit_compiled(kernel, args, constexprs, warps)
         made = compiled_spec(compiled, values, grid)
         assert made is not None
         head, kept, places = made

@@ -86,11 +86,11 @@ bool own(const at::Tensor &t);
 bool plain(const at::Tensor &t);
 
 // Launch `plan`'s static launch (its native; a pair's item `part`) with the tensors'
-// pointers (the kernel's leading arguments: put at the spec's first places) on the first one's device's current stream
-// (the spec's stream getter's; none: 0): 1 launched, 0 not (no spec, a pointer off the
-// 16-byte alignment the kernel was compiled for, a device not the current one, or a
-// launch that failed, whose error is dropped and whose spec is not tried again: the
-// launcher's Python launches it), -1 an error
+// pointers (the kernel's leading arguments: put at the spec's first places) on the first
+// one's device's current stream (the spec's stream getter's; none: 0): 1 launched, 0 not
+// (no spec, a pointer off the 16-byte alignment the kernel was compiled for, a device not
+// the current one, or a launch that failed, whose error is dropped and whose spec is not
+// tried again: the launcher's Python launches it), -1 an error
 int launch_native(Plan &plan, int part, std::initializer_list<const at::Tensor *> tensors);
 
 // A buffer of a launcher's planned `plan` (its shape, the lender's key, the device) from
