@@ -287,7 +287,7 @@ def compiled_grad(through: bool, kind: str = "rmsnorm", d: int = 256,
     with watched(norm) as hook:
         hook.rt.update(full_stats=True)
         return _plus(count(lambda: hook.compiled.compiled_grad(
-            "grad_out", g, x if through else None, norm.weight.detach() if through else None)),
+            OUT, g, x if through else None, norm.weight.detach() if through else None)),
             _OPERATOR)
 
 

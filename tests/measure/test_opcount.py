@@ -176,7 +176,7 @@ def test_a_compiled_operator_call_is_its_body_and_no_python_around_it() -> None:
 
     x, row, ticket = torch.ones(4, 8), torch.zeros(3), torch.zeros(1)  # row: owned by none
     calls = {"observe": lambda: operators.observe(x, x, row, ticket, True),
-             "observe_grad": lambda: operators.observe_grad(x, row, "grad_out", None, None)}
+             "observe_grad": lambda: operators.observe_grad(x, row, 0, None, None)}
     frames: list[str] = []
 
     def profile(frame: object, event: str, arg: object) -> None:

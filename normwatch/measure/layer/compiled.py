@@ -4,14 +4,16 @@ compiled graph's operators run.
 Inside ``torch.compile`` the hook's traced body reads no Python value that changes
 between steps and writes no Python state: it hands the call to one opaque operator
 (``normwatch::observe``, :mod:`~normwatch.measure.layer.operators`) whose body, at run
-time, is the eager recorder's (:meth:`CompiledPath.compiled_call`). The compiled graph neither
+time, is the eager recorder's (:meth:`CompiledPath.compiled_call`), its common case the
+C++ lane's where the layer has one (:mod:`~normwatch.measure.backends.native.lane`: no
+Python frame but the operator's). The compiled graph neither
 breaks nor recompiles, inside activation checkpoints too; compiling it costs what
 compiling the model costs; and compiled and eager calls share one path.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -19,10 +21,11 @@ import torch
 from torch import nn
 
 from normwatch.guarded import guarded
+from normwatch.measure.backends.native import lane as native_lane
 from normwatch.measure.layer.calls import input_of, other_tensor, output_of
 from normwatch.measure.layer.operators import disown, observe, observe_grad, own, ticket
 from normwatch.measure.layer.recorder import Recorder
-from normwatch.measure.state.rows import NAMED
+from normwatch.measure.state.rows import HIDDEN, OUT
 
 
 class CompiledPath:
@@ -37,6 +40,15 @@ class CompiledPath:
 
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
+        self._lane_state: native_lane.State | None = None
+        """The layer's C++ lane state (``None``: none; :meth:`serve`)."""
+        self.call: Callable[[torch.Tensor, torch.Tensor | None, bool], None] = \
+            self.compiled_call
+        """What a compiled call runs (``call(x, y, alone)``): the C++ lane where the layer
+        has one, else :meth:`compiled_call`."""
+        self.grad: Callable[[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+                            None] = self.compiled_grad
+        """What a compiled gradient runs (``grad(at, g, x, weight)``): the same."""
         self.name: torch.Tensor | None = None
         """The tensor naming the layer to the operators (``None``: not placed yet)."""
         self.count_eval = recorder.rt.count_eval
@@ -44,6 +56,12 @@ class CompiledPath:
         """Whether gradients are hooked (:meth:`hook_grads`)."""
         self.through = False
         self.width = recorder.layer.token_size
+
+    def serve(self, lane: native_lane.State | None) -> None:
+        """Have the C++ lane of ``lane`` (the layer's lane state) record compiled calls'
+        common case (``None``: Python records every call)."""
+        self._lane_state = lane
+        self.call, self.grad = native_lane.compiled_for(self, lane)
 
     def hook_grads(self, through: bool) -> None:
         """Hook the gradients of traced calls from now on; ``through``: the gradient
@@ -106,16 +124,16 @@ class CompiledPath:
 
     def _hidden(self, g: torch.Tensor) -> None:
         """The hidden state's gradient (the input's tensor hook)."""
-        observe_grad(g, self.name, "grad_hidden", None, None)
+        observe_grad(g, self.name, HIDDEN, None, None)
 
     def _out(self, x: torch.Tensor, weight: torch.Tensor | None, g: torch.Tensor) -> None:
         """The output's gradient and, from it, ``x`` and ``weight``, the gradient through
         the norm (the output's tensor hook)."""
-        observe_grad(g, self.name, "grad_out", x, weight)
+        observe_grad(g, self.name, OUT, x, weight)
 
     def _out_alone(self, g: torch.Tensor) -> None:
         """The output's gradient alone (the output's tensor hook)."""
-        observe_grad(g, self.name, "grad_out", None, None)
+        observe_grad(g, self.name, OUT, None, None)
 
     @guarded
     def compiled_call(self, x: torch.Tensor, y: torch.Tensor | None, alone: bool) -> None:
@@ -128,10 +146,10 @@ class CompiledPath:
             return
         recorder.record(recorder.module, x, y, alone)
 
-    def compiled_grad(self, at: str, g: torch.Tensor, x: torch.Tensor | None,
+    def compiled_grad(self, site: int, g: torch.Tensor, x: torch.Tensor | None,
                       weight: torch.Tensor | None) -> None:
         """The body of a compiled gradient's operator, at run time (see
         :meth:`GradHooks.measure`)."""
         recorder = self.recorder
         if recorder.grads is not None and recorder.failed is None:
-            recorder.grads.measure(NAMED.index(at), g, x, weight)
+            recorder.grads.measure(site, g, x, weight)

@@ -48,7 +48,7 @@ from normwatch.measure.backends.native.readers import PLAIN
 from normwatch.measure.layer.operators import observe_grad
 from normwatch.measure.model.sharding import local
 from normwatch.measure.state.backend import Backend
-from normwatch.measure.state.rows import HIDDEN, IN, NAMED, OUT, WEIGHT, LayerRows
+from normwatch.measure.state.rows import HIDDEN, IN, OUT, WEIGHT, LayerRows
 
 Target = Callable[[], "torch.Tensor | None"]
 Stage = Callable[[int, "tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]", int],
@@ -415,7 +415,7 @@ class GradHooks:
             g = g.to(wide)
             for part in parts:
                 g = g + part.to(wide)
-        observe_grad(g, row, NAMED[site], x, weight)
+        observe_grad(g, row, site, x, weight)
 
     def _view(self, g: torch.Tensor) -> torch.Tensor:
         """``g`` as tokens: as it is where its last dim holds one."""

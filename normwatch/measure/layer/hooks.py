@@ -56,6 +56,7 @@ class LayerHook:
         """The C++ lane's state (``None``: every call is this object's): see
         :mod:`~normwatch.measure.backends.native.lane`; on the CPU the native backend's
         reader's, where Triton serves the layer (CUDA) the kernel's launch."""
+        self.compiled.serve(self._lane_state)
         self.handle: RemovableHandle | None = module.register_forward_hook(
             native_lane.hook_for(self, self._lane_state), with_kwargs=True)
         if runtime.gradients:

@@ -28,6 +28,7 @@ without CUDA graphs.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Protocol
 from weakref import WeakValueDictionary
 
@@ -37,12 +38,12 @@ import torch
 class Owner(Protocol):
     """A layer's compiled path, as the operators call it."""
 
-    def compiled_call(self, x: torch.Tensor, y: torch.Tensor | None, alone: bool) -> None:
-        """Measure one compiled call (input and output detached)."""
+    call: Callable[[torch.Tensor, torch.Tensor | None, bool], None]
+    """Measure one compiled call (input and output detached, ``alone``)."""
 
-    def compiled_grad(self, at: str, g: torch.Tensor, x: torch.Tensor | None,
-                      weight: torch.Tensor | None) -> None:
-        """Measure one gradient of a compiled call (see :func:`observe_grad`)."""
+    grad: Callable[[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None], None]
+    """Measure one gradient of a compiled call (``grad(site, g, x, weight)``: see
+    :func:`observe_grad`)."""
 
 
 _OWNERS: WeakValueDictionary[int, Owner] = WeakValueDictionary()
@@ -84,18 +85,19 @@ def _observe(x: torch.Tensor, y: torch.Tensor | None, name: torch.Tensor,
     the operators' bodies, the first import's, find its owners by its name)."""
     owner = getattr(sys.modules.get(__name__), "_OWNERS", _OWNERS).get(name.data_ptr())
     if owner is not None:  # none: the watch closed while compiled code still calls
-        owner.compiled_call(x, y, alone)
+        owner.call(x, y, alone)
 
 
-def _observe_grad(g: torch.Tensor, name: torch.Tensor, at: str, x: torch.Tensor | None,
+def _observe_grad(g: torch.Tensor, name: torch.Tensor, site: int, x: torch.Tensor | None,
                   weight: torch.Tensor | None) -> None:
-    """A gradient of a compiled call at site ``at``; given the norm's input ``x`` (and
-    ``weight``), ``g`` is its output's gradient and the gradient through the norm is
-    measured from it too. ``name`` names the layer. It says it writes ``g`` (it does
+    """A gradient of a compiled call at ``site`` (an index of
+    :data:`~normwatch.measure.state.rows.SITES`, or its ``WEIGHT``); given the norm's
+    input ``x`` (and ``weight``), ``g`` is its output's gradient and the gradient through
+    the norm is measured from it too. ``name`` names the layer. It says it writes ``g`` (it does
     not): what comes after in the backward then waits for it."""
     owner = getattr(sys.modules.get(__name__), "_OWNERS", _OWNERS).get(name.data_ptr())
     if owner is not None:
-        owner.compiled_grad(at, g, x, weight)
+        owner.grad(site, g, x, weight)
 
 
 def _nothing(*args: object) -> None:
@@ -111,7 +113,7 @@ if not hasattr(getattr(torch.ops, NAMESPACE), "observe"):  # (once a process)
         "observe(Tensor x, Tensor? y, Tensor name, Tensor(a!) order, bool alone) -> ()",
         tags=(torch.Tag.cudagraph_unsafe,))
     _LIBRARY.define(  # type: ignore[no-untyped-call]
-        "observe_grad(Tensor(a!) g, Tensor name, str at, Tensor? x, Tensor? weight) -> ()",
+        "observe_grad(Tensor(a!) g, Tensor name, int site, Tensor? x, Tensor? weight) -> ()",
         tags=(torch.Tag.cudagraph_unsafe,))
     for _name, _body in (("observe", _observe), ("observe_grad", _observe_grad)):
         _LIBRARY.impl(_name, _body, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
@@ -120,4 +122,4 @@ if not hasattr(getattr(torch.ops, NAMESPACE), "observe"):  # (once a process)
 observe = getattr(torch.ops, NAMESPACE).observe.default
 """``observe(x, y, name, ticket, alone)``: see :func:`_observe`."""
 observe_grad = getattr(torch.ops, NAMESPACE).observe_grad.default
-"""``observe_grad(g, name, at, x, weight)``: see :func:`_observe_grad`."""
+"""``observe_grad(g, name, site, x, weight)``: see :func:`_observe_grad`."""

@@ -183,8 +183,6 @@ SITES = tuple(GRAD_SITES)
 OUT, IN, HIDDEN = (SITES.index(s) for s in ("grad_out", "grad_in", "grad_hidden"))
 WEIGHT = len(SITES)
 """The weight gradient's site index in :class:`GradRows` (after :data:`SITES`)."""
-NAMED = (*SITES, "weight")
-"""Each site's name by its index, the weight's included (as compiled operators name them)."""
 
 
 class GradRows(NamedTuple):

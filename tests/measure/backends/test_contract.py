@@ -25,7 +25,8 @@ OWNERS = {  # role -> which object's attribute it names
     **dict.fromkeys(("free", "lent", "take"), "lender"),
     **dict.fromkeys(("lane_state", "tail", "fail", "recorder"), "hook"),
     "capsule": "lane state",
-    **dict.fromkeys(("grads", "signature", "record_dtypes"), "recorder"),
+    **dict.fromkeys(("python_call", "python_grad"), "compiled path"),
+    **dict.fromkeys(("grads", "module", "signature", "record_dtypes", "after"), "recorder"),
     **dict.fromkeys(("computed", "hooked_weight", "grad_lane", "node", "both", "weight_grad",
                      "through", "gather"), "gradient hooks"),
     **{role: "pack" for role in contract.NAMES if role.startswith("pack_")},
@@ -46,7 +47,8 @@ def test_every_name_of_the_contract_is_an_attribute_of_its_object() -> None:
     assert isinstance(pack, NativePack)
     objects = {"runtime": recorder.rt, "counts": recorder.counts, "module": hook.module,
                "accumulator": recorder.rt.accumulator, "lender": recorder.rt.accumulator.buffers,
-               "hook": hook, "lane state": lane.State(None), "recorder": recorder,
+               "hook": hook, "compiled path": hook.compiled, "lane state": lane.State(None),
+               "recorder": recorder,
                "gradient hooks": recorder.grads, "pack": pack}
     assert OWNERS.keys() == contract.NAMES.keys()
     missing = [(role, name) for role, name in contract.NAMES.items()

@@ -105,11 +105,26 @@ def test_without_a_cpp_compiler_there_is_no_lane(
     assert fastlane.module() is None
 
 
+def _python_recorded(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the layers whose calls the Python recorder records from now on."""
+    names: list[str] = []
+    real = Recorder.record
+
+    def spy(self: Recorder, *args: object) -> None:
+        names.append(self.layer.name)
+        return real(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Recorder, "record", spy)
+    return names
+
+
+@pytest.mark.parametrize("compiled", [False, True])
 def test_a_failure_in_the_lane_disables_its_hook_with_one_warning(
-        built: object, monkeypatch: pytest.MonkeyPatch) -> None:
+        built: object, compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A call the C++ lane takes fails (a host count it cannot add to): that layer's hook
     is removed with one warning, the other layers are measured on, and the losses are an
-    unwatched run's."""
+    unwatched run's. So where the call is a compiled graph's (the lane its operator's
+    body), against an unwatched compiled copy."""
     torch.manual_seed(0)
     base = tiny_llama(32, 1)
     plain, model = base, copy.deepcopy(base)
@@ -117,26 +132,24 @@ def test_a_failure_in_the_lane_disables_its_hook_with_one_warning(
     tokens = torch.randint(0, 1024, (2, 8), generator=torch.Generator().manual_seed(0))
     w = normwatch.watch(model, report_dir=None, stats_every=1 << 20, gradients=False,
                         flush_every=100)
-    python_lane: list[str] = []
-    real = Recorder.record
-
-    def spy(self: Recorder, *args: object) -> None:
-        python_lane.append(self.layer.name)
-        return real(self, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(Recorder, "record", spy)
+    python_lane = _python_recorded(monkeypatch)
+    runs = [torch.compile(m, backend="aot_eager") if compiled else m for m in (plain, model)]
     losses: list[list[float]] = [[], []]
     caught = []
-    for step in range(6):
-        if step == 2:  # each layer has counted calls: the lane takes the next
-            target = w._measure._hooks[0]
-            target.counts.tokens = None  # type: ignore[assignment]
-            python_lane.clear()
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            for i, (m, o) in enumerate(zip((plain, model), opts, strict=True)):
-                losses[i].append(train_step(m, o, tokens, w if i else None).item())
-        caught += [str(x.message) for x in seen if "normwatch" in str(x.message)]
+    torch.compiler.reset()
+    try:
+        for step in range(6):
+            if step == 2:  # each layer has counted calls: the lane takes the next
+                target = w._measure._hooks[0]
+                target.counts.tokens = None  # type: ignore[assignment]
+                python_lane.clear()
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                for i, (r, o) in enumerate(zip(runs, opts, strict=True)):
+                    losses[i].append(train_step(r, o, tokens, w if i else None).item())
+            caught += [str(x.message) for x in seen if "normwatch" in str(x.message)]
+    finally:
+        torch.compiler.reset()
     assert losses[0] == losses[1]
     assert len(caught) == 1 and repr(target.layer.name) in caught[0] and "TypeError" in caught[0]
     assert target.disabled_reason is not None and "TypeError" in target.disabled_reason
@@ -508,3 +521,86 @@ def test_a_weight_hooked_in_python_before_takes_the_lanes_hook_beside(built: obj
     assert [line[0] for line in lines] == ["torch", "auto"]
     for _, got, want in lines:
         assert float(got) == pytest.approx(float(want), rel=1e-5)
+
+
+def _compiled_run(monkeypatch: pytest.MonkeyPatch, cpp: bool
+                  ) -> tuple[list[float], list[object], list[str], dict[bool, list[str]]]:
+    """A compiled TinyLM (5 RMS norms) trained 12 steps, watched (both tiers by turns,
+    flushed every 4; in bfloat16 for steps 6 to 8, from an interval's second step): its
+    losses, flushes, host counts after each step and, for a steady step of each tier
+    (11, 12), normwatch's frames in its forward and backward. ``cpp``: the compiled
+    operators' bodies are the C++ lane's (else Python's)."""
+    from functools import partial
+
+    from normwatch.demos.toymodel import TinyLM, lm_loss, synthetic_batch
+    from tests.benchmarks.opcount import frames_of
+
+    if not cpp:
+        monkeypatch.setattr(fastlane, "compiled_for",
+                            lambda path, lane: (path.compiled_call, path.compiled_grad))
+    torch.manual_seed(0)
+    model = TinyLM(dim=32, depth=2, norm="rmsnorm")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    w = normwatch.watch(model, opt, report_dir=None, stats_every=2, flush_every=4)
+    monkeypatch.undo()
+    run = torch.compile(model, backend="aot_eager")
+    gen = torch.Generator().manual_seed(0)
+    losses, snaps, counts, frames = [], [], [], {}
+    for step in range(1, 13):
+        tokens = synthetic_batch(gen, batch=2, seq=8)
+        if step in (6, 9):  # (recompiles; at 6 the lane notes the dtypes: no first call)
+            model.to(torch.bfloat16 if step == 6 else torch.float32)
+        if step in (11, 12):
+            full, outputs = w._measure._rt.full_stats, []
+            out = frames_of(partial(lambda t, got: got.append(run(t)), tokens, outputs))
+            loss = lm_loss(outputs[0].float(), tokens)
+            frames[full] = [*out, "|", *frames_of(loss.backward)]
+        else:
+            loss = lm_loss(run(tokens).float(), tokens)
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        snap = w.step(loss)
+        losses.append(loss.item())
+        counts.append(repr([h.counts for h in w._measure._hooks]))
+        if snap is not None:
+            snaps.append(snap)
+    assert not w.disabled
+    w.close()
+    return losses, snaps, counts, frames
+
+
+def test_a_compiled_models_operators_record_in_the_lane_as_python_does(
+        built: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bodies of a compiled graph's operators are the C++ lane's: in a steady step of
+    either tier a norm call runs no Python of normwatch's but the operator's
+    (``_observe``), nor does a gradient (``_observe_grad``: on a sentinel step it returns
+    at once; on a full-tier step the C++ gradient hooks read it, the gradient through the
+    norm included); before, some 25 frames a call and 6 (sentinel) to 24 a gradient.
+    What they record is Python's: the losses, every flush's statistics and the host
+    counts after every step (the dtypes noted as the model turns bfloat16 included) are
+    those of the same run with Python's bodies."""
+    runs = []
+    try:
+        for cpp in (True, False):
+            torch.compiler.reset()
+            runs.append(_compiled_run(monkeypatch, cpp))
+    finally:
+        torch.compiler.reset()
+    cpp, python = runs
+    assert cpp[0] == python[0]
+    assert cpp[2] == python[2]
+    assert "input_dtype='bfloat16'" in cpp[2][5] and "input_dtype='bfloat16'" not in cpp[2][4]
+    assert len(cpp[1]) == len(python[1]) == 3
+    for a, b in zip(cpp[1], python[1], strict=True):
+        assert a.layers == b.layers  # type: ignore[attr-defined]
+    bookkeeping = {"_forward_begins", "forward", "mark", "_forward_ends", "rng_states",
+                   "_integer_tensors", "<listcomp>", "_name", "batch_hash", "_nothing"}
+    for full in (False, True):  # a step of each tier
+        forward, backward = ([f for f in part.split() if f not in bookkeeping]
+                             for part in " ".join(cpp[3][full]).split("|"))
+        assert forward == ["_observe"] * 5, cpp[3][full]
+        # the output's (with the one through the norm) and the hidden state's (the
+        # weight's: its C++ tensor hook, outside the graph)
+        assert backward == ["_observe_grad"] * 10, cpp[3][full]
+    assert "record" in python[3][False] and "measure" in python[3][True]

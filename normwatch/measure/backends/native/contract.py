@@ -31,6 +31,17 @@ What the lanes run, and where the Python they stand for is:
   (:mod:`~normwatch.measure.backends.triton_launch`), called from here with the call's
   pointers and its device's current stream, else the launcher's ``lane_launch``; and
   hands every full-tier call's rest to ``_tail``.
+- **The compiled lane** (``lane.cpp``'s ``observe`` and ``observe_grad``, bound to a
+  layer's :class:`~normwatch.measure.layer.compiled.CompiledPath` as its ``call`` and
+  ``grad``: the bodies of the operators a compiled graph calls). A call of the same
+  common case is read and staged the same way, its training and grad mode decided where
+  it was traced (inside a backward it counts nothing, as ``compiled_call``); then on the
+  layer's first call the recorder's ``after``, else its ``record_dtypes`` where the
+  dtypes changed. Every other call goes to the path's ``compiled_call``. A gradient on a
+  step whose backward is not measured does nothing; on a measured step the layer's C++
+  gradient hooks read its plain case (a site's, the weight's, the output's with the one
+  through the norm by the C kernel) as ``GradHooks.measure`` does; every other goes to
+  ``compiled_grad``.
 - **The gradient hooks** (``grads.cpp``, one capsule per layer's
   :class:`~normwatch.measure.layer.gradients.GradHooks`): a gradient of the plain case is
   read by the C reader its site's plan names and staged as ``GradHooks._measure`` stages
@@ -82,12 +93,17 @@ NAMES: dict[str, str] = {
     "lane_state": "_lane_state",  # its lane.State (None: a copy's)
     "capsule": "capsule",
     "tail": "_tail",  # (module, args, kwargs, output, full): the rest of a call
-    "fail": "_fail",  # (exception): the layer disabled
+    "fail": "_fail",  # (exception): the layer disabled (the compiled path's too)
     "recorder": "recorder",
+    # its compiled path (normwatch.measure.layer.compiled.CompiledPath): lane_state, fail
+    "python_call": "compiled_call",  # (x, y, alone): a compiled call, Python's
+    "python_grad": "compiled_grad",  # (at, g, x, weight): a compiled gradient, Python's
     # its recorder (normwatch.measure.layer.recorder.Recorder)
     "grads": "grads",
+    "module": "module",
     "signature": "_signature",  # the dtypes last noted
     "record_dtypes": "record_dtypes",  # (module, x, y)
+    "after": "after",  # (module, x, y, None): a compiled call's first call's rest
     # its gradient hooks (normwatch.measure.layer.gradients.GradHooks)
     "computed": "_computed",  # whether the gradient through the norm is computed
     "hooked_weight": "_weight",  # the weight hooked

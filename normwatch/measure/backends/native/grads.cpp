@@ -120,6 +120,8 @@ struct SiteHook : torch::autograd::FunctionPreHook {
     }
 };
 
+int read_out(Grads &r, const at::Tensor &g, const at::Tensor &xs, const at::Tensor &ws);
+
 // The output node's pre-hook: its output k's gradient and, from it, the norm's input x
 // and weight w, the gradient through the norm (GradHooks._both's C++ twin)
 struct OutHook : torch::autograd::FunctionPreHook {
@@ -166,37 +168,42 @@ struct OutHook : torch::autograd::FunctionPreHook {
     }
     // 1 read here, 0 not the plain case, -1 an error
     int read(const at::Tensor &g, const at::Tensor &xs, const at::Tensor &ws) {
-        Grads &r = *gr;
-        if (xs._version() != version || !plain(g) || g.scalar_type() != at::kFloat ||
-            !g.sizes().equals(xs.sizes()) ||
-            (ws.defined() && ws.storage().nbytes() == 0))  // (FSDP2's, resharded)
-            return 0;
-        int t = grad_plan(r.through_plan, r.through_planner, g, -1);
-        if (t != 1) return t;
-        const int64_t *args = r.through_plan.args.data();
-        PyObject *dg = lent(r, args[0] + 2);
-        PyObject *din = dg ? lent(r, args[0] + 2) : nullptr;
-        if (din == nullptr) {
-            Py_XDECREF(dg);
-            return -1;
-        }
-        if (through(g.const_data_ptr<float>(), xs.const_data_ptr<float>(),
-                    ws.defined() ? ws.const_data_ptr<float>() : nullptr,
-                    THPVariable_Unpack(dg).mutable_data_ptr<float>(),
-                    THPVariable_Unpack(din).mutable_data_ptr<float>(), args, r.eps)) {
-            Py_DECREF(dg);
-            Py_DECREF(din);
-            PyErr_SetString(PyExc_RuntimeError, "grads: the C kernel refused the gradient");
-            return -1;
-        }
-        int64_t width = g.size(-1);
-        if (stage(r, dg, SITE_OUT, width) < 0) {
-            Py_DECREF(din);
-            return -1;
-        }
-        return stage(r, din, SITE_IN, width) < 0 ? -1 : 1;
+        return xs._version() != version ? 0 : read_out(*gr, g, xs, ws);
     }
 };
+
+// The output's gradient g and, from it and the norm's input x and weight w, the gradient
+// through the norm, read by the C kernel and staged (GradHooks._out_through's plain
+// case): 1 read here, 0 not the plain case, -1 an error
+int read_out(Grads &r, const at::Tensor &g, const at::Tensor &xs, const at::Tensor &ws) {
+    if (!plain(g) || g.scalar_type() != at::kFloat || !g.sizes().equals(xs.sizes()) ||
+        (ws.defined() && ws.storage().nbytes() == 0))  // (FSDP2's, resharded)
+        return 0;
+    int t = grad_plan(r.through_plan, r.through_planner, g, -1);
+    if (t != 1) return t;
+    const int64_t *args = r.through_plan.args.data();
+    PyObject *dg = lent(r, args[0] + 2);
+    PyObject *din = dg ? lent(r, args[0] + 2) : nullptr;
+    if (din == nullptr) {
+        Py_XDECREF(dg);
+        return -1;
+    }
+    if (through(g.const_data_ptr<float>(), xs.const_data_ptr<float>(),
+                ws.defined() ? ws.const_data_ptr<float>() : nullptr,
+                THPVariable_Unpack(dg).mutable_data_ptr<float>(),
+                THPVariable_Unpack(din).mutable_data_ptr<float>(), args, r.eps)) {
+        Py_DECREF(dg);
+        Py_DECREF(din);
+        PyErr_SetString(PyExc_RuntimeError, "grads: the C kernel refused the gradient");
+        return -1;
+    }
+    int64_t width = g.size(-1);
+    if (stage(r, dg, SITE_OUT, width) < 0) {
+        Py_DECREF(din);
+        return -1;
+    }
+    return stage(r, din, SITE_IN, width) < 0 ? -1 : 1;
+}
 
 // The gradient through the norm, from the parts its own nodes send to x: gathered by
 // their post-hooks (ThroughHook; GradHooks' _Through's C++ twin), read once the last came
@@ -405,6 +412,27 @@ int normwatch::hook_launch_gradients(PyObject *capsule, const at::Tensor &x,
     y.grad_fn()->add_pre_hook(std::make_unique<SiteHook>(*held, SITE_OUT, y.output_nr()));
     gather_through(*held, through_nodes(y, x));
     return 0;
+}
+
+// A compiled gradient on a measured step (lane.cpp's observe_grad): g at `site` (x
+// defined: the output's, with the norm's input x and weight w, the gradient through the
+// norm too), read as GradHooks.measure reads it: 1 read here, 0 not the plain case
+// (Python's), -1 an error
+int normwatch::compiled_gradient(PyObject *capsule, int site, const at::Tensor &g,
+                                 const at::Tensor &x, const at::Tensor &w) {
+    Shared *held = held_grads(capsule);
+    if (held == nullptr) return -1;
+    Grads &gr = **held;
+    if (!gr.open || !g.numel()) return 0;
+    if (site == SITE_WEIGHT) return read_weight(gr, g);
+    if (!x.defined()) return read_site(gr, site, g, nullptr);
+    // the gradient through the norm: the C kernel's (as full_tail's common case), not a
+    // launch lane's (torch's formula, Python's)
+    if (site != SITE_OUT || gr.launcher != Py_None || !plain(x) ||
+        x.scalar_type() != at::kFloat || x.dim() == 0 || x.size(-1) != gr.width ||
+        (w.defined() && (!plain(w) || w.scalar_type() != at::kFloat || w.numel() != gr.width)))
+        return 0;
+    return read_out(gr, g, x, w);
 }
 
 int64_t normwatch::max_nodes = 64;

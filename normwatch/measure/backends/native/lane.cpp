@@ -90,6 +90,9 @@ int planned(Lane *lane, bool full, PyObject *xo, PyObject *yo, const at::Tensor 
 
 int full_tail(Lane *lane, PyObject *module, PyObject *args, PyObject *kwargs, PyObject *xo,
               PyObject *yo, const at::Tensor &x, const at::Tensor &y);
+int note_dtypes(Lane *lane, PyObject *module, PyObject *xo, PyObject *yo, const at::Tensor &x,
+                const at::Tensor &y, const at::Tensor &w);
+int compiled_tail(Lane *lane, int64_t calls, PyObject *xo, PyObject *yo);
 
 // A launch lane's read of a call of `tokens` tokens: a buffer from the lender, of the
 // tier's plan for x and y's layout, filled by one launch on x's stream (the plan's static
@@ -119,28 +122,24 @@ PyObject *launch_rows(Lane *lane, bool full, PyObject *xo, PyObject *yo, const a
     return buffer;
 }
 
-// The lane: 1 measured, 0 not taken (the Python hook measures it), -1 an error
-int measured(Lane *lane, PyObject *layer, PyObject *module, PyObject *args, PyObject *kwargs,
-             PyObject *output) {
-    if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) < 1) return 0;
-    PyObject *xo = PyTuple_GET_ITEM(args, 0);
-    if (!THPVariable_CheckExact(xo) || !THPVariable_CheckExact(output)) return 0;
+// A call of the common case read and staged as Recorder.record stages it, its counts
+// added: the watch not paused, no output check pending, x and y plain tensors alike
+// whose last dim is one token, readable by the lane. 1 staged (`full`: its tier,
+// `calls`: the layer's counted calls before it), 0 not the common case (nothing done),
+// -1 an error
+int staged(Lane *lane, PyObject *xo, PyObject *yo, int *full, int64_t *calls) {
+    if (!THPVariable_CheckExact(xo) || !THPVariable_CheckExact(yo)) return 0;
     PyObject *rt = lane->runtime, *c = lane->counts;
     int t;
     if ((t = truth(rt, names.paused)) != 0) return t < 0 ? -1 : 0;
-    int full = truth(rt, names.full_stats);
-    if (full < 0) return -1;
-    int64_t calls = integer(c, names.calls);
-    if (calls < 0) return calls == -1 && PyErr_Occurred() ? -1 : 0;
+    if ((*full = truth(rt, names.full_stats)) < 0) return -1;
+    if ((*calls = integer(c, names.calls)) < 0) return *calls == -1 && PyErr_Occurred() ? -1 : 0;
     if ((t = truth(rt, names.check_outputs)) != 0) {  // the interval's output check pending
         if (t < 0) return -1;
         if ((t = truth(c, names.output_checked)) != 1) return t;
     }
-    if ((t = truth(module, names.training)) != 1) return t;
-    if (!at::GradMode::is_enabled() || torch::autograd::get_current_graph_task_id() != -1)
-        return 0;
     const at::Tensor &x = THPVariable_Unpack(xo);
-    const at::Tensor &y = THPVariable_Unpack(output);
+    const at::Tensor &y = THPVariable_Unpack(yo);
     bool launch = lane->launcher != Py_None;
     if (x.dim() == 0 || x.size(-1) != lane->width || y.numel() == 0 ||
         !(launch ? launchable(x, y) : readable(x) && readable(y)) ||
@@ -149,7 +148,7 @@ int measured(Lane *lane, PyObject *layer, PyObject *module, PyObject *args, PyOb
     int64_t tokens = x.numel() / lane->width;
     PyObject *buffer;
     if (launch) {
-        if ((buffer = launch_rows(lane, full, xo, output, x, y, tokens)) == nullptr) return -1;
+        if ((buffer = launch_rows(lane, *full, xo, yo, x, y, tokens)) == nullptr) return -1;
         if (buffer == Py_None) {
             Py_DECREF(buffer);
             return 0;
@@ -157,7 +156,7 @@ int measured(Lane *lane, PyObject *layer, PyObject *module, PyObject *args, PyOb
     } else {
         int64_t plan[PLAN_SIZE];
         PyObject *shape;
-        if ((t = planned(lane, full, xo, output, x, y, plan, &shape)) != 1) return t;
+        if ((t = planned(lane, *full, xo, yo, x, y, plan, &shape)) != 1) return t;
         buffer = lend(lane->lender, shape);
         Py_DECREF(shape);
         if (buffer == nullptr) return -1;
@@ -184,7 +183,7 @@ int measured(Lane *lane, PyObject *layer, PyObject *module, PyObject *args, PyOb
     }
     // CallRows(row, key, width, eps, v, n, lined_up, full, centred, out)
     PyObject *borrowed[ROWS_FIELDS] = {lane->row, nullptr, nullptr, lane->eps, nullptr,
-                                       nullptr, Py_True, full ? Py_True : Py_False,
+                                       nullptr, Py_True, *full ? Py_True : Py_False,
                                        lane->centred, Py_None};
     PyObject *owned[ROWS_FIELDS] = {nullptr, key, width, nullptr, buffer, count};
     for (int i = 0; i < ROWS_FIELDS; i++) {
@@ -200,8 +199,24 @@ int measured(Lane *lane, PyObject *layer, PyObject *module, PyObject *args, PyOb
         add(c, names.calls, 1) < 0 || add(c, names.tokens, tokens) < 0 ||
         PyObject_SetAttr(c, names.input_shape, size.p) < 0)
         return -1;
+    return 1;
+}
+
+// The eager lane: 1 measured, 0 not taken (the Python hook measures it), -1 an error
+int measured(Lane *lane, PyObject *layer, PyObject *module, PyObject *args, PyObject *kwargs,
+             PyObject *output) {
+    if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) < 1) return 0;
+    PyObject *xo = PyTuple_GET_ITEM(args, 0);
+    int t, full;
+    int64_t calls;
+    if ((t = truth(module, names.training)) != 1) return t;  // (a training call with grad)
+    if (!at::GradMode::is_enabled() || torch::autograd::get_current_graph_task_id() != -1)
+        return 0;
+    if ((t = staged(lane, xo, output, &full, &calls)) != 1) return t;
     if (!full && calls > 0) return 1;
-    if (full && calls > 0 && (t = full_tail(lane, module, args, kwargs, xo, output, x, y)) != 0)
+    if (full && calls > 0 &&
+        (t = full_tail(lane, module, args, kwargs, xo, output, THPVariable_Unpack(xo),
+                       THPVariable_Unpack(output))) != 0)
         return t;
     // the rest of a full-tier or first call: the gradients hooked (full), the dtypes and
     // the place in the forward order noted (the layer's _tail: Recorder.after)
@@ -227,6 +242,36 @@ int compiling_frames() {
     return on;
 }
 
+// The capsule of `owner`'s lane state (owner._lane_state.capsule; None where the state is
+// None): a new reference, or nullptr with an error
+PyObject *capsule_of(PyObject *owner) {
+    PyObject *state = PyObject_GetAttr(owner, names.lane_state);  // a lane.State, or None
+    if (state == nullptr || state == Py_None) return state;  // (None: the reference moves)
+    PyObject *capsule = PyObject_GetAttr(state, names.capsule);
+    Py_DECREF(state);
+    return capsule;
+}
+
+// The lane in `capsule` (nullptr: None, or an error set)
+Lane *lane_in(PyObject *capsule) {
+    return capsule == Py_None ? nullptr
+                              : static_cast<Lane *>(PyCapsule_GetPointer(capsule, "normwatch.lane"));
+}
+
+// f(lane) on the lane in `capsule` (0 where it holds none), a C++ exception turned into
+// the Python error: 1, 0, or -1 an error
+template <typename F>
+int on_lane(PyObject *capsule, F f) {
+    Lane *lane = lane_in(capsule);
+    if (lane == nullptr) return PyErr_Occurred() ? -1 : 0;
+    try {
+        return f(lane);
+    } catch (const std::exception &e) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, e.what());
+        return -1;
+    }
+}
+
 PyObject *hook(PyObject *, PyObject *const *a, Py_ssize_t n) {
     if (n != 5) {
         PyErr_SetString(PyExc_TypeError, "hook(layer, module, args, kwargs, output)");
@@ -238,31 +283,84 @@ PyObject *hook(PyObject *, PyObject *const *a, Py_ssize_t n) {
     int dynamo = compiling_frames();
     if (dynamo < 0) return failed(layer);
     if (dynamo) return PyObject_Vectorcall(layer, a + 1, 4, nullptr);
-    PyObject *state = PyObject_GetAttr(layer, names.lane_state);  // a lane.State, or None
-    if (state == nullptr) return failed(layer);
-    PyObject *capsule = state;  // (None: the reference moves)
-    if (state != Py_None) {
-        capsule = PyObject_GetAttr(state, names.capsule);
-        Py_DECREF(state);
-    }
+    PyObject *capsule = capsule_of(layer);
     if (capsule == nullptr) return failed(layer);
-    Lane *lane = capsule == Py_None ? nullptr
-                 : static_cast<Lane *>(PyCapsule_GetPointer(capsule, "normwatch.lane"));
-    int r = 0;
-    if (lane != nullptr) {
-        try {
-            r = measured(lane, layer, a[1], a[2], a[3], a[4]);
-        } catch (const std::exception &e) {
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, e.what());
-            r = -1;
-        }
-    } else if (PyErr_Occurred()) {
-        r = -1;
-    }
+    int r = on_lane(capsule, [&](Lane *lane) {
+        return measured(lane, layer, a[1], a[2], a[3], a[4]);
+    });
     Py_DECREF(capsule);
     if (r == 1) Py_RETURN_NONE;
     if (r < 0) return failed(layer);
     return PyObject_Vectorcall(layer, a + 1, 4, nullptr);  // the Python hook
+}
+
+// observe(path, x, y, alone): a compiled call's operator body (normwatch::observe's,
+// bound to the layer's CompiledPath), the common case here as CompiledPath.compiled_call
+// records it: the call's grad mode and training were decided where it was traced; a
+// call inside a backward (an activation checkpoint's recompute) counts nothing. Any
+// other call goes to path.compiled_call; an error disables the layer (path._fail).
+PyObject *compiled(PyObject *, PyObject *const *a, Py_ssize_t n) {
+    if (n != 4) {
+        PyErr_SetString(PyExc_TypeError, "observe(path, x, y, alone)");
+        return nullptr;
+    }
+    PyObject *path = a[0];
+    if (torch::autograd::get_current_graph_task_id() != -1) Py_RETURN_NONE;
+    PyObject *capsule = capsule_of(path);
+    if (capsule == nullptr) return failed(path);
+    int r = on_lane(capsule, [&](Lane *lane) {
+        int full, t;
+        int64_t calls;
+        t = staged(lane, a[1], a[2], &full, &calls);
+        return t == 1 ? compiled_tail(lane, calls, a[1], a[2]) : t;
+    });
+    Py_DECREF(capsule);
+    if (r == 1) Py_RETURN_NONE;
+    if (r < 0) return failed(path);
+    return PyObject_VectorcallMethod(names.python_call, a, 4, nullptr);
+}
+
+// A compiled gradient of a measured step (observe_grad's args after the path: site, g, x,
+// weight) read by the layer's C++ gradient hooks: 1 read, 0 not theirs (Python's), -1 an
+// error
+int gradient(Lane *lane, PyObject *const *a) {
+    long site = PyLong_AsLong(a[0]);
+    if (site == -1 && PyErr_Occurred()) return -1;
+    if (!THPVariable_CheckExact(a[1]) || (a[2] != Py_None && !THPVariable_CheckExact(a[2])) ||
+        (a[3] != Py_None && !THPVariable_CheckExact(a[3])))
+        return 0;
+    Owned grads(PyObject_GetAttr(lane->recorder, names.grads));
+    if (grads.p == nullptr || grads.p == Py_None) return grads.p ? 0 : -1;
+    Owned gradlane(PyObject_GetAttr(grads.p, names.grad_lane));
+    if (gradlane.p == nullptr || gradlane.p == Py_None) return gradlane.p ? 0 : -1;
+    Owned capsule(PyObject_GetAttr(gradlane.p, names.capsule));
+    if (capsule.p == nullptr) return -1;
+    at::Tensor none;
+    return compiled_gradient(capsule.p, (int)site, THPVariable_Unpack(a[1]),
+                             a[2] == Py_None ? none : THPVariable_Unpack(a[2]),
+                             a[3] == Py_None ? none : THPVariable_Unpack(a[3]));
+}
+
+// observe_grad(path, site, g, x, weight): a compiled gradient's operator body
+// (normwatch::observe_grad's, bound to the layer's CompiledPath): nothing where this
+// step's backward is not measured (Runtime.grads_now); else its plain case read by the
+// layer's C++ gradient hooks, every other by path.compiled_grad.
+PyObject *compiled_grad(PyObject *, PyObject *const *a, Py_ssize_t n) {
+    if (n != 5) {
+        PyErr_SetString(PyExc_TypeError, "observe_grad(path, site, g, x, weight)");
+        return nullptr;
+    }
+    PyObject *capsule = capsule_of(a[0]);
+    if (capsule == nullptr) return failed(a[0]);
+    int r = on_lane(capsule, [&](Lane *lane) {
+        int t = grads_now(lane->runtime);
+        if (t != 1) return t < 0 ? -1 : 1;  // not measured: nothing to do
+        return gradient(lane, a + 1);
+    });
+    Py_DECREF(capsule);
+    if (r == 1) Py_RETURN_NONE;
+    if (r < 0) return failed(a[0]);
+    return PyObject_VectorcallMethod(names.python_grad, a, 5, nullptr);
 }
 
 // The rest of a full-tier call that is not the interval's first (Recorder.after's work),
@@ -318,14 +416,22 @@ int full_tail(Lane *lane, PyObject *module, PyObject *args, PyObject *kwargs, Py
         (launch ? hook_launch_gradients(capsule.p, x, y) : hook_call_gradients(capsule.p, x, y, w))
             < 0)
         return -1;
-    // the recorder's record_dtypes where anything its signature is made of changed
+    return note_dtypes(lane, module, xo, yo, x, y, w);
+}
+
+// The recorder's record_dtypes, called where anything its signature is made of (the
+// dtypes of x, the weight `w` and y, the autocast dtype, the device, the node that made
+// y) changed since this lane last noted it: 1, or -1 an error
+int note_dtypes(Lane *lane, PyObject *module, PyObject *xo, PyObject *yo, const at::Tensor &x,
+                const at::Tensor &y, const at::Tensor &w) {
     c10::DeviceType where = x.device().type();
     int64_t dtypes[5] = {(int64_t)x.scalar_type(), w.defined() ? (int64_t)w.scalar_type() : -1,
                          (int64_t)y.scalar_type(),
                          at::autocast::is_autocast_enabled(where)
                              ? (int64_t)at::autocast::get_autocast_dtype(where) : -1,
                          (int64_t)where};
-    std::string op = y.grad_fn()->name();
+    std::string op = y.grad_fn() ? y.grad_fn()->name() : "";
+    PyObject *recorder = lane->recorder;
     Owned signature(PyObject_GetAttr(recorder, names.signature));
     if (signature.p == nullptr) return -1;
     if (signature.p == lane->signature && std::equal(dtypes, dtypes + 5, lane->dtypes) &&
@@ -339,6 +445,27 @@ int full_tail(Lane *lane, PyObject *module, PyObject *args, PyObject *kwargs, Py
     std::copy(dtypes, dtypes + 5, lane->dtypes);
     lane->op = std::move(op);
     return 1;
+}
+
+// A compiled call's rest once staged (Recorder.after's for compiled code, whose gradients
+// its traced hooks measure): on the layer's first call the recorder's after, else its
+// dtypes noted where they changed. 1, or -1 an error
+int compiled_tail(Lane *lane, int64_t calls, PyObject *xo, PyObject *yo) {
+    Owned module(PyObject_GetAttr(lane->recorder, names.module));
+    if (module.p == nullptr) return -1;
+    if (calls == 0) {
+        PyObject *rest[5] = {lane->recorder, module.p, xo, yo, Py_None};
+        Owned done(PyObject_VectorcallMethod(names.after, rest, 5, nullptr));
+        return done.p == nullptr ? -1 : 1;
+    }
+    Owned weight(PyObject_GetAttr(module.p, names.weight));  // getattr(module, "weight", None)
+    if (weight.p == nullptr) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
+        PyErr_Clear();
+    }
+    at::Tensor w;
+    if (weight.p != nullptr && THPVariable_Check(weight.p)) w = THPVariable_Unpack(weight.p);
+    return note_dtypes(lane, module.p, xo, yo, THPVariable_Unpack(xo), THPVariable_Unpack(yo), w);
 }
 
 // lane(runtime, recorder, counts, lender, planner (readers.row_plan; a launch lane's: the
@@ -390,6 +517,11 @@ PyObject *setup(PyObject *, PyObject *args) {
 PyMethodDef methods[] = {
     {"hook", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(hook)),
      METH_FASTCALL, "hook(layer, module, args, kwargs, output): the forward hook"},
+    {"observe", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(compiled)),
+     METH_FASTCALL, "observe(path, x, y, alone): a compiled call's operator body"},
+    {"observe_grad",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(compiled_grad)),
+     METH_FASTCALL, "observe_grad(path, site, g, x, weight): a compiled gradient's body"},
     {"lane", lane, METH_VARARGS, "one layer's lane (a capsule)"},
     {"setup", setup, METH_VARARGS, "setup(names, addresses of the C readers, callback)"},
     {nullptr, nullptr, 0, nullptr}};

@@ -20,9 +20,9 @@ struct Names {
     PyObject *paused, *full_stats, *check_outputs, *gradients, *step, *calls_this_step,
         *accumulator, *calls, *tokens, *input_shape, *output_checked, *training, *weight,
         *staged_calls, *staged_grads, *staged_tokens, *max_staged, *commit, *free, *lent,
-        *take, *lane_state, *capsule, *tail, *fail, *recorder, *grads, *signature,
-        *record_dtypes, *computed, *hooked_weight, *grad_lane, *node, *both, *weight_grad,
-        *through, *gather,
+        *take, *lane_state, *capsule, *tail, *fail, *python_call, *python_grad, *recorder,
+        *grads, *module, *signature, *record_dtypes, *after, *computed, *hooked_weight,
+        *grad_lane, *node, *both, *weight_grad, *through, *gather,
         *pack_kind, *pack_kept, *pack_split, *pack_blocks, *pack_width, *pack_stride,
         *pack_scale, *pack_params;
 };
@@ -124,6 +124,11 @@ int hook_call_gradients(PyObject *capsule, const at::Tensor &x, const at::Tensor
 // finds them, walking at most max_nodes): 0, or -1 with an error
 int hook_launch_gradients(PyObject *capsule, const at::Tensor &x, const at::Tensor &y);
 extern int64_t max_nodes;  // contract.MAX_NODES (set at setup)
+// A compiled gradient on a measured step, from the layer's gradient capsule `capsule`
+// (grads.cpp): g at `site`, with the norm's input x and weight w (or undefined): 1 read,
+// 0 not the plain case (Python's), -1 an error
+int compiled_gradient(PyObject *capsule, int site, const at::Tensor &g, const at::Tensor &x,
+                      const at::Tensor &w);
 
 // The C readers' entry points (native_rows.c), set at setup
 using RowsFn = int (*)(const void *, const void *, float *, const int64_t *);

@@ -84,6 +84,18 @@ def hook_for(layer: Any, lane: State | None) -> Callable[..., Any]:
     return layer if built is None else functools.partial(built.hook, layer)
 
 
+def compiled_for(path: Any, lane: State | None
+                 ) -> tuple[Callable[..., None], Callable[..., None]]:
+    """What a compiled call and gradient of a layer run (its
+    :class:`~normwatch.measure.layer.compiled.CompiledPath` ``path``'s ``call`` and
+    ``grad``): the C++ lane's, bound to it, where the layer has a lane state, else
+    ``path.compiled_call`` and ``path.compiled_grad``."""
+    built = None if lane is None else module()
+    if built is None:
+        return path.compiled_call, path.compiled_grad
+    return functools.partial(built.observe, path), functools.partial(built.observe_grad, path)
+
+
 class State:
     """A layer's lane state (its hook's ``_lane_state``): what the lane holds of it, in
     a capsule. A copy of the hook (``copy.deepcopy`` of a watched model: an EMA copy) or
