@@ -17,7 +17,9 @@ function that does nothing) against the Python hook alone (as
   module hook);
 - *per step*: normwatch's Python frames in each phase of a training step (counted:
   deterministic) of a Hugging Face ``LlamaForCausalLM`` of 12 layers (25 norms),
-  ``watch(model, optimizer)``, over four steps (one of them full-tier at defaults).
+  ``watch(model, optimizer)``, over four steps (one of them full-tier at defaults);
+  also compiled (``backend="aot_eager"``: the operators' bodies run as under inductor),
+  with the operators' bodies the C++ lane's or Python's.
 """
 
 from __future__ import annotations
@@ -91,40 +93,43 @@ def llama() -> torch.nn.Module:
 
 
 def watched(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-            launch_lane: bool, **options: Any) -> Any:
+            launch_lane: bool, python_bodies: bool = False, **options: Any) -> Any:
     """``watch(model, optimizer)`` on the fused kernel's path, with the launch lane or
-    with the Python hook alone; each step folds its calls for the early warning as on
-    CUDA."""
+    with the Python hook alone (``python_bodies``: compiled operators' bodies Python's,
+    not the lane's); each step folds its calls for the early warning as on CUDA."""
     from normwatch.measure.step.early import EarlyWarning
     from tests.benchmarks.opcount import _Landed
 
-    state = lane.state
+    state, bodies = lane.state, lane.compiled_for
     lane.state = state if launch_lane else (lambda *args: None)  # type: ignore[assignment]
+    if python_bodies:
+        lane.compiled_for = lambda path, state: (path.compiled_call, path.compiled_grad)
     try:  # (as tests/benchmarks/lane.py compares the CPU's lane with the Python hook)
         w = normwatch.watch(model, optimizer, kernel="triton", report_dir=None, **options)
     finally:
-        lane.state = state  # type: ignore[assignment]
+        lane.state, lane.compiled_for = state, bodies  # type: ignore[assignment]
     if w.config.early_warning:
         w._early = EarlyWarning(w.config.limits.fp16_limit, _Landed, pin=False)
     return w
 
 
 def per_call(rounds: int, calls: int = 50) -> dict[str, float]:
-    """µs a sentinel call adds to an unwatched one, for each of :data:`KINDS` and ``"a hook
-    that does nothing"``."""
+    """µs a sentinel call adds to an unwatched one, for each of :data:`KINDS` (eager) and
+    ``"a hook that does nothing"``."""
+    kinds = {name: kind for name, kind in KINDS.items() if kind[2] is None}
     base = torch.nn.Sequential(*[torch.nn.RMSNorm(64) for _ in range(25)])
-    copies = {name: copy.deepcopy(base) for name in ("unwatched", *KINDS,
+    copies = {name: copy.deepcopy(base) for name in ("unwatched", *kinds,
                                                      "a hook that does nothing")}
     for norm in copies["a hook that does nothing"]:
         norm.register_forward_hook(lambda *args: None, with_kwargs=True)
     watches = [watched(copies[name], None, launch_lane, early_warning=False,
-                       stats_every=10**6) for name, (launch_lane, _) in KINDS.items()]
+                       stats_every=10**6) for name, (launch_lane, _, _) in kinds.items()]
     for w in watches:
         w._measure._rt.update(full_stats=False, check_outputs=False)
     x = torch.randn(8, 64, requires_grad=True)
     times: dict[str, list[float]] = {name: [] for name in copies}
     with stubbed():
-        for name, (_, launched) in KINDS.items():  # each lane's plan made once, here
+        for name, (_, launched, _) in kinds.items():  # each lane's plan made once, here
             with static(launched):
                 copies[name](x)
         for _ in range(rounds + 3):
@@ -151,16 +156,17 @@ def per_step(**options: Any) -> dict[str, dict[str, float]]:
     found = {}
     with stubbed(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the stubbed folds measure nothing: it says so)
-        for name, (launch_lane, launched) in KINDS.items():
+        for name, (launch_lane, launched, compiled) in KINDS.items():
             model = copy.deepcopy(base)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            w = watched(model, optimizer, launch_lane, **options)
+            w = watched(model, optimizer, launch_lane, compiled == "Python", **options)
+            run = model if compiled is None else torch.compile(model, backend="aot_eager")
             counted = dict.fromkeys(PHASES, 0.0)
             with static(launched):
                 for i in range(12):
                     with frames() as count:
                         marks = [count()]
-                        loss = model(batch, labels=batch).loss
+                        loss = run(batch, labels=batch).loss
                         marks.append(count())
                         loss.backward()
                         marks.append(count())
@@ -177,9 +183,12 @@ def per_step(**options: Any) -> dict[str, dict[str, float]]:
     return found
 
 
-KINDS = {"static launch": (True, True), "launch lane": (True, False),
-         "Python hook": (False, False)}
-"""The paths compared: (a launch lane, its launches static)."""
+KINDS = {"static launch": (True, True, None), "launch lane": (True, False, None),
+         "Python hook": (False, False, None),
+         "compiled, static launch": (True, True, "lane"),
+         "compiled, Python bodies": (True, True, "Python")}
+"""The paths compared: (a launch lane, its launches static, compiled: ``None`` not, else
+whose are the operators' bodies: the lane's or Python's)."""
 
 
 @contextmanager

@@ -261,16 +261,17 @@ _OPERATOR = Count(Counter({"operator": 1}), Counter())
 
 def compiled_call(kind: str = "rmsnorm", full: bool = False, d: int = 256,
                   tokens: int = 512) -> Count:
-    """The run-time ops of one compiled call: the operator and its body (a dispatch mode
-    sees the operator, not what its body runs: the body is counted on its own)."""
+    """The run-time ops of one compiled call: the operator and its body (the path's
+    ``call``: the C++ lane's where it has one; a dispatch mode sees the operator, not
+    what its body runs: the body is counted on its own)."""
     norm = _norm(kind, d)
     x = torch.randn(tokens // 8, 8, d)
     y = norm(x).detach()
     with watched(norm) as hook:
         hook.rt.update(full_stats=full, check_outputs=False)
-        hook.compiled.compiled_call(x, y, True)
+        hook.compiled.call(x, y, True)
         hook.rt.update(calls_this_step=0)
-        return _plus(count(lambda: hook.compiled.compiled_call(x, y, True)), _OPERATOR)
+        return _plus(count(lambda: hook.compiled.call(x, y, True)), _OPERATOR)
 
 
 def _plus(a: Count, b: Count) -> Count:
@@ -280,13 +281,13 @@ def _plus(a: Count, b: Count) -> Count:
 def compiled_grad(through: bool, kind: str = "rmsnorm", d: int = 256,
                   tokens: int = 512) -> Count:
     """The run-time ops of one compiled output gradient (with the gradient through the
-    norm from it, ``through``): the operator and its body."""
+    norm from it, ``through``): the operator and its body (the path's ``grad``)."""
     norm = _norm(kind, d)
     x = torch.randn(tokens // 8, 8, d)
     g = torch.randn_like(x)
     with watched(norm) as hook:
         hook.rt.update(full_stats=True)
-        return _plus(count(lambda: hook.compiled.compiled_grad(
+        return _plus(count(lambda: hook.compiled.grad(
             OUT, g, x if through else None, norm.weight.detach() if through else None)),
             _OPERATOR)
 

@@ -132,6 +132,27 @@ def launch_grad(g: torch.Tensor, part: torch.Tensor | None, rows: torch.Tensor,
                HAS_PART=part is not None, BLOCK_D=block)
 
 
+def launch_through(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
+                   out_rows: torch.Tensor, in_rows: torch.Tensor, n_tokens: int, width: int,
+                   eps: float, centred: bool, one_plus_w: bool) -> None:
+    """One launch of the kernel of the gradient through a layer or RMS norm
+    (:func:`~normwatch.measure.layer.gradients.through_formula`'s, in float32): from
+    ``n_tokens`` contiguous tokens of ``width`` elements of the output's gradient ``g``
+    and the input ``x`` (and ``weight``, one per element, as ``1 + w`` with
+    ``one_plus_w``), each token's L2 norm and max |g| of ``g`` into ``out_rows`` and of
+    the gradient through the norm into ``in_rows`` (``(2, n_tokens)`` float32 each, as
+    :func:`launch_grad` writes them)."""
+    if n_tokens == 0:
+        return
+    if not g.is_cuda:  # the interpreter copies its arguments through NumPy
+        g, x = g.detach(), x.detach()
+        weight = None if weight is None else weight.detach()
+    block = min(MAX_BLOCK_D, 1 << max(width - 1, 0).bit_length())  # (_block's, no frame)
+    _THROUGH(n_tokens, g, x, x if weight is None else weight, out_rows, in_rows, n_tokens,
+             width, float(eps), HAS_W=weight is not None, ONE_PLUS_W=one_plus_w,
+             CENTRED=centred, BLOCK_D=block)
+
+
 def _block(width: int) -> int:
     """The chunk a program reads of a token of ``width`` at a time (``BLOCK_D``; the
     launches above write it out, a frame less a launch)."""
@@ -233,6 +254,89 @@ def _grad_kernel() -> Any:
         tl.store(rows_ptr + n_tokens + row, tl.where(hi == inf, float("nan"), hi))
 
     return grad_rows_kernel
+
+
+_read_scaled: Any = None
+"""A chunk of a token of the gradient through the norm's kernel: ``(g, x, w·g)`` in
+float32 (made with the kernel: a global, where Triton finds a kernel's helpers; as
+:data:`_sum_max`, a plain function where it is interpreted)."""
+
+
+@functools.cache
+def _through_kernel() -> Any:
+    global _read_scaled
+    import triton
+    import triton.language as tl
+
+    def read_scaled(g_ptr, x_ptr, w_ptr, base, idx, inside, HAS_W: tl.constexpr,
+                    ONE_PLUS_W: tl.constexpr):
+        g = tl.load(g_ptr + base + idx, mask=inside, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + base + idx, mask=inside, other=0.0).to(tl.float32)
+        wg = g
+        if HAS_W:
+            w = tl.load(w_ptr + idx, mask=inside, other=0.0).to(tl.float32)
+            wg = g * (w + 1.0 if ONE_PLUS_W else w)
+        return g, x, wg
+
+    _read_scaled = read_scaled if interpreted() else triton.jit(read_scaled)
+    _combiners()
+
+    @triton.jit
+    def through_rows_kernel(g_ptr, x_ptr, w_ptr, out_ptr, in_ptr, n_tokens, width, eps,
+                            HAS_W: tl.constexpr, ONE_PLUS_W: tl.constexpr,
+                            CENTRED: tl.constexpr, BLOCK_D: tl.constexpr):
+        # LayerNorm dx = r·(wg − mean(wg) − xc·r²·mean(wg·xc)), xc = x − mean x,
+        # r = 1/√(mean xc² + ε); RMSNorm the same with both means 0: a pass for the
+        # means (LayerNorm's) and the output's gradient's rows, one for the sums, one for dx
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_D)
+        inf = float("inf")
+        base = row * width
+        g_sq = tl.zeros((), tl.float32)
+        g_hi = tl.zeros((), tl.float32)
+        s_x = tl.zeros((), tl.float32)
+        s_wg = tl.zeros((), tl.float32)
+        for start in range(0, width, BLOCK_D):
+            idx = start + offs
+            g, x, wg = _read_scaled(g_ptr, x_ptr, w_ptr, base, idx, idx < width, HAS_W,
+                                    ONE_PLUS_W)
+            a = tl.abs(g)  # (a NaN counts as inf)
+            c_sq, c_hi = _sum_max(g * g, tl.where(a == a, a, inf))
+            g_sq += c_sq
+            g_hi = tl.maximum(g_hi, c_hi)
+            if CENTRED:
+                s_x += tl.sum(x, 0)
+                s_wg += tl.sum(wg, 0)
+        mean = s_x / width
+        s_xx = tl.zeros((), tl.float32)
+        s_xwg = tl.zeros((), tl.float32)
+        for start in range(0, width, BLOCK_D):
+            idx = start + offs
+            inside = idx < width
+            g, x, wg = _read_scaled(g_ptr, x_ptr, w_ptr, base, idx, inside, HAS_W, ONE_PLUS_W)
+            xc = tl.where(inside, x - mean, 0.0)
+            s_xx += tl.sum(xc * xc, 0)
+            s_xwg += tl.sum(xc * wg, 0)
+        r = 1.0 / tl.sqrt(s_xx / width + eps)
+        c2 = r * r * s_xwg / width
+        c1 = s_wg / width
+        d_sq = tl.zeros((), tl.float32)
+        d_hi = tl.zeros((), tl.float32)
+        for start in range(0, width, BLOCK_D):
+            idx = start + offs
+            inside = idx < width
+            g, x, wg = _read_scaled(g_ptr, x_ptr, w_ptr, base, idx, inside, HAS_W, ONE_PLUS_W)
+            dx = tl.where(inside, r * (wg - c1 - (x - mean) * c2), 0.0)  # (RMS: 0 and 0)
+            a = tl.abs(dx)
+            c_sq, c_hi = _sum_max(dx * dx, tl.where(a == a, a, inf))
+            d_sq += c_sq
+            d_hi = tl.maximum(d_hi, c_hi)
+        tl.store(out_ptr + row, tl.sqrt(g_sq))
+        tl.store(out_ptr + n_tokens + row, tl.where(g_hi == inf, float("nan"), g_hi))
+        tl.store(in_ptr + row, tl.sqrt(d_sq))
+        tl.store(in_ptr + n_tokens + row, tl.where(d_hi == inf, float("nan"), d_hi))
+
+    return through_rows_kernel
 
 
 @functools.cache
@@ -391,6 +495,30 @@ class TritonBackend(TorchBackend):
         into ``rows``, as :meth:`grad_rows`' common case."""
         launch_grad(g, part, rows, n, width)
 
+    def covers_through(self, layer: LayerRows, x: torch.Tensor, weight: object) -> bool:
+        if weight is not None and not (type(weight) in (torch.Tensor, torch.nn.Parameter)
+                                       and isinstance(weight, torch.Tensor)):
+            return False  # (a DTensor's: torch's formula)
+        return layer.kind in ("layernorm", "rmsnorm") and x.is_floating_point() and \
+            x.dim() > 0 and x.is_contiguous() and x.shape[-1] == layer.width and \
+            (x.is_cuda or interpreted()) and (weight is None or (
+                weight.is_floating_point() and weight.is_contiguous()
+                and weight.numel() == x.shape[-1] and weight.device == x.device))
+
+    def through_rows(self, layer: LayerRows, g: torch.Tensor, x: torch.Tensor,
+                     weight: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        # one launch into two lent buffers, each token's norm then its max |g|: of the
+        # output's gradient, of the gradient through the norm
+        if g.shape != x.shape or not g.is_contiguous() or not g.is_floating_point():
+            return None
+        width = x.shape[-1]
+        n = x.numel() // width
+        rows = layer.grad_take((2, n), g.device), layer.grad_take((2, n), g.device)
+        launch_through(g, x, weight, *rows, n, width, layer.eps, layer.centred,
+                       layer.one_plus_w)
+        return rows
+
     def grad_rows(self, layer: LayerRows, site: int, g: torch.Tensor,
                   part: torch.Tensor | None
                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -433,4 +561,4 @@ class TritonBackend(TorchBackend):
 TRITON = TritonBackend()
 
 
-_ROWS, _GRAD_ROWS = Launch(_kernel), Launch(_grad_kernel)
+_ROWS, _GRAD_ROWS, _THROUGH = Launch(_kernel), Launch(_grad_kernel), Launch(_through_kernel)

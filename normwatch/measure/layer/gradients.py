@@ -369,7 +369,7 @@ class GradHooks:
         if x is not None and self.through is not None and site == OUT:
             backend = self.backend(g.device)
             self._out_through(g, x, weight, backend.through_rows(self.rows, g, x, weight)
-                              if self._computed and x.shape[-1] == self.width
+                              if x.shape[-1] == self.width
                               and backend.covers_through(self.rows, x, weight) else None)
         else:
             self._measure(site, g)

@@ -4,6 +4,7 @@ call's. Skips cleanly where Triton is absent."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from typing import Any
 
@@ -135,7 +136,7 @@ warnings.filterwarnings("ignore")
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from normwatch.measure.backends.triton_kernel import _grad_kernel, _kernel
+from normwatch.measure.backends.triton_kernel import _grad_kernel, _kernel, _through_kernel
 
 ROWS = {"x_ptr": "*bf16", "y_ptr": "*bf16", "rows_ptr": "*fp32", "n_tokens": "i32",
         "width": "i32", "sxt": "i32", "sxd": "i32", "syt": "i32", "syd": "i32",
@@ -143,11 +144,17 @@ ROWS = {"x_ptr": "*bf16", "y_ptr": "*bf16", "rows_ptr": "*fp32", "n_tokens": "i3
         "BLOCK_D": "constexpr"}
 GRADS = {"g_ptr": "*bf16", "p_ptr": "*bf16", "rows_ptr": "*fp32", "n_tokens": "i32",
          "width": "i32", "HAS_PART": "constexpr", "BLOCK_D": "constexpr"}
+THROUGH = {"g_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32",
+           "in_ptr": "*fp32", "n_tokens": "i32", "width": "i32", "eps": "fp32",
+           "HAS_W": "constexpr", "ONE_PLUS_W": "constexpr", "CENTRED": "constexpr",
+           "BLOCK_D": "constexpr"}
 counts = {}
 for name, kernel, signature, constants in (
         ("full", _kernel(), ROWS, {"HAS_OUT": True, "FULL": True, "CENTRED": True}),
         ("sentinel", _kernel(), ROWS, {"HAS_OUT": True, "FULL": False, "CENTRED": True}),
-        ("gradient", _grad_kernel(), GRADS, {"HAS_PART": True})):
+        ("gradient", _grad_kernel(), GRADS, {"HAS_PART": True}),
+        ("through", _through_kernel(), THROUGH,
+         {"HAS_W": True, "ONE_PLUS_W": False, "CENTRED": True})):
     try:
         made = triton.compile(ASTSource(kernel, signature, {**constants, "BLOCK_D": 1024}),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
@@ -191,13 +198,15 @@ def test_the_kernels_reduce_few_times_a_chunk() -> None:
     the centred squares need the mean after). Counted in the kernels as compiled for an
     sm_90 GPU: the row kernel's full tier with its output 2 reductions (was 8, with 16
     barriers), its sentinel tier 1 (was 4, 8 barriers), the gradient kernel's 1 (was 3,
-    6 barriers)."""
+    6 barriers). The kernel of the gradient through the norm (compiled code's, on
+    full-tier steps) reads a token three times: 6 reductions in all, the norm and max
+    of a gradient in one."""
     counts = compiled_for_sm90(_HOPPER)
     reductions = {name: c[0] for name, c in counts.items()}
-    assert reductions == {"full": 2, "sentinel": 1, "gradient": 1}, counts
+    assert reductions == {"full": 2, "sentinel": 1, "gradient": 1, "through": 6}, counts
     barriers = {name: c[1] for name, c in counts.items()}  # (at most half what they were)
     assert 0 < barriers["full"] <= 8 and 0 < barriers["sentinel"] <= 4 and \
-        0 < barriers["gradient"] <= 3, counts
+        0 < barriers["gradient"] <= 3 and 0 < barriers["through"] <= 14, counts
 
 
 def test_the_sentinel_tier_writes_the_extremes_only() -> None:
@@ -410,3 +419,90 @@ def test_fused_kernel_with_a_wrong_shaped_output_agrees_with_torch() -> None:
     assert fused.out_absmax == pytest.approx(plain.out_absmax, rel=1e-5)
     assert fused.out_absmax is not None and fused.out_absmax > 0
     assert (fused.finite_tokens, fused.out_nonfinite) == (plain.finite_tokens, 0) == (6, 0)
+
+
+def through_reference(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
+                      eps: float, centred: bool, one_plus_w: bool) -> torch.Tensor:
+    """The gradient through a layer or RMS norm by float64 autograd (torch's own norm,
+    differentiated): its rows as :func:`grad_rows_reference` writes them."""
+    xd = x.double().requires_grad_(True)
+    w = None if weight is None else weight.double() + (1.0 if one_plus_w else 0.0)
+    shape = (x.shape[-1],)
+    y = (torch.nn.functional.layer_norm(xd, shape, w, None, eps) if centred
+         else torch.nn.functional.rms_norm(xd, shape, w, eps))
+    (dx,) = torch.autograd.grad(y, xd, g.double())
+    return grad_rows_reference(dx, None)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # (NaN, inf)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [3, 100, 2050])
+@pytest.mark.parametrize("centred", [True, False])
+@pytest.mark.parametrize("weight", ["none", "w", "1+w"])
+def test_through_kernel_matches_float64_autograd(dtype: torch.dtype, width: int,
+                                                 centred: bool, weight: str) -> None:
+    """One launch gives the output's gradient's rows (as the gradient kernel's) and those
+    of the gradient through the norm, against float64 autograd through torch's own
+    norm; a token whose gradient or input holds a NaN or an inf has NaN rows there."""
+    from normwatch.measure.backends.triton_kernel import launch_through
+
+    gen = torch.Generator().manual_seed(width)
+    x = (torch.randn(6, width, generator=gen) * 3 + 1).to(dtype).to(DEVICE)
+    g = torch.randn(6, width, generator=gen).to(dtype).to(DEVICE)
+    w = None if weight == "none" else (torch.rand(width, generator=gen) + 0.5).to(DEVICE)
+    rows = torch.full((2, 6), -1.0, device=DEVICE), torch.full((2, 6), -1.0, device=DEVICE)
+    launch_through(g, x, w, *rows, 6, width, 1e-5, centred, weight == "1+w")
+    assert_rows_match(rows[0], grad_rows_reference(g, None))
+    assert_rows_match(rows[1], through_reference(g, x, w, 1e-5, centred, weight == "1+w"))
+    g[4, 1], x[5, 0] = float("nan"), float("inf")
+    launch_through(g, x, w, *rows, 6, width, 1e-5, centred, weight == "1+w")
+    assert rows[0][:, 4].isnan().all() and rows[1][:, [4, 5]].isnan().all()
+    assert rows[0][:, [0, 1, 2, 3, 5]].isfinite().all()
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # (interpreter)
+def test_compiled_gradients_through_the_norm_by_the_kernel_agree_with_torchs_formula(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled, the gradient through a norm comes from its output's by the formula
+    (autograd's nodes are the graph's): where the kernel serves the layer, one launch
+    reads the output's gradient and computes and reads the one through the norm (was a
+    launch for each and a dozen torch ops between). Its statistics are those of torch's
+    formula, the output's gradient's the same."""
+    from normwatch.measure.backends import triton_kernel
+    from normwatch.measure.backends.triton_kernel import TritonBackend
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.Linear(64, 64),
+                         nn.RMSNorm(64), nn.Linear(64, 4)).to(DEVICE)
+    inputs = [torch.randn(3, 8, 16, device=DEVICE) * s for s in (1, 30, 1)]
+    launched = []
+    real = triton_kernel.launch_through
+    monkeypatch.setattr(triton_kernel, "launch_through",
+                        lambda *a, **k: launched.append(1) or real(*a, **k))
+    got = {}
+    for kernel in (True, False):
+        if not kernel:  # the formula by torch's ops, read by the gradient kernel
+            monkeypatch.setattr(TritonBackend, "covers_through", lambda *a: False)
+        model = copy.deepcopy(base)
+        w = normwatch.watch(model, kernel="triton", stats_every=1, report_dir=None)
+        run = torch.compile(model, backend="aot_eager")
+        torch.compiler.reset()
+        for x in inputs:
+            run(x).square().sum().backward()
+            w.step()
+        torch.compiler.reset()
+        got[kernel] = w.flush().layers
+        w.close()
+        if kernel:
+            assert len(launched) == 2 * len(inputs)  # one a norm a step
+            launched.clear()
+    assert not launched
+    for name in ("1", "3"):
+        g, want = got[True][name], got[False][name]
+        for site in ("grad_out", "grad_in"):
+            for stat in ("absmax", "rms"):
+                value = getattr(want, f"{site}_{stat}")
+                assert value is not None and value > 0, (name, site, stat)
+                assert getattr(g, f"{site}_{stat}") == pytest.approx(value, rel=1e-5), \
+                    (name, site, stat)
+        assert g.grad_gain == pytest.approx(want.grad_gain, rel=1e-5)
