@@ -45,6 +45,7 @@ from tests.benchmarks.opcount import in_kernel
 
 PHASES = ("forward", "backward", "optimizer", "watch.step")
 LAUNCHES = ((triton_kernel, "launch"), (triton_kernel, "launch_grad"),
+            (triton_kernel, "launch_through"),
             (triton_folds, "launch_calls"), (triton_folds, "launch_accumulate"),
             (triton_folds, "launch_grads"), (triton_optimizer, "launch_sample"),
             (triton_optimizer, "launch_check"))
@@ -54,8 +55,9 @@ def noop_launch(kernel: Any, args: Any, constexprs: Any, grid: int, device: Any,
                 warps: int = 4) -> Any:
     """A static launch (:func:`~normwatch.measure.backends.triton_launch.static_launch`'s)
     whose launcher is a C function that does nothing (``str.format``): what is left of a
-    call is the lane's."""
-    return "".format, (0, grid, 1, 1, warps, 0, "OOO"), (None, None, None), (0, 1, 2), None
+    call is the lane's (room for five pointers: the most a kernel takes, the gradient
+    through the norm's)."""
+    return "".format, (0, grid, 1, 1, warps, 0, "OOOOO"), (None,) * 5, (0, 1, 2, 3, 4), None
 
 
 @contextmanager
@@ -178,6 +180,7 @@ def per_step(**options: Any) -> dict[str, dict[str, float]]:
                     if i >= 8:
                         for phase, x, y in zip(PHASES, marks, marks[1:], strict=False):
                             counted[phase] += (y - x) / 4
+            assert not w.disabled, (name, w.disabled)  # (a layer switched off: no count)
             w.close()
             found[name] = counted
     return found

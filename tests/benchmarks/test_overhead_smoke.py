@@ -102,7 +102,10 @@ def test_the_cuda_paths_host_benchmark_runs() -> None:
     """``host.py``: the launch lane's sentinel forward runs one Python frame of
     normwatch's a norm call (its launch's), the Python hook's some twenty; with static
     launches none: a sentinel step's forward runs the step's bookkeeping alone, a
-    full-tier backward no frame at all."""
+    full-tier backward no frame at all. Compiled, with static launches, a call runs its
+    operator's frame alone and so does each gradient on either tier (two a norm: the
+    output's, with the one through the norm, and the hidden state's); with Python's
+    bodies some twenty a call."""
     from normwatch.measure.backends.native import lane as fastlane
     from normwatch.measure.backends.triton_kernel import usable
     from tests.benchmarks import host
@@ -121,3 +124,7 @@ def test_the_cuda_paths_host_benchmark_runs() -> None:
     defaults = {line.split(" | ")[1]: line.split(" | ")[2:] for line in text.splitlines()
                 if line.startswith("| defaults")}
     assert float(defaults["static launch"][1]) == 0 < float(defaults["launch lane"][1])
+    compiled, python_bodies = rows["compiled, static launch"], rows["compiled, Python bodies"]
+    assert float(compiled[0]) == static_forward + 25 and float(compiled[1]) == 2 * 25, rows
+    assert float(python_bodies[0]) > 25 * 15, rows
+    assert float(defaults["compiled, static launch"][1]) == 2 * 25, defaults

@@ -488,6 +488,30 @@ class TritonBackend(TorchBackend):
             {"HAS_PART": part, "BLOCK_D": _block(width)}, n, g.device) for part in (False, True)))
 
     @staticmethod
+    def lane_through_plan(layer: LayerRows, g: torch.Tensor, x: torch.Tensor,
+                          weight: torch.Tensor | None
+                          ) -> tuple[tuple[int, int], object, torch.device, Spec | None] | None:
+        """A launch lane's plan of a compiled output gradient ``g`` with the one through
+        the norm (from ``x`` and ``weight``: a float32 one, or none), as
+        :meth:`lane_plan`'s: each of its two rows' shape, their lender's key, the device,
+        the static launch of :func:`launch_through` (``None``: none, :meth:`through_rows`
+        reads it)."""
+        if g.shape != x.shape or g.dtype != x.dtype or not TRITON.covers_through(
+                layer, x, weight) or (weight is not None and weight.dtype != torch.float32):
+            return None
+        where = _lane_rows(g, 2)
+        if where is None:
+            return None
+        width = g.shape[-1]
+        n = where[0][1]
+        return (*where, static_launch(
+            _through_kernel(), (g.dtype, x.dtype, torch.float32 if weight is not None
+                                else x.dtype, torch.float32, torch.float32, n, width,
+                                float(layer.eps)),
+            {"HAS_W": weight is not None, "ONE_PLUS_W": layer.one_plus_w,
+             "CENTRED": layer.centred, "BLOCK_D": _block(width)}, n, g.device))
+
+    @staticmethod
     def lane_grad_launch(g: torch.Tensor, part: torch.Tensor | None, rows: torch.Tensor,
                          n: int, width: int) -> None:
         """A launch lane's read of a gradient planned by :meth:`lane_grad_plan`

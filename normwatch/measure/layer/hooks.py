@@ -64,7 +64,8 @@ class LayerHook:
 
     def _hook_gradients(self, native: bool, launcher: Launcher | None) -> None:
         """The layer's gradient hooks (in C++ where the forward's lane is: tokens its last
-        dim; a launch lane's read by the ``launcher``)."""
+        dim; a launch lane's read by the ``launcher``, a compiled output gradient with
+        the one through the norm by its ``lane_through_plan``'s launch)."""
         layer, module, rows, rt = self.layer, self.module, self.recorder.rows, self.rt
         through = None if layer.token_size is None else \
             through_formula(layer.kind, rows.eps, rows.one_plus_w)
@@ -72,11 +73,12 @@ class LayerHook:
         # the formula is the module's where its weight is `weight`, or it has none
         computable = native and through is not None and (
             isinstance(weight, torch.Tensor) or next(module.parameters(), None) is None)
+        through_plan = None if through is None else through_reader(rows).plan \
+            if launcher is None else partial(launcher.lane_through_plan, rows)
         lane = None if self._lane_state is None or layer.token_size is None else partial(
             native_lane.grad_lane, runtime=rt, lender=rt.accumulator.grad_buffers,
             row=self.row, width=layer.token_size, eps=rows.eps,
-            through_plan=through_reader(rows).plan if computable and launcher is None
-            else None, launcher=launcher)
+            through_plan=through_plan if computable or launcher else None, launcher=launcher)
         recorder = self.recorder
         grads = recorder.grads = GradHooks(rows, rt.backend, recorder.grad_target,
                                            recorder.stage_grad, recorder.fail, through,

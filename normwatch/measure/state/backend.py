@@ -75,6 +75,13 @@ class Launcher(Protocol):
         """A gradient of ``n`` tokens of ``width`` (plus ``part``, laid out alike) read
         into ``rows`` as :meth:`Backend.grad_rows` reads it (one launch)."""
 
+    def lane_through_plan(self, layer: LayerRows, g: torch.Tensor, x: torch.Tensor,
+                          weight: torch.Tensor | None
+                          ) -> tuple[tuple[int, int], object, torch.device, Any] | None:
+        """A compiled output gradient's layout planned with the gradient through the norm
+        (from ``x`` and ``weight``), as :meth:`lane_plan` plans a call's: two buffers of
+        the shape, one static launch (``None``: :meth:`Backend.through_rows` reads it)."""
+
 
 class Backend(Protocol):
     """How one device's statistics are computed. ``name``: ``"torch"``, ``"triton"`` or

@@ -126,6 +126,8 @@ class StandIn:
 
     def __init__(self) -> None:
         self.launches = 0
+        self.launched: dict[str, int] = {}
+        """Launches by kernel name."""
 
     def spec(self, kernel: Any, args: Any, constexprs: dict[str, Any], grid: int,
              device: torch.device, warps: int = 4) -> Any:
@@ -140,7 +142,8 @@ class StandIn:
         n, width = values["n_tokens"], values["width"]
         rows = n * (triton_kernel.row_count(True, constexprs["FULL"])
                     if "FULL" in constexprs else 2)
-        counts = {name: rows if name == "rows_ptr" else n * width
+        counts = {name: rows if name in ("rows_ptr", "out_ptr", "in_ptr") else
+                  width if name == "w_ptr" else n * width
                   for name, kind in signature.items() if kind.startswith("*")}
 
         def launch(function: int, gx: int, gy: int, gz: int, num_warps: int, shared: int,
@@ -163,6 +166,7 @@ class StandIn:
                 else:
                     positional.append(values[name])
             self.launches += 1
+            self.launched[kernel.__name__] = self.launched.get(kernel.__name__, 0) + 1
             kernel[(gx,)](*positional, **constexprs, num_warps=num_warps)
 
         return launch, head, kept, places, None
@@ -464,9 +468,10 @@ def _launches() -> list[Any]:
             triton_kernel._GRAD_ROWS]
 
 
-def _compiled_steps(steps: int = 2) -> Any:
+def _compiled_steps(steps: int = 2, each: Any = None) -> Any:
     """A tiny Llama compiled (``aot_eager``: the graph's operators run as compiled code
-    runs them), on the fused kernels' path, every step full-tier: its flush."""
+    runs them), on the fused kernels' path, every step full-tier: its flush (``each``:
+    called with each step's index once it is done)."""
     torch.compiler.reset()  # (the class's code compiled by another run: compiled anew)
     torch.manual_seed(0)
     model = tiny_llama(16, 1, vocab=64, heads=2, kv_heads=1)
@@ -476,8 +481,10 @@ def _compiled_steps(steps: int = 2) -> Any:
     run = torch.compile(model, backend="aot_eager")
     tokens = torch.randint(0, 64, (1, 4), generator=torch.Generator().manual_seed(0))
     try:
-        for _ in range(steps):
+        for step in range(steps):
             train_step(run, opt, tokens, watch)
+            if each is not None:
+                each(step)
         snap = watch.flush()
         assert not watch.disabled, watch.disabled
     finally:
@@ -487,7 +494,8 @@ def _compiled_steps(steps: int = 2) -> Any:
 
 def test_a_compiled_calls_operator_launches_by_a_static_launch(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under ``torch.compile`` a norm call's and a gradient's operator body reads by the
+    """Under ``torch.compile``, where a lane's plan has no static launch (here: the lanes'
+    specs are the CPU's, none), a norm call's and a gradient's operator body reads by the
     fused kernels from Python: by a static launch too (:class:`Launch`), not by Triton's
     launch path; the statistics are those of Triton's own launch."""
     from normwatch.measure.backends import triton_launch
@@ -509,3 +517,34 @@ def test_a_compiled_calls_operator_launches_by_a_static_launch(
     assert snap.layers == want.layers
     assert all(s.grad_out_rms is not None and s.rms_max is not None
                for s in want.layers.values())
+
+
+def test_a_compiled_models_calls_and_gradients_launch_from_cpp(
+        standin: StandIn | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """#48/#49: compiled, a graph's operators' bodies are the C++ lanes': each norm call,
+    each gradient site and each output gradient with the one through the norm (the
+    formula's kernel, :func:`launch_through`) is one static launch from C++, with no
+    launch from normwatch's Python after the first step (the interval's first calls,
+    the Python hook's); the statistics are those of Triton's own launch, bit for bit."""
+    names = ("launch", "launch_grad", "launch_through")
+    python = dict.fromkeys(names, 0)
+    real = {name: getattr(triton_kernel, name) for name in names}
+    for name in names:
+        monkeypatch.setattr(triton_kernel, name, lambda *a, _name=name, **k: (
+            python.__setitem__(_name, python[_name] + 1), real[_name](*a, **k))[1])
+    launches: list[dict[str, int]] = []
+    snap = _compiled_steps(3, each=lambda step: (launches.append(
+        dict(standin.launched) if standin else {}), step == 0 and python.update(
+            dict.fromkeys(names, 0))))
+    assert python == dict.fromkeys(names, 0), python
+    if standin is not None:  # 3 norms a step, 2 steps: their calls, hidden states, outputs
+        after = {k: v - launches[0].get(k, 0) for k, v in launches[-1].items()}
+        assert after == {"row_stats_kernel": 6, "grad_rows_kernel": 6,
+                         "through_rows_kernel": 6}, after
+    monkeypatch.setattr(triton_kernel, "static_launch", lambda *args, **kwargs: None)
+    want = _compiled_steps(3)
+    assert python["launch_through"] > 0  # (Triton's launch: through_rows')
+    assert snap.layers == want.layers
+    assert all(s.grad_in_rms is not None and s.grad_out_rms is not None
+               for s in want.layers.values())
+

@@ -40,7 +40,8 @@ What the lanes run, and where the Python they stand for is:
   dtypes changed. Every other call goes to the path's ``compiled_call``. A gradient on a
   step whose backward is not measured does nothing; on a measured step the layer's C++
   gradient hooks read its plain case (a site's, the weight's, the output's with the one
-  through the norm by the C kernel) as ``GradHooks.measure`` does; every other goes to
+  through the norm: by the C kernel, a launch lane's by one launch its launcher's
+  ``lane_through_plan`` planned) as ``GradHooks.measure`` does; every other goes to
   ``compiled_grad``.
 - **The gradient hooks** (``grads.cpp``, one capsule per layer's
   :class:`~normwatch.measure.layer.gradients.GradHooks`): a gradient of the plain case is

@@ -188,12 +188,13 @@ class WeightHandle:
 
 
 def grad_lane(owner: object, runtime: Any, lender: RowBuffers, row: int, width: int,
-              eps: float, through_plan: Callable[[torch.Tensor], object] | None,
+              eps: float, through_plan: Callable[..., object] | None,
               launcher: Launcher | None = None) -> GradLane | None:
     """``owner``'s (a GradHooks') gradient hooks in C++, or ``None``: no lane built. Its
     sites' plans come from :func:`~normwatch.measure.backends.native.readers.
     grad_read_plan`, the gradient through the norm's from ``through_plan`` (its
-    ThroughReader's; ``None``: never computed here); its rows go in ``lender``'s
+    ThroughReader's; a launch lane's: its launcher's ``lane_through_plan``, for compiled
+    output gradients; ``None``: never computed here); its rows go in ``lender``'s
     buffers. A launch lane's (``launcher``: the backend's of a layer on CUDA) plans and
     reads each site with the launcher's ``lane_grad_plan`` and ``lane_grad_launch``, and
     takes the weight's norm by torch's op."""
@@ -206,7 +207,7 @@ def grad_lane(owner: object, runtime: Any, lender: RowBuffers, row: int, width: 
                                        None if launcher is None else launcher.lane_grad_launch))
 
 
-def _no_plan(g: torch.Tensor) -> None:
+def _no_plan(*tensors: object) -> None:
     return None
 
 
