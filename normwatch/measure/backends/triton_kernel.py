@@ -43,6 +43,7 @@ from normwatch.measure.backends.triton_folds import (
 )
 from normwatch.measure.backends.triton_launch import Launch, Spec, static_launch
 from normwatch.measure.backends.triton_optimizer import TritonPack, check_step
+from normwatch.measure.backends.triton_through import through_kernel
 from normwatch.measure.state import buffers
 from normwatch.measure.state.backend import Launcher, Sample
 from normwatch.measure.state.fold import FoldPlan
@@ -256,89 +257,6 @@ def _grad_kernel() -> Any:
     return grad_rows_kernel
 
 
-_read_scaled: Any = None
-"""A chunk of a token of the gradient through the norm's kernel: ``(g, x, w·g)`` in
-float32 (made with the kernel: a global, where Triton finds a kernel's helpers; as
-:data:`_sum_max`, a plain function where it is interpreted)."""
-
-
-@functools.cache
-def _through_kernel() -> Any:
-    global _read_scaled
-    import triton
-    import triton.language as tl
-
-    def read_scaled(g_ptr, x_ptr, w_ptr, base, idx, inside, HAS_W: tl.constexpr,
-                    ONE_PLUS_W: tl.constexpr):
-        g = tl.load(g_ptr + base + idx, mask=inside, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + base + idx, mask=inside, other=0.0).to(tl.float32)
-        wg = g
-        if HAS_W:
-            w = tl.load(w_ptr + idx, mask=inside, other=0.0).to(tl.float32)
-            wg = g * (w + 1.0 if ONE_PLUS_W else w)
-        return g, x, wg
-
-    _read_scaled = read_scaled if interpreted() else triton.jit(read_scaled)
-    _combiners()
-
-    @triton.jit
-    def through_rows_kernel(g_ptr, x_ptr, w_ptr, out_ptr, in_ptr, n_tokens, width, eps,
-                            HAS_W: tl.constexpr, ONE_PLUS_W: tl.constexpr,
-                            CENTRED: tl.constexpr, BLOCK_D: tl.constexpr):
-        # LayerNorm dx = r·(wg − mean(wg) − xc·r²·mean(wg·xc)), xc = x − mean x,
-        # r = 1/√(mean xc² + ε); RMSNorm the same with both means 0: a pass for the
-        # means (LayerNorm's) and the output's gradient's rows, one for the sums, one for dx
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, BLOCK_D)
-        inf = float("inf")
-        base = row * width
-        g_sq = tl.zeros((), tl.float32)
-        g_hi = tl.zeros((), tl.float32)
-        s_x = tl.zeros((), tl.float32)
-        s_wg = tl.zeros((), tl.float32)
-        for start in range(0, width, BLOCK_D):
-            idx = start + offs
-            g, x, wg = _read_scaled(g_ptr, x_ptr, w_ptr, base, idx, idx < width, HAS_W,
-                                    ONE_PLUS_W)
-            a = tl.abs(g)  # (a NaN counts as inf)
-            c_sq, c_hi = _sum_max(g * g, tl.where(a == a, a, inf))
-            g_sq += c_sq
-            g_hi = tl.maximum(g_hi, c_hi)
-            if CENTRED:
-                s_x += tl.sum(x, 0)
-                s_wg += tl.sum(wg, 0)
-        mean = s_x / width
-        s_xx = tl.zeros((), tl.float32)
-        s_xwg = tl.zeros((), tl.float32)
-        for start in range(0, width, BLOCK_D):
-            idx = start + offs
-            inside = idx < width
-            g, x, wg = _read_scaled(g_ptr, x_ptr, w_ptr, base, idx, inside, HAS_W, ONE_PLUS_W)
-            xc = tl.where(inside, x - mean, 0.0)
-            s_xx += tl.sum(xc * xc, 0)
-            s_xwg += tl.sum(xc * wg, 0)
-        r = 1.0 / tl.sqrt(s_xx / width + eps)
-        c2 = r * r * s_xwg / width
-        c1 = s_wg / width
-        d_sq = tl.zeros((), tl.float32)
-        d_hi = tl.zeros((), tl.float32)
-        for start in range(0, width, BLOCK_D):
-            idx = start + offs
-            inside = idx < width
-            g, x, wg = _read_scaled(g_ptr, x_ptr, w_ptr, base, idx, inside, HAS_W, ONE_PLUS_W)
-            dx = tl.where(inside, r * (wg - c1 - (x - mean) * c2), 0.0)  # (RMS: 0 and 0)
-            a = tl.abs(dx)
-            c_sq, c_hi = _sum_max(dx * dx, tl.where(a == a, a, inf))
-            d_sq += c_sq
-            d_hi = tl.maximum(d_hi, c_hi)
-        tl.store(out_ptr + row, tl.sqrt(g_sq))
-        tl.store(out_ptr + n_tokens + row, tl.where(g_hi == inf, float("nan"), g_hi))
-        tl.store(in_ptr + row, tl.sqrt(d_sq))
-        tl.store(in_ptr + n_tokens + row, tl.where(d_hi == inf, float("nan"), d_hi))
-
-    return through_rows_kernel
-
-
 @functools.cache
 def _kernel() -> Any:
     import triton
@@ -505,7 +423,7 @@ class TritonBackend(TorchBackend):
         width = g.shape[-1]
         n = where[0][1]
         return (*where, static_launch(
-            _through_kernel(), (g.dtype, x.dtype, torch.float32 if weight is not None
+            through_kernel(), (g.dtype, x.dtype, torch.float32 if weight is not None
                                 else x.dtype, torch.float32, torch.float32, n, width,
                                 float(layer.eps)),
             {"HAS_W": weight is not None, "ONE_PLUS_W": layer.one_plus_w,
@@ -585,4 +503,4 @@ class TritonBackend(TorchBackend):
 TRITON = TritonBackend()
 
 
-_ROWS, _GRAD_ROWS, _THROUGH = Launch(_kernel), Launch(_grad_kernel), Launch(_through_kernel)
+_ROWS, _GRAD_ROWS, _THROUGH = Launch(_kernel), Launch(_grad_kernel), Launch(through_kernel)

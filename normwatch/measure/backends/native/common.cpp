@@ -12,6 +12,7 @@ namespace normwatch {
 Names names;
 RowsFn rows_planned = nullptr, grad_rows_planned = nullptr;
 ThroughFn through = nullptr;
+PyObject *dynamo_callback = nullptr;  // torch._C._dynamo.eval_frame.get_eval_frame_callback
 
 int set_names(PyObject *dict) {
     struct {
@@ -296,3 +297,33 @@ int grads_now(PyObject *rt) {
 }
 
 }  // namespace normwatch
+
+int normwatch::compiling_frames() {
+    PyObject *callback = PyObject_CallNoArgs(dynamo_callback);
+    if (callback == nullptr) return -1;
+    int on = callback != Py_None && callback != Py_False;  // (False: cached code only)
+    Py_DECREF(callback);
+    return on;
+}
+
+// setup(names (contract.NAMES), addresses of normwatch_rows_planned,
+// normwatch_grad_rows_planned, normwatch_through, torch._C._dynamo.eval_frame.
+// get_eval_frame_callback, contract.MAX_NODES)
+PyObject *normwatch::setup(PyObject *, PyObject *args) {
+    PyObject *dict, *a, *b, *c, *callback;
+    long long walk;
+    if (!PyArg_ParseTuple(args, "OOOOOL", &dict, &a, &b, &c, &callback, &walk)) return nullptr;
+    max_nodes = walk;
+    if (!PyCallable_Check(callback)) return PyErr_Format(PyExc_TypeError, "setup: callable");
+    if (set_names(dict) < 0) return nullptr;
+    void *p[3] = {PyLong_AsVoidPtr(a), PyLong_AsVoidPtr(b), PyLong_AsVoidPtr(c)};
+    for (void *q : p)
+        if (q == nullptr) return PyErr_Occurred() ? nullptr
+                                                  : PyErr_Format(PyExc_ValueError, "setup: null");
+    rows_planned = reinterpret_cast<RowsFn>(p[0]);
+    grad_rows_planned = reinterpret_cast<RowsFn>(p[1]);
+    through = reinterpret_cast<ThroughFn>(p[2]);
+    Py_INCREF(callback);
+    Py_XSETREF(dynamo_callback, callback);
+    Py_RETURN_NONE;
+}

@@ -43,8 +43,8 @@ What the lanes run, and where the Python they stand for is:
   through the norm: by the C kernel, a launch lane's by one launch its launcher's
   ``lane_through_plan`` planned) as ``GradHooks.measure`` does; every other goes to
   ``compiled_grad``.
-- **The gradient hooks** (``grads.cpp``, one capsule per layer's
-  :class:`~normwatch.measure.layer.gradients.GradHooks`): a gradient of the plain case is
+- **The gradient hooks** (``grads.cpp``, their reads ``gradreads.cpp``; one capsule per
+  layer's :class:`~normwatch.measure.layer.gradients.GradHooks`): a gradient of the plain case is
   read by the C reader its site's plan names and staged as ``GradHooks._measure`` stages
   it; a launch lane's site planned by its launcher's ``lane_grad_plan`` and read by one
   launch (the plan's static launch, without or with a second part, else

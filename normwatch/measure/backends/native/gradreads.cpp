@@ -1,5 +1,5 @@
 // The gradient hooks' reading, lending, staging and Python fallbacks (grads.h), shared
-// by the hooks (grads.cpp).
+// by the hooks (grads.cpp), and a compiled gradient's read (lane.cpp's observe_grad).
 #include "grads.h"
 
 #include <ATen/Parallel.h>
@@ -202,4 +202,103 @@ int read_through(Grads &gr, const std::vector<at::Tensor> &parts) {
     return t;
 }
 
+// The output's gradient g and, from it and the norm's input x and weight w, the gradient
+// through the norm, read by the C kernel and staged (GradHooks._out_through's plain
+// case): 1 read here, 0 not the plain case, -1 an error
+int read_out(Grads &r, const at::Tensor &g, const at::Tensor &xs, const at::Tensor &ws) {
+    if (!plain(g) || g.scalar_type() != at::kFloat || !g.sizes().equals(xs.sizes()) ||
+        (ws.defined() && ws.storage().nbytes() == 0))  // (FSDP2's, resharded)
+        return 0;
+    int t = grad_plan(r.through_plan, r.through_planner, g, -1);
+    if (t != 1) return t;
+    const int64_t *args = r.through_plan.args.data();
+    PyObject *dg = lent(r, args[0] + 2);
+    PyObject *din = dg ? lent(r, args[0] + 2) : nullptr;
+    if (din == nullptr) {
+        Py_XDECREF(dg);
+        return -1;
+    }
+    if (through(g.const_data_ptr<float>(), xs.const_data_ptr<float>(),
+                ws.defined() ? ws.const_data_ptr<float>() : nullptr,
+                THPVariable_Unpack(dg).mutable_data_ptr<float>(),
+                THPVariable_Unpack(din).mutable_data_ptr<float>(), args, r.eps)) {
+        Py_DECREF(dg);
+        Py_DECREF(din);
+        PyErr_SetString(PyExc_RuntimeError, "grads: the C kernel refused the gradient");
+        return -1;
+    }
+    int64_t width = g.size(-1);
+    if (stage(r, dg, SITE_OUT, width) < 0) {
+        Py_DECREF(din);
+        return -1;
+    }
+    return stage(r, din, SITE_IN, width) < 0 ? -1 : 1;
+}
+
+// A launch lane's output gradient g and, from it and x and w (float32, or none), the
+// gradient through the norm: one static launch of the plan its through planner made
+// (the backend's lane_through_plan) into two lent buffers, staged at OUT and IN: 1 read
+// here, 0 not (no plan or no static launch: Python's), -1 an error
+int launch_out(Grads &gr, const at::Tensor &g, const at::Tensor &x, const at::Tensor &w) {
+    if (!own(g) || !own(x) || g.dim() == 0 || g.size(-1) != gr.width ||
+        g.scalar_type() != x.scalar_type() || !g.sizes().equals(x.sizes()) ||
+        (w.defined() && (!own(w) || w.scalar_type() != at::kFloat)))
+        return 0;
+    Plan &plan = gr.through_plan;  // (its dy: whether a weight is read)
+    at::ScalarType weighted = w.defined() ? at::kFloat : at::ScalarType::Undefined;
+    if (!same_layout(plan, g, weighted)) {
+        Owned go(THPVariable_Wrap(g)), xo(THPVariable_Wrap(x)),
+            wo(w.defined() ? THPVariable_Wrap(w) : Py_NewRef(Py_None));
+        Owned got(go.p && xo.p && wo.p ? PyObject_CallFunctionObjArgs(
+                                             gr.through_planner, go.p, xo.p, wo.p, nullptr)
+                                       : nullptr);
+        if (got.p == nullptr || take_plan(plan, got.p, g, weighted) < 0) return -1;
+    }
+    if (!plan.planned || plan.native == nullptr || plan.native == Py_None) return 0;
+    PyObject *out = lend_launch(gr.lender, plan);
+    PyObject *in = out ? lend_launch(gr.lender, plan) : nullptr;
+    if (in == nullptr) {
+        Py_XDECREF(out);
+        return -1;
+    }
+    int t = launch_native(plan, -1, {&g, &x, w.defined() ? &w : &x, &THPVariable_Unpack(out),
+                                     &THPVariable_Unpack(in)});
+    if (t != 1) {  // (not launched: the buffers stay lent until the fold, unused)
+        Py_DECREF(out);
+        Py_DECREF(in);
+        return t;
+    }
+    int64_t width = g.size(-1);
+    if (stage(gr, out, SITE_OUT, width) < 0) {
+        Py_DECREF(in);
+        return -1;
+    }
+    return stage(gr, in, SITE_IN, width) < 0 ? -1 : 1;
+}
+
 }  // namespace normwatch::grads
+
+using namespace normwatch::grads;
+
+// A compiled gradient on a measured step (lane.cpp's observe_grad): g at `site` (x
+// defined: the output's, with the norm's input x and weight w, the gradient through the
+// norm too), read as GradHooks.measure reads it: 1 read here, 0 not the plain case
+// (Python's), -1 an error
+int normwatch::compiled_gradient(PyObject *capsule, int site, const at::Tensor &g,
+                                 const at::Tensor &x, const at::Tensor &w) {
+    Shared *held = held_grads(capsule);
+    if (held == nullptr) return -1;
+    Grads &gr = **held;
+    if (!gr.open || !g.numel()) return 0;
+    if (site == SITE_WEIGHT) return read_weight(gr, g);
+    if (!x.defined()) return read_site(gr, site, g, nullptr);
+    // the gradient through the norm: the C kernel's (as full_tail's common case), a
+    // launch lane's by one launch
+    if (site != SITE_OUT) return 0;
+    if (gr.launcher != Py_None) return launch_out(gr, g, x, w);
+    if (!plain(x) || x.scalar_type() != at::kFloat || x.dim() == 0 || x.size(-1) != gr.width ||
+        (w.defined() && (!plain(w) || w.scalar_type() != at::kFloat || w.numel() != gr.width)))
+        return 0;
+    return read_out(gr, g, x, w);
+}
+

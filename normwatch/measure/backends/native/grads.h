@@ -71,5 +71,11 @@ int read_weight(Grads &gr, const at::Tensor &g);
 // The gradient through the norm from the parts its nodes sent to x: read here (one part,
 // or a launch lane's two alike), else by GradHooks._in(parts): 1, or -1 an error
 int read_through(Grads &gr, const std::vector<at::Tensor> &parts);
+// The output's gradient g and, from it, x and w (float32), the gradient through the norm,
+// by the C kernel: 1 read here, 0 not the plain case, -1 an error
+int read_out(Grads &r, const at::Tensor &g, const at::Tensor &xs, const at::Tensor &ws);
+// The same by a launch lane's one static launch (its through planner's plan): 1 read
+// here, 0 not (Python's), -1 an error
+int launch_out(Grads &gr, const at::Tensor &g, const at::Tensor &x, const at::Tensor &w);
 
 }  // namespace normwatch::grads

@@ -32,7 +32,6 @@ namespace {
 
 using namespace normwatch;
 
-PyObject *dynamo_callback = nullptr;  // torch._C._dynamo.eval_frame.get_eval_frame_callback
 PyObject *s_shape = nullptr;  // "shape": a tensor's, torch's name
 
 constexpr int PLAN_SIZE = 9;   // normwatch_rows_planned's plan (readers.row_plan's args)
@@ -230,16 +229,6 @@ PyObject *failed(PyObject *layer) {
     if (!PyErr_ExceptionMatches(PyExc_Exception)) return nullptr;
     if (hand_to_fail(layer) < 0) return nullptr;
     Py_RETURN_NONE;
-}
-
-// Whether Dynamo compiles the Python frames run now (an eager stretch of a compiled
-// function, after a graph break): 1, 0, or -1 an error
-int compiling_frames() {
-    PyObject *callback = PyObject_CallNoArgs(dynamo_callback);
-    if (callback == nullptr) return -1;
-    int on = callback != Py_None && callback != Py_False;  // (False: cached code only)
-    Py_DECREF(callback);
-    return on;
 }
 
 // The capsule of `owner`'s lane state (owner._lane_state.capsule; None where the state is
@@ -492,28 +481,6 @@ PyObject *lane(PyObject *, PyObject *args) {
     return capsule;
 }
 
-// setup(names (contract.NAMES), addresses of normwatch_rows_planned,
-// normwatch_grad_rows_planned, normwatch_through, torch._C._dynamo.eval_frame.
-// get_eval_frame_callback, contract.MAX_NODES)
-PyObject *setup(PyObject *, PyObject *args) {
-    PyObject *dict, *a, *b, *c, *callback;
-    long long walk;
-    if (!PyArg_ParseTuple(args, "OOOOOL", &dict, &a, &b, &c, &callback, &walk)) return nullptr;
-    max_nodes = walk;
-    if (!PyCallable_Check(callback)) return PyErr_Format(PyExc_TypeError, "setup: callable");
-    if (set_names(dict) < 0) return nullptr;
-    void *p[3] = {PyLong_AsVoidPtr(a), PyLong_AsVoidPtr(b), PyLong_AsVoidPtr(c)};
-    for (void *q : p)
-        if (q == nullptr) return PyErr_Occurred() ? nullptr
-                                                  : PyErr_Format(PyExc_ValueError, "setup: null");
-    rows_planned = reinterpret_cast<RowsFn>(p[0]);
-    grad_rows_planned = reinterpret_cast<RowsFn>(p[1]);
-    through = reinterpret_cast<ThroughFn>(p[2]);
-    Py_INCREF(callback);
-    Py_XSETREF(dynamo_callback, callback);
-    Py_RETURN_NONE;
-}
-
 PyMethodDef methods[] = {
     {"hook", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(hook)),
      METH_FASTCALL, "hook(layer, module, args, kwargs, output): the forward hook"},
@@ -523,7 +490,7 @@ PyMethodDef methods[] = {
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(compiled_grad)),
      METH_FASTCALL, "observe_grad(path, site, g, x, weight): a compiled gradient's body"},
     {"lane", lane, METH_VARARGS, "one layer's lane (a capsule)"},
-    {"setup", setup, METH_VARARGS, "setup(names, addresses of the C readers, callback)"},
+    {"setup", normwatch::setup, METH_VARARGS, "setup(names, addresses of the C readers, callback)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef definition = {PyModuleDef_HEAD_INIT, "normwatch_lane", nullptr, -1, methods};

@@ -137,6 +137,14 @@ using ThroughFn = int (*)(const float *, const float *, const float *, float *, 
 extern RowsFn rows_planned, grad_rows_planned;
 extern ThroughFn through;
 
+// Whether Dynamo compiles the Python frames run now (an eager stretch of a compiled
+// function, after a graph break): 1, 0, or -1 an error
+int compiling_frames();
+// setup(names (contract.NAMES), addresses of normwatch_rows_planned,
+// normwatch_grad_rows_planned, normwatch_through, torch._C._dynamo.eval_frame.
+// get_eval_frame_callback, contract.MAX_NODES): the module's, once
+PyObject *setup(PyObject *, PyObject *args);
+
 }  // namespace normwatch
 
 extern PyMethodDef normwatch_grads_methods[];    // grads.cpp's
