@@ -44,49 +44,43 @@ def through_kernel() -> Any:
                             HAS_W: tl.constexpr, ONE_PLUS_W: tl.constexpr,
                             CENTRED: tl.constexpr, BLOCK_D: tl.constexpr):
         # LayerNorm dx = r·(wg − mean(wg) − xc·r²·mean(wg·xc)), xc = x − mean x,
-        # r = 1/√(mean xc² + ε); RMSNorm the same with both means 0: a pass for the
-        # means (LayerNorm's) and the output's gradient's rows, one for the sums, one for dx
+        # r = 1/√(mean xc² + ε); RMSNorm the same with both means 0. Three passes over
+        # the token: 0 the means (LayerNorm's) and g's rows, 1 the sums, 2 dx's rows
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_D)
         inf = float("inf")
         base = row * width
-        g_sq = tl.zeros((), tl.float32)
-        g_hi = tl.zeros((), tl.float32)
-        s_x = tl.zeros((), tl.float32)
-        s_wg = tl.zeros((), tl.float32)
-        for start in range(0, width, BLOCK_D):
-            idx = start + offs
-            g, x, wg = _read_scaled(g_ptr, x_ptr, w_ptr, base, idx, idx < width, HAS_W,
-                                    ONE_PLUS_W)
-            a = tl.abs(g)  # (a NaN counts as inf)
-            g_sq += tl.sum(g * g, 0)
-            g_hi = tl.maximum(g_hi, tl.max(tl.where(a == a, a, inf), 0))
-            if CENTRED:
-                s_x += tl.sum(x, 0)
-                s_wg += tl.sum(wg, 0)
-        mean = s_x / width
-        s_xx = tl.zeros((), tl.float32)
-        s_xwg = tl.zeros((), tl.float32)
-        for start in range(0, width, BLOCK_D):
-            idx = start + offs
-            inside = idx < width
-            g, x, wg = _read_scaled(g_ptr, x_ptr, w_ptr, base, idx, inside, HAS_W, ONE_PLUS_W)
-            xc = tl.where(inside, x - mean, 0.0)
-            s_xx += tl.sum(xc * xc, 0)
-            s_xwg += tl.sum(xc * wg, 0)
-        r = 1.0 / tl.sqrt(s_xx / width + eps)
-        c2 = r * r * s_xwg / width
-        c1 = s_wg / width
-        d_sq = tl.zeros((), tl.float32)
-        d_hi = tl.zeros((), tl.float32)
-        for start in range(0, width, BLOCK_D):
-            idx = start + offs
-            inside = idx < width
-            g, x, wg = _read_scaled(g_ptr, x_ptr, w_ptr, base, idx, inside, HAS_W, ONE_PLUS_W)
-            dx = tl.where(inside, r * (wg - c1 - (x - mean) * c2), 0.0)  # (RMS: 0 and 0)
-            a = tl.abs(dx)
-            d_sq += tl.sum(dx * dx, 0)
-            d_hi = tl.maximum(d_hi, tl.max(tl.where(a == a, a, inf), 0))
+        zero = tl.zeros((), tl.float32)
+        g_sq, g_hi, s_x, s_wg, s_xx, s_xwg, d_sq, d_hi = (zero,) * 8  # (the passes' sums)
+        mean, r, c1, c2 = zero, zero, zero, zero  # (what the passes make for the next)
+        for p in tl.static_range(3):
+            for start in range(0, width, BLOCK_D):
+                idx = start + offs
+                inside = idx < width
+                g, x, wg = _read_scaled(g_ptr, x_ptr, w_ptr, base, idx, inside, HAS_W,
+                                        ONE_PLUS_W)
+                if p == 0:
+                    a = tl.abs(g)  # (a NaN counts as inf)
+                    g_sq += tl.sum(g * g, 0)
+                    g_hi = tl.maximum(g_hi, tl.max(tl.where(a == a, a, inf), 0))
+                    if CENTRED:
+                        s_x += tl.sum(x, 0)
+                        s_wg += tl.sum(wg, 0)
+                elif p == 1:
+                    xc = tl.where(inside, x - mean, 0.0)
+                    s_xx += tl.sum(xc * xc, 0)
+                    s_xwg += tl.sum(xc * wg, 0)
+                else:
+                    dx = tl.where(inside, r * (wg - c1 - (x - mean) * c2), 0.0)  # (RMS: 0, 0)
+                    b = tl.abs(dx)
+                    d_sq += tl.sum(dx * dx, 0)
+                    d_hi = tl.maximum(d_hi, tl.max(tl.where(b == b, b, inf), 0))
+            if p == 0:
+                mean = s_x / width
+                c1 = s_wg / width
+            elif p == 1:
+                r = 1.0 / tl.sqrt(s_xx / width + eps)
+                c2 = r * r * s_xwg / width
         tl.store(out_ptr + row, tl.sqrt(g_sq))
         tl.store(out_ptr + n_tokens + row, tl.where(g_hi == inf, float("nan"), g_hi))
         tl.store(in_ptr + row, tl.sqrt(d_sq))
