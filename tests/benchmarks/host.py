@@ -85,12 +85,12 @@ def stubbed() -> Iterator[None]:
             setattr(m, n, f)
 
 
-def llama() -> torch.nn.Module:
+def llama(layers: int = 12) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=12,
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64))
 
 
@@ -150,10 +150,10 @@ def per_call(rounds: int, calls: int = 50) -> dict[str, float]:
         if name != "unwatched"}
 
 
-def per_step(**options: Any) -> dict[str, dict[str, float]]:
+def per_step(layers: int = 12, **options: Any) -> dict[str, dict[str, float]]:
     """normwatch's Python frames a step, per phase, for each of :data:`KINDS` (four
     steps in steady state, averaged)."""
-    base = llama()
+    base = llama(layers)
     batch = torch.randint(0, 128, (1, 8))
     found = {}
     with stubbed(), warnings.catch_warnings():
@@ -218,6 +218,8 @@ def frames() -> Iterator[Callable[[], float]]:
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--layers", type=int, default=12,
+                        help="the Llama's layers (2 a norm each, and a last one)")
     args = parser.parse_args(argv)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # (given back: the caller's may be a test session)
@@ -229,12 +231,13 @@ def main(argv: list[str] | None = None) -> str:
             "---:|" * (len(PHASES) + 1)
         for label, options in (("defaults (full tier every 4th)", {}),
                                ("sentinel only", {"stats_every": 10**6, "flush_every": 10**6})):
-            for name, phases in per_step(**options).items():
+            for name, phases in per_step(args.layers, **options).items():
                 text += f"\n| {label} | {name} | " + " | ".join(
                     f"{phases[p]:g}" for p in PHASES) + f" | {sum(phases.values()):g} |"
     finally:
         torch.set_num_threads(threads)
-    text += "\n\n(normwatch's Python frames a step, 25 norms, launches stubbed)"
+    text += f"\n\n(normwatch's Python frames a step, {2 * args.layers + 1} norms, launches " \
+        "stubbed)"
     print(f"torch {torch.__version__}\n\n{text}")
     return text
 

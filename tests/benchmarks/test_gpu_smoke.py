@@ -39,18 +39,19 @@ def test_the_cuda_paths_host_benchmark_runs() -> None:
     if fastlane.module() is None or not usable():
         pytest.skip("no C++ lane or no Triton here")
     threads = torch.get_num_threads()
-    text = host.main(["--rounds", "1"])
+    text = host.main(["--rounds", "1", "--layers", "2"])  # (n norms a step)
     assert torch.get_num_threads() == threads  # (it measures on one: given back)
+    n = 5
     rows = {line.split(" | ")[1]: line.split(" | ")[2:] for line in text.splitlines()
             if line.startswith("| sentinel only |")}
     lane_forward, python_forward, static_forward = (
         float(rows[k][0]) for k in ("launch lane", "Python hook", "static launch"))
-    assert lane_forward < 25 * 2 and python_forward > 25 * 15, rows
-    assert static_forward == lane_forward - 25, rows  # (one frame a call less: the launch)
+    assert python_forward > static_forward + n * 15, rows
+    assert static_forward == lane_forward - n, rows  # (one frame a call less: the launch)
     defaults = {line.split(" | ")[1]: line.split(" | ")[2:] for line in text.splitlines()
                 if line.startswith("| defaults")}
     assert float(defaults["static launch"][1]) == 0 < float(defaults["launch lane"][1])
     compiled, python_bodies = rows["compiled, static launch"], rows["compiled, Python bodies"]
-    assert float(compiled[0]) == static_forward + 25 and float(compiled[1]) == 2 * 25, rows
-    assert float(python_bodies[0]) > 25 * 15, rows
-    assert float(defaults["compiled, static launch"][1]) == 2 * 25, defaults
+    assert float(compiled[0]) == static_forward + n and float(compiled[1]) == 2 * n, rows
+    assert float(python_bodies[0]) > n * 15, rows
+    assert float(defaults["compiled, static launch"][1]) == 2 * n, defaults
