@@ -48,7 +48,7 @@ class CompiledPath:
         has one, else :meth:`compiled_call`."""
         self.grad: Callable[[int, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
                             None] = self.compiled_grad
-        """What a compiled gradient runs (``grad(at, g, x, weight)``): the same."""
+        """What a compiled gradient runs (``grad(site, g, x, weight)``): the same."""
         self.name: torch.Tensor | None = None
         """The tensor naming the layer to the operators (``None``: not placed yet)."""
         self.count_eval = recorder.rt.count_eval

@@ -73,12 +73,13 @@ class LayerHook:
         # the formula is the module's where its weight is `weight`, or it has none
         computable = native and through is not None and (
             isinstance(weight, torch.Tensor) or next(module.parameters(), None) is None)
-        through_plan = None if through is None else through_reader(rows).plan \
-            if launcher is None else partial(launcher.lane_through_plan, rows)
+        through_plan = None if through is None else \
+            partial(launcher.lane_through_plan, rows) if launcher is not None else \
+            through_reader(rows).plan if computable else None
         lane = None if self._lane_state is None or layer.token_size is None else partial(
             native_lane.grad_lane, runtime=rt, lender=rt.accumulator.grad_buffers,
-            row=self.row, width=layer.token_size, eps=rows.eps,
-            through_plan=through_plan if computable or launcher else None, launcher=launcher)
+            row=self.row, width=layer.token_size, eps=rows.eps, through_plan=through_plan,
+            launcher=launcher)
         recorder = self.recorder
         grads = recorder.grads = GradHooks(rows, rt.backend, recorder.grad_target,
                                            recorder.stage_grad, recorder.fail, through,

@@ -93,8 +93,8 @@ def _observe_grad(g: torch.Tensor, name: torch.Tensor, site: int, x: torch.Tenso
     """A gradient of a compiled call at ``site`` (an index of
     :data:`~normwatch.measure.state.rows.SITES`, or its ``WEIGHT``); given the norm's
     input ``x`` (and ``weight``), ``g`` is its output's gradient and the gradient through
-    the norm is measured from it too. ``name`` names the layer. It says it writes ``g`` (it does
-    not): what comes after in the backward then waits for it."""
+    the norm is measured from it too. ``name`` names the layer. It says it writes ``g``
+    (it does not): what comes after in the backward then waits for it."""
     owner = getattr(sys.modules.get(__name__), "_OWNERS", _OWNERS).get(name.data_ptr())
     if owner is not None:
         owner.grad(site, g, x, weight)

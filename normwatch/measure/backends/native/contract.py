@@ -98,7 +98,7 @@ NAMES: dict[str, str] = {
     "recorder": "recorder",
     # its compiled path (normwatch.measure.layer.compiled.CompiledPath): lane_state, fail
     "python_call": "compiled_call",  # (x, y, alone): a compiled call, Python's
-    "python_grad": "compiled_grad",  # (at, g, x, weight): a compiled gradient, Python's
+    "python_grad": "compiled_grad",  # (site, g, x, weight): a compiled gradient, Python's
     # its recorder (normwatch.measure.layer.recorder.Recorder)
     "grads": "grads",
     "module": "module",

@@ -93,6 +93,14 @@ int note_dtypes(Lane *lane, PyObject *module, PyObject *xo, PyObject *yo, const 
                 const at::Tensor &y, const at::Tensor &w);
 int compiled_tail(Lane *lane, int64_t calls, PyObject *xo, PyObject *yo);
 
+// getattr(module, "weight", None): a new reference, or nullptr with an error
+PyObject *weight_of(PyObject *module) {
+    PyObject *weight = PyObject_GetAttr(module, names.weight);
+    if (weight != nullptr || !PyErr_ExceptionMatches(PyExc_AttributeError)) return weight;
+    PyErr_Clear();
+    return Py_NewRef(Py_None);
+}
+
 // A launch lane's read of a call of `tokens` tokens: a buffer from the lender, of the
 // tier's plan for x and y's layout, filled by one launch on x's stream (the plan's static
 // launch, from here; else the backend's lane_launch). The buffer (a new reference),
@@ -376,12 +384,8 @@ int full_tail(Lane *lane, PyObject *module, PyObject *args, PyObject *kwargs, Py
         return 0;
     int t = grads_now(lane->runtime);
     if (t != 1) return t;
-    Owned weight(PyObject_GetAttr(module, names.weight));  // getattr(module, "weight", None)
-    if (weight.p == nullptr) {
-        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
-        PyErr_Clear();
-        weight.p = Py_NewRef(Py_None);
-    }
+    Owned weight(weight_of(module));
+    if (weight.p == nullptr) return -1;
     at::Tensor w;
     if (weight.p != Py_None) {
         if (!THPVariable_Check(weight.p)) return 0;
@@ -447,13 +451,10 @@ int compiled_tail(Lane *lane, int64_t calls, PyObject *xo, PyObject *yo) {
         Owned done(PyObject_VectorcallMethod(names.after, rest, 5, nullptr));
         return done.p == nullptr ? -1 : 1;
     }
-    Owned weight(PyObject_GetAttr(module.p, names.weight));  // getattr(module, "weight", None)
-    if (weight.p == nullptr) {
-        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
-        PyErr_Clear();
-    }
+    Owned weight(weight_of(module.p));
+    if (weight.p == nullptr) return -1;
     at::Tensor w;
-    if (weight.p != nullptr && THPVariable_Check(weight.p)) w = THPVariable_Unpack(weight.p);
+    if (THPVariable_Check(weight.p)) w = THPVariable_Unpack(weight.p);
     return note_dtypes(lane, module.p, xo, yo, THPVariable_Unpack(xo), THPVariable_Unpack(yo), w);
 }
 

@@ -125,7 +125,7 @@ int hook_call_gradients(PyObject *capsule, const at::Tensor &x, const at::Tensor
 int hook_launch_gradients(PyObject *capsule, const at::Tensor &x, const at::Tensor &y);
 extern int64_t max_nodes;  // contract.MAX_NODES (set at setup)
 // A compiled gradient on a measured step, from the layer's gradient capsule `capsule`
-// (grads.cpp): g at `site`, with the norm's input x and weight w (or undefined): 1 read,
+// (gradreads.cpp): g at `site`, with the norm's input x and weight w (or undefined): 1 read,
 // 0 not the plain case (Python's), -1 an error
 int compiled_gradient(PyObject *capsule, int site, const at::Tensor &g, const at::Tensor &x,
                       const at::Tensor &w);
