@@ -21,8 +21,8 @@ effectful operator, the other way to say it, makes inductor's FX graph cache pas
 graph by: every process compiled the watched model anew, 8.5 s where the unwatched one
 loaded in 3.8). A forward call's body that runs inside the backward (an activation
 checkpoint's recompute) counts nothing. They are marked unsafe for CUDA graphs (their
-bodies run Python), so ``mode="reduce-overhead"`` leaves the graph holding them to run
-without CUDA graphs.
+bodies run host code every call), so under ``mode="reduce-overhead"`` inductor splits a
+graph around them (its graph partitions) and replays the parts between as CUDA graphs.
 """
 
 from __future__ import annotations

@@ -4,10 +4,21 @@
     >>> rows = lender.take((4, 128))           # held until the accumulator's next fold
     >>> rows = lender.take((4, 128), device)   # on a device (the Triton backend's)
     >>> lender.give_back()                     # the rows were folded: every buffer is free again
+
+A buffer outlives the call that took it, so it must not come from a CUDA graph's memory
+pool: CUDA graph trees (``mode="reduce-overhead"``) send every allocation of the thread
+that warms up or records a graph into the graph's pool, and a tensor left alive there
+that the graph does not return fails their check ("tensors in the cudagraph pool not
+tracked as outputs"). They do that on a stream of their own, so a buffer asked for on a
+stream other than its device's default one is made by a thread of normwatch's own, on
+that stream (:func:`allocated`); on the default stream (every eager step), as torch makes
+any tensor.
 """
 
 from __future__ import annotations
 
+import functools
+from concurrent.futures import ThreadPoolExecutor
 from itertools import groupby
 
 import torch
@@ -15,8 +26,24 @@ import torch
 
 def allocated(shape: tuple[int, ...], device: torch.device | None = None) -> torch.Tensor:
     """A new float32 buffer of ``shape`` (on the CPU, or ``device``): where rows are read
-    when none is lent."""
+    when none is lent; on CUDA, never in a CUDA graph's pool (see the module docstring)."""
+    if device is not None and device.type == "cuda":
+        stream = torch.cuda.current_stream(device)
+        if stream != torch.cuda.default_stream(device):
+            return _maker().submit(_made_on, shape, stream).result()
     return torch.empty(shape, dtype=torch.float32, device=device)
+
+
+@functools.cache
+def _maker() -> ThreadPoolExecutor:
+    """The thread that makes buffers off the caller's thread (and so off any pool the
+    caller's thread allocates to)."""
+    return ThreadPoolExecutor(1, thread_name_prefix="normwatch-buffers")
+
+
+def _made_on(shape: tuple[int, ...], stream: torch.cuda.Stream) -> torch.Tensor:
+    with torch.cuda.stream(stream):  # (its device too) as the caller would have made it
+        return torch.empty(shape, dtype=torch.float32, device=stream.device)
 
 
 def key(shape: tuple[int, ...], device: torch.device | None) -> object:

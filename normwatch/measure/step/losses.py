@@ -5,7 +5,10 @@
     >>> values = buffer.resolve(copied)      # at the flush: ((step, float), ...)
 
 A scalar tensor is detached and kept as is (reading it would sync); the flush copies all
-of one device's losses in the same device-to-host copy as the statistics.
+of one device's losses in the same device-to-host copy as the statistics. A CUDA loss is
+kept as a copy: one a CUDA graph returned (a model compiled with
+``mode="reduce-overhead"`` that computes its loss) is overwritten by the graph's next
+run, and reading it then raises.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ class LossBuffer:
         if isinstance(loss, torch.Tensor) and loss.numel() == 1 and not loss.is_meta \
                 and not loss.is_complex():
             kept = loss.detach()
+            if kept.is_cuda:  # (see the module docstring)
+                kept = kept.clone()
             self._losses.append((step, kept.reshape(()) if kept.dim() else kept))
         elif isinstance(loss, numbers.Real):
             self._losses.append((step, float(loss)))

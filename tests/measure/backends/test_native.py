@@ -4,8 +4,10 @@ run (no compiler, switched off, what it does not cover), with the same statistic
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -509,6 +511,48 @@ def test_row_buffers_are_lent_again_only_once_given_back() -> None:
         buffers.take((4, 8))
         buffers.give_back()
     assert id(buffers.take((7, 8))) != id(first[3])
+
+
+def test_a_cuda_buffer_asked_for_on_a_side_stream_is_made_off_the_callers_thread(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA graph trees send every allocation of the thread warming up a graph (on a
+    stream of their own) into the graph's pool, where a lent buffer, alive after the
+    graph, fails their check: a buffer asked for on a stream other than the device's
+    default is made by normwatch's own thread, inside that stream; on the default stream,
+    by the caller's thread, as before. (CUDA faked on this CPU: its streams, the stream
+    context and ``torch.empty``'s device.)"""
+    device = torch.device("cuda", 0)
+
+    class Stream:
+        def __init__(self) -> None:
+            self.device = device
+
+    default, side = Stream(), Stream()
+    current, entered, made = [default], [], []
+    empty = torch.empty
+
+    @contextlib.contextmanager
+    def stream(s: Stream) -> Iterator[None]:
+        entered.append(s)
+        yield
+        entered.pop()
+
+    def recorded(*args: Any, **kwargs: Any) -> torch.Tensor:
+        made.append((threading.current_thread().name, [*entered], kwargs["device"]))
+        return empty(*args, **{**kwargs, "device": "cpu"})
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: default)
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch, "empty", recorded)
+    buffers = RowBuffers()
+    assert buffers.take((4, 8), device).shape == (4, 8)
+    assert made == [(threading.current_thread().name, [], device)]
+    current[0] = side  # as inside a CUDA graph tree's warm-up
+    rows = buffers.take((4, 8), device)
+    assert rows.shape == (4, 8) and rows.dtype == torch.float32
+    assert made[1][0].startswith("normwatch-buffers") and made[1][1:] == ([side], device)
+    assert len(made) == 2 and not entered
 
 
 def test_a_watchs_intervals_read_into_the_last_ones_buffers(

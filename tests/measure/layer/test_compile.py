@@ -588,3 +588,57 @@ def test_normwatch_imported_again_in_a_process_still_measures_compiled_calls() -
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=False, timeout=300)
     assert result.stdout.split()[-2:] == ["1", "True"], result.stderr[-2000:]
+
+
+class _WithLoss(nn.Module):
+    """A language model whose forward returns its loss, as Hugging Face's do given
+    labels: compiled with ``mode="reduce-overhead"``, the loss is a CUDA graph's output,
+    overwritten by the graph's next run."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return lm_loss(self.lm(tokens), tokens)
+
+
+def _train_on_cuda(reduce_overhead: bool, steps: int = 24) -> list[Snapshot]:
+    torch.manual_seed(0)
+    model = _WithLoss(TinyLM(dim=32, depth=2, norm="layernorm")).cuda()
+    w = normwatch.watch(model, flush_every=6, stats_every=3, report_dir=None)
+    run = torch.compile(model, mode="reduce-overhead") if reduce_overhead else model
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    snaps = []
+    for step in range(1, steps + 1):
+        if step == 4 and reduce_overhead:
+            torch.compiler.set_stance("fail_on_recompile")
+        torch.compiler.cudagraph_mark_step_begin()
+        loss = run(synthetic_batch(gen, batch=4, seq=16).cuda())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        snap = w.step(loss)
+        if snap is not None:
+            snaps.append(snap)
+    torch.compiler.set_stance("default")
+    w.close()
+    return snaps
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_reduce_overhead_replays_a_watched_model_and_measures_every_replay(
+        ) -> None:  # pragma: no cover - runs on GPU machines only
+    """``mode="reduce-overhead"`` (CUDA graph trees) on a watched model whose compiled
+    forward returns its loss: no CUDA graph skipped, no recompile after the third step,
+    and every flush's statistics and losses those of the same run eager (the operators
+    run between the graphs' partitions; the rows they stage and the losses kept are not
+    the graphs' memory)."""
+    eager = _train_on_cuda(False)
+    replayed = _train_on_cuda(True)
+    assert counters["inductor"]["cudagraph_skips"] == 0 and graph_breaks() == 0
+    assert_same_stats(eager, replayed)
+    for a, b in zip(eager, replayed, strict=True):
+        assert [s for s, _ in a.losses] == [s for s, _ in b.losses]
+        assert [v for _, v in b.losses] == pytest.approx([v for _, v in a.losses], rel=1e-5)
