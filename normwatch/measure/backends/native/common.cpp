@@ -107,6 +107,12 @@ bool own(const at::Tensor &t) {
 
 bool plain(const at::Tensor &t) { return t.defined() && t.is_cpu() && own(t); }
 
+bool c_through(const at::Tensor &x, const at::Tensor &w) {
+    return plain(x) && x.scalar_type() == at::kFloat && x.dim() > 0 &&
+           (!w.defined() ||
+            (plain(w) && w.scalar_type() == at::kFloat && w.numel() == x.size(-1)));
+}
+
 PyObject *lend(PyObject *lender, PyObject *shape, PyObject *key, PyObject *device) {
     Owned free(PyObject_GetAttr(lender, names.free));
     PyObject *kept = free.p == nullptr || !PyDict_Check(free.p) ? nullptr

@@ -296,9 +296,7 @@ int normwatch::compiled_gradient(PyObject *capsule, int site, const at::Tensor &
     // launch lane's by one launch
     if (site != SITE_OUT) return 0;
     if (gr.launcher != Py_None) return launch_out(gr, g, x, w);
-    if (!plain(x) || x.scalar_type() != at::kFloat || x.dim() == 0 || x.size(-1) != gr.width ||
-        (w.defined() && (!plain(w) || w.scalar_type() != at::kFloat || w.numel() != gr.width)))
-        return 0;
+    if (!c_through(x, w) || x.size(-1) != gr.width) return 0;
     return read_out(gr, g, x, w);
 }
 

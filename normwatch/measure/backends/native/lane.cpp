@@ -378,8 +378,7 @@ int full_tail(Lane *lane, PyObject *module, PyObject *args, PyObject *kwargs, Py
          (!PyDict_Check(kwargs) || PyDict_GET_SIZE(kwargs) != 0)))
         return 0;
     if (!x.requires_grad() || !y.requires_grad() || !x.grad_fn() || !y.grad_fn() ||
-        (!launch && (through == nullptr || x.scalar_type() != at::kFloat ||
-                     y.scalar_type() != at::kFloat ||
+        (!launch && (through == nullptr || y.scalar_type() != at::kFloat ||
                      at::SavedTensorDefaultHooks::get_hooks(false).has_value())))
         return 0;
     int t = grads_now(lane->runtime);
@@ -390,9 +389,8 @@ int full_tail(Lane *lane, PyObject *module, PyObject *args, PyObject *kwargs, Py
     if (weight.p != Py_None) {
         if (!THPVariable_Check(weight.p)) return 0;
         w = THPVariable_Unpack(weight.p);
-        if (!launch && (w.scalar_type() != at::kFloat || !plain(w) || w.numel() != x.size(-1)))
-            return 0;
     }
+    if (!launch && !c_through(x, w)) return 0;
     PyObject *recorder = lane->recorder;
     Owned grads(PyObject_GetAttr(recorder, names.grads));
     if (grads.p == nullptr) return -1;

@@ -84,6 +84,9 @@ bool launchable(const at::Tensor &x, const at::Tensor &y);
 bool own(const at::Tensor &t);
 // A C reader's: defined, on the CPU, own
 bool plain(const at::Tensor &t);
+// Whether the C kernel computes the gradient through a norm of input `x` and weight `w`
+// (undefined: none): both float32 and plain, the weight one element per x's last dim
+bool c_through(const at::Tensor &x, const at::Tensor &w);
 
 // Launch `plan`'s static launch (its native; a pair's item `part`) with the tensors'
 // pointers (the kernel's leading arguments: put at the spec's first places) on the first
