@@ -91,8 +91,7 @@ def row_stats_triton(tokens: torch.Tensor, out: torch.Tensor | None = None, full
         raise ValueError(f"'out' must have the shape of 'tokens' {tuple(tokens.shape)}: got "
                          f"{tuple(out.shape)}")
     n_tokens, width = tokens.shape
-    rows = torch.empty(row_count(out is not None, full), n_tokens, dtype=torch.float32,
-                       device=tokens.device)
+    rows = buffers.allocated((row_count(out is not None, full), n_tokens), tokens.device)
     y = out if out is not None else tokens
     launch(tokens, y, rows, n_tokens, width, (tokens.stride(0), tokens.stride(1),
                                               y.stride(0), y.stride(1)),
