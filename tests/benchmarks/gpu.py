@@ -14,8 +14,12 @@ unmonitored copy, ``unmonitored (control)``, says how far two copies differ anyw
 Parts (``--parts``, in this order; a part that fails prints its traceback and the next
 one runs):
 
-- ``bandwidth``: the per-call kernel against a device copy of the same bytes, on a
-  125M call's input ([8192, 768] bf16) and a large one ([32768, 2048]); CUDA only.
+- ``bandwidth``: the per-call kernel against a device copy of the same bytes and the
+  RMSNorm itself, on a 125M call's input and output ([8192, 768] bf16) and a large one
+  ([32768, 2048]), timed on the GPU alone (calls captured in a CUDA graph and replayed,
+  over more memory than the L2 cache holds), with the tokens and warps a program of
+  ``SWEEP``; and one call from Python between two events (how the first run timed it:
+  the host's launch counted in); CUDA only.
 - ``launch``: the host's µs a launch of the per-call kernel from Python, by its static
   launch against Triton's own; CUDA only.
 - ``eager``: every watch mode of #48's table, and HF's ``DebugUnderflowOverflow`` and
@@ -105,31 +109,89 @@ def time_cuda(fn: Callable[[], object], repeat: int = 50) -> float:
     return statistics.median(times)
 
 
+def time_replayed(calls: list[Callable[[], object]], replays: int = 20) -> float:
+    """Median milliseconds of one of ``calls`` on the GPU alone: all of them captured in
+    one CUDA graph, the graph replayed (no host time between the kernels, as in a step
+    where the host runs ahead); where the capture fails, launched back to back between
+    two events. ``calls`` read tensors of their own, together larger than the L2 cache,
+    so that each reads device memory as a step's calls do."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # (warm: compiled, planned, buffers made)
+        for call in calls * 2:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+    def each() -> None:
+        for call in calls:
+            call()
+
+    run: Callable[[], object] = each
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            each()
+        run = graph.replay
+    except Exception as exc:  # (the launches back to back, then)
+        print(f"(no CUDA graph: {exc!r}; timed back to back)", flush=True)
+        torch.cuda.synchronize()
+    return time_cuda(run, replays) / len(calls)
+
+
+def _bandwidth_row(shape: str, nbytes: int, copy_ms: float, what: str, ms: float) -> str:
+    return f"| {shape} | {what} | {ms * 1e3:.1f} | {nbytes / ms / 1e6:.0f} | " \
+           f"{copy_ms / ms:.1%} |"
+
+
+SWEEP = {(8192, 768): ((1, 2, 4, 8), (2, 4, 8), (False, True)),
+         (32768, 2048): ((1, 2, 4), (4, 8), (False,))}
+"""The per-call kernel's programs tried on each shape: tokens a program, warps a
+program, tiers (full or not)."""
+
+
 def bandwidth(p: Plan) -> str:
-    """The fused per-call kernel's bandwidth against a copy (input and output read)."""
-    from normwatch.measure.backends.triton_kernel import TRITON, launch, row_count
+    """The fused per-call kernel against a device copy of the same bytes and against the
+    RMSNorm itself, each timed on the GPU alone (:func:`time_replayed`), with the tokens
+    and warps a program of :data:`SWEEP`; and one call from Python between two events
+    (the host's launch counted in, as the first GPU run timed it)."""
+    from normwatch.measure.backends.triton_kernel import TOKENS, TRITON, launch, row_count
     from normwatch.measure.state.rows import LayerRows
     from normwatch.records import NormLayer
 
-    lines = ["| per-call kernel, input and output read | kernel (ms) | copy (ms) | "
-             "kernel / copy bandwidth |", "|---|---:|---:|---:|"]
-    for tokens, width in ((8192, 768), (32768, 2048)):
-        x = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
-        y = torch.randn_like(x)
-        out = torch.empty_like(x)
-        rows = LayerRows.of(NormLayer("norm", "rmsnorm", 1e-6, (width,), "w", "RMSNorm"), 0)
-        # the kernel reads x and y, as many bytes as a copy of x reads and writes
-        copy_ms = time_cuda(partial(out.copy_, x))
-        for full in (False, True):
-            kernel = time_cuda(partial(TRITON.call_rows, rows, x, y, 0.0, full))
-            lines.append(f"| [{tokens}, {width}] bf16, {'full tier' if full else 'sentinel'} | "
-                         f"{kernel:.4f} | {copy_ms:.4f} | {copy_ms / kernel:.1%} |")
+    lines = ["| shape (bf16) | what | µs a call | GB/s | of the copy's |",
+             "|---|---|---:|---:|---:|"]
+    free = torch.cuda.mem_get_info()[0]
+    for (tokens, width), (sweep_tokens, sweep_warps, tiers) in SWEEP.items():
+        pair = 2 * tokens * width * 2  # bytes a call reads: the input and the output
+        k = max(2, min(8, -(-256 * 2**20 // pair), int(free * 0.3 // (3 * pair / 2))))
+        xs = [torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16) for _ in range(k)]
+        ys = [torch.randn_like(x) for x in xs]
+        outs = [torch.empty_like(x) for x in xs]
+        weight = torch.ones(width, device="cuda", dtype=torch.bfloat16)
+        copy_ms = time_replayed([partial(o.copy_, x) for o, x in zip(outs, xs, strict=True)])
+        row = partial(_bandwidth_row, f"[{tokens}, {width}]", pair, copy_ms)
+        lines.append(row("device copy of the input (reads and writes its bytes)", copy_ms))
+        lines.append(row("RMSNorm itself (`F.rms_norm`)", time_replayed(
+            [partial(torch.nn.functional.rms_norm, x, (width,), weight, 1e-6) for x in xs])))
+        layer = LayerRows.of(NormLayer("norm", "rmsnorm", 1e-6, (width,), "w", "RMSNorm"), 0)
+        for full in tiers:
+            tier = "full tier" if full else "sentinel"
+            ms = time_replayed([partial(TRITON.call_rows, layer, x, y, 0.0, full)
+                                for x, y in zip(xs, ys, strict=True)])
+            lines.append(row(f"normwatch's call, {tier} (as launched: {TOKENS} token(s), "
+                             "4 warps a program)", ms))
             v = torch.empty(row_count(True, full), tokens, device="cuda")
-            for warps in (1, 2, 8, 16):  # the call's launch has 4: is that the limit?
-                kernel = time_cuda(partial(launch, x, y, v, tokens, width, (width, 1, width, 1),
-                                           True, full, True, warps))
-                lines.append(f"| the same, {warps} warps a program | {kernel:.4f} | | "
-                             f"{copy_ms / kernel:.1%} |")
+            for t in sweep_tokens:
+                for warps in sweep_warps:
+                    ms = time_replayed([partial(launch, x, y, v, tokens, width,
+                                                (width, 1, width, 1), True, full, True,
+                                                warps, t) for x, y in zip(xs, ys, strict=True)])
+                    lines.append(row(f"the kernel, {tier}, {t} token(s) x {warps} warps", ms))
+            lines.append(row(f"one {tier} call from Python between two events", time_cuda(
+                partial(TRITON.call_rows, layer, xs[0], ys[0], 0.0, full))))  # (the first
+            # run's way: the host's launch counted in)
+        del xs, ys, outs
     return "\n".join(lines)
 
 
@@ -141,7 +203,8 @@ def launch_cost(p: Plan, launches: int = 2000) -> str:
     x = torch.randn(8, 768, device="cuda", dtype=torch.bfloat16)
     v = torch.empty(row_count(True, False), 8, device="cuda")
     args = (x, x, v, 8, 768, 768, 1, 768, 1)
-    constexprs = {"HAS_OUT": True, "FULL": False, "CENTRED": False, "BLOCK_D": 1024}
+    constexprs = {"HAS_OUT": True, "FULL": False, "CENTRED": False, "BLOCK_D": 1024,
+                  "TOKENS": 1}
     ways = {"static (Launch)": lambda: _ROWS(8, *args, **constexprs),
             "Triton's launch": lambda: _kernel()[(8,)](*args, **constexprs)}
     lines = ["| a launch from Python | µs of host time |", "|---|---:|"]

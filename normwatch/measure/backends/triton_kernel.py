@@ -51,6 +51,10 @@ from normwatch.measure.state.grad_fold import GradPlan
 from normwatch.measure.state.rows import WEIGHT, CallRows, GradRows, LayerRows
 
 MAX_BLOCK_D = 2048
+TOKENS = 1
+"""The tokens a program of the call and gradient kernels reads (``TOKENS``: a tile of
+``TOKENS`` x ``BLOCK_D``); one until a GPU measures better (``tests/benchmarks/gpu.py
+--parts bandwidth`` sweeps it)."""
 
 
 @functools.cache
@@ -101,35 +105,35 @@ def row_stats_triton(tokens: torch.Tensor, out: torch.Tensor | None = None, full
 
 def launch(x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, n_tokens: int, width: int,
            strides: tuple[int, int, int, int], has_out: bool, full: bool, centred: bool,
-           warps: int = 4) -> None:
+           warps: int = 4, tokens: int = TOKENS) -> None:
     """One launch of the kernel: ``n_tokens`` tokens of ``width`` elements of ``x`` (and
     of ``y`` with ``has_out``) at ``strides`` (token, element; ``x``'s then ``y``'s) into
-    ``rows`` (``(row_count, n_tokens)`` float32), by programs of ``warps`` warps (the
-    GPU benchmark tries others); no tensor op on the way (the host's whole cost of a
-    call)."""
+    ``rows`` (``(row_count, n_tokens)`` float32), by programs of ``warps`` warps reading
+    ``tokens`` tokens each (the GPU benchmark tries others); no tensor op on the way (the
+    host's whole cost of a call)."""
     if n_tokens == 0:
         return
     if not x.is_cuda:  # the interpreter copies its arguments through NumPy
         x, y = x.detach(), y.detach()
     block = min(MAX_BLOCK_D, 1 << max(width - 1, 0).bit_length())  # (_block's, no frame)
-    _ROWS(n_tokens, x, y, rows, n_tokens, width, *strides, HAS_OUT=has_out, FULL=full,
-          CENTRED=centred, BLOCK_D=block, num_warps=warps)
+    _ROWS(-(-n_tokens // tokens), x, y, rows, n_tokens, width, *strides, HAS_OUT=has_out,
+          FULL=full, CENTRED=centred, BLOCK_D=block, TOKENS=tokens, num_warps=warps)
 
 
 def launch_grad(g: torch.Tensor, part: torch.Tensor | None, rows: torch.Tensor,
-                n_tokens: int, width: int) -> None:
+                n_tokens: int, width: int, tokens: int = TOKENS) -> None:
     """One launch of the gradient kernel: ``n_tokens`` contiguous tokens of ``width``
     elements of ``g`` (plus ``part``, laid out alike, added in float32) into ``rows``
     (``(2, n_tokens)`` float32: each token's L2 norm, then its max |g|); no tensor op on
-    the way."""
+    the way (``tokens``: a program's, as :func:`launch`'s)."""
     if n_tokens == 0:
         return
     if not g.is_cuda:  # the interpreter copies its arguments through NumPy
         g = g.detach()
         part = None if part is None else part.detach()
     block = min(MAX_BLOCK_D, 1 << max(width - 1, 0).bit_length())  # (_block's, no frame)
-    _GRAD_ROWS(n_tokens, g, g if part is None else part, rows, n_tokens, width,
-               HAS_PART=part is not None, BLOCK_D=block)
+    _GRAD_ROWS(-(-n_tokens // tokens), g, g if part is None else part, rows, n_tokens,
+               width, HAS_PART=part is not None, BLOCK_D=block, TOKENS=tokens)
 
 
 def launch_through(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
@@ -202,25 +206,25 @@ def _combiners(tuples: bool | None = None) -> None:
     if tuples:
         @triton.jit
         def sum_max(s, a):
-            return tl.reduce((s, a), 0, _combine_sum_max)
+            return tl.reduce((s, a), 1, _combine_sum_max)
 
         @triton.jit
         def maxes(a, b):
-            return tl.reduce((a, b), 0, _combine_maxes)
+            return tl.reduce((a, b), 1, _combine_maxes)
 
         @triton.jit
         def moments(a, b, s, q):
-            return tl.reduce((a, b, s, q), 0, _combine_moments)
+            return tl.reduce((a, b, s, q), 1, _combine_moments)
     else:  # plain functions: the interpreter patches Triton's language at each call of
         # a jitted one (1.3 ms)
         def sum_max(s, a):
-            return tl.sum(s, 0), tl.max(a, 0)
+            return tl.sum(s, 1), tl.max(a, 1)
 
         def maxes(a, b):
-            return tl.max(a, 0), tl.max(b, 0)
+            return tl.max(a, 1), tl.max(b, 1)
 
         def moments(a, b, s, q):
-            return tl.max(a, 0), tl.max(b, 0), tl.sum(s, 0), tl.sum(q, 0)
+            return tl.max(a, 1), tl.max(b, 1), tl.sum(s, 1), tl.sum(q, 1)
 
     _sum_max, _maxes, _moments = sum_max, maxes, moments
 
@@ -234,24 +238,26 @@ def _grad_kernel() -> Any:
 
     @triton.jit
     def grad_rows_kernel(g_ptr, p_ptr, rows_ptr, n_tokens, width, HAS_PART: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
+                         BLOCK_D: tl.constexpr, TOKENS: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
+        live = row < n_tokens
         offs = tl.arange(0, BLOCK_D)
         inf = float("inf")
-        sumsq = tl.zeros((), tl.float32)
-        hi = tl.zeros((), tl.float32)
+        sumsq = tl.zeros((TOKENS,), tl.float32)
+        hi = tl.zeros((TOKENS,), tl.float32)
         for start in range(0, width, BLOCK_D):
             idx = start + offs
-            inside = idx < width
-            g = tl.load(g_ptr + row * width + idx, mask=inside, other=0.0).to(tl.float32)
+            inside = live[:, None] & (idx < width)[None, :]
+            at = row[:, None] * width + idx[None, :]
+            g = tl.load(g_ptr + at, mask=inside, other=0.0).to(tl.float32)
             if HAS_PART:  # added in float32, as the C kernel adds them
-                g += tl.load(p_ptr + row * width + idx, mask=inside, other=0.0).to(tl.float32)
+                g += tl.load(p_ptr + at, mask=inside, other=0.0).to(tl.float32)
             a = tl.abs(g)  # (a NaN counts as inf)
             c_sq, c_hi = _sum_max(g * g, tl.where(a == a, a, inf))
             sumsq += c_sq
             hi = tl.maximum(hi, c_hi)
-        tl.store(rows_ptr + row, tl.sqrt(sumsq))
-        tl.store(rows_ptr + n_tokens + row, tl.where(hi == inf, float("nan"), hi))
+        tl.store(rows_ptr + row, tl.sqrt(sumsq), mask=live)
+        tl.store(rows_ptr + n_tokens + row, tl.where(hi == inf, float("nan"), hi), mask=live)
 
     return grad_rows_kernel
 
@@ -266,33 +272,36 @@ def _kernel() -> Any:
     @triton.jit
     def row_stats_kernel(x_ptr, y_ptr, rows_ptr, n_tokens, width, sxt, sxd, syt, syd,
                          HAS_OUT: tl.constexpr, FULL: tl.constexpr, CENTRED: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
+                         BLOCK_D: tl.constexpr, TOKENS: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
+        live = row < n_tokens
         offs = tl.arange(0, BLOCK_D)
         inf = float("inf")
-        hi = tl.zeros((), tl.float32)
-        out_hi = tl.zeros((), tl.float32)
+        hi = tl.zeros((TOKENS,), tl.float32)
+        out_hi = tl.zeros((TOKENS,), tl.float32)
         n = tl.zeros((), tl.float32)
-        mean = tl.zeros((), tl.float32)
-        m2 = tl.zeros((), tl.float32)
-        sumsq = tl.zeros((), tl.float32)
+        mean = tl.zeros((TOKENS,), tl.float32)
+        m2 = tl.zeros((TOKENS,), tl.float32)
+        sumsq = tl.zeros((TOKENS,), tl.float32)
         for start in range(0, width, BLOCK_D):
             idx = start + offs
-            inside = idx < width
-            x = tl.load(x_ptr + row * sxt + idx * sxd, mask=inside, other=0.0).to(tl.float32)
+            inside = live[:, None] & (idx < width)[None, :]
+            x = tl.load(x_ptr + row[:, None] * sxt + idx[None, :] * sxd, mask=inside,
+                        other=0.0).to(tl.float32)
             a = tl.abs(x)  # a NaN counts as inf: one max gives max |x| and says if finite
             a = tl.where(a == a, a, inf)
             b = a  # (the output's, where there is one)
             if HAS_OUT:
-                y = tl.load(y_ptr + row * syt + idx * syd, mask=inside, other=0.0)
+                y = tl.load(y_ptr + row[:, None] * syt + idx[None, :] * syd, mask=inside,
+                            other=0.0)
                 b = tl.abs(y.to(tl.float32))
                 b = tl.where(b == b, b, inf)
             if FULL:  # (a token holding NaN or inf: NaN below whatever these sum)
                 c_hi, c_out, c_sum, c_sq = _moments(a, b, x, x * x)
                 c_n = tl.minimum(width - start, BLOCK_D).to(tl.float32)
                 c_mean = c_sum / c_n
-                dev = tl.where(inside, x - c_mean, 0.0)
-                c_m2 = tl.sum(dev * dev, 0)
+                dev = tl.where(inside, x - c_mean[:, None], 0.0)
+                c_m2 = tl.sum(dev * dev, 1)
                 sumsq += c_sq
                 total = n + c_n
                 delta = c_mean - mean
@@ -306,20 +315,21 @@ def _kernel() -> Any:
         nan = float("nan")
         bad = hi == inf
         absmax = tl.where(bad, nan, hi)
-        tl.store(rows_ptr + row, absmax)
-        tl.store(rows_ptr + n_tokens + row, absmax)
+        tl.store(rows_ptr + row, absmax, mask=live)
+        tl.store(rows_ptr + n_tokens + row, absmax, mask=live)
         at = 2
         if HAS_OUT:
             out_absmax = tl.where(out_hi == inf, nan, out_hi)
-            tl.store(rows_ptr + 2 * n_tokens + row, out_absmax)
-            tl.store(rows_ptr + 3 * n_tokens + row, out_absmax)
+            tl.store(rows_ptr + 2 * n_tokens + row, out_absmax, mask=live)
+            tl.store(rows_ptr + 3 * n_tokens + row, out_absmax, mask=live)
             at = 4
         if FULL:
             l2 = tl.sqrt(sumsq)
             spread = tl.sqrt(m2) if CENTRED else l2
-            tl.store(rows_ptr + at * n_tokens + row, tl.where(bad, nan, mean * n))
-            tl.store(rows_ptr + (at + 1) * n_tokens + row, tl.where(bad, nan, l2))
-            tl.store(rows_ptr + (at + 2) * n_tokens + row, tl.where(bad, nan, spread))
+            tl.store(rows_ptr + at * n_tokens + row, tl.where(bad, nan, mean * n), mask=live)
+            tl.store(rows_ptr + (at + 1) * n_tokens + row, tl.where(bad, nan, l2), mask=live)
+            tl.store(rows_ptr + (at + 2) * n_tokens + row, tl.where(bad, nan, spread),
+                     mask=live)
 
     return row_stats_kernel
 
@@ -380,8 +390,8 @@ class TritonBackend(TorchBackend):
         n = where[0][1]
         return (*where, static_launch(
             _kernel(), (x.dtype, y.dtype, torch.float32, n, width, width, 1, width, 1),
-            {"HAS_OUT": True, "FULL": full, "CENTRED": centred, "BLOCK_D": _block(width)},
-            n, x.device))
+            {"HAS_OUT": True, "FULL": full, "CENTRED": centred, "BLOCK_D": _block(width),
+             "TOKENS": TOKENS}, -(-n // TOKENS), x.device))
 
     @staticmethod
     def lane_launch(x: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, n: int, width: int,
@@ -402,7 +412,8 @@ class TritonBackend(TorchBackend):
         n = where[0][1]
         return (*where, tuple(static_launch(  # type: ignore[return-value]
             _grad_kernel(), (g.dtype, g.dtype, torch.float32, n, width),
-            {"HAS_PART": part, "BLOCK_D": _block(width)}, n, g.device) for part in (False, True)))
+            {"HAS_PART": part, "BLOCK_D": _block(width), "TOKENS": TOKENS}, -(-n // TOKENS),
+            g.device) for part in (False, True)))
 
     @staticmethod
     def lane_through_plan(layer: LayerRows, g: torch.Tensor, x: torch.Tensor,

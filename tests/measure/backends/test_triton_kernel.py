@@ -20,6 +20,7 @@ from normwatch.measure.backends.torchops import TORCH, reduce_call
 from normwatch.measure.backends.triton_folds import fold_grads_fused
 from normwatch.measure.backends.triton_kernel import (
     TRITON,
+    launch,
     launch_grad,
     row_count,
     row_stats_triton,
@@ -130,6 +131,26 @@ def test_the_reductions_of_tuples_match_the_reference(width: int) -> None:
     assert_rows_match(rows, grad_rows_reference(x, part))
 
 
+@pytest.mark.parametrize("tokens", [2, 4, 8])
+@pytest.mark.parametrize("width", [3, 100, 2050])
+def test_programs_of_several_tokens_give_the_reference_rows(tokens: int, width: int) -> None:
+    """#48 item 3: a program may read several tokens (a tile of ``TOKENS`` x ``BLOCK_D``;
+    ``gpu.py --parts bandwidth`` times each choice); its rows are the reference's, the
+    last program's too where the tokens do not fill it (13 tokens), a token holding NaN
+    or inf apart, both tiers, and the gradient kernel's the same."""
+    x = torch.cat([hard(6, width, torch.bfloat16), torch.randn(7, width).bfloat16()])
+    y = (torch.randn(13, width) * 2).bfloat16()
+    y[9, 0] = float("nan")
+    x, y, part = x.to(DEVICE), y.to(DEVICE), torch.randn(13, width).to(DEVICE)
+    for full in (True, False):
+        rows = torch.full((row_count(True, full), 13), -1.0, device=DEVICE)
+        launch(x, y, rows, 13, width, (width, 1, width, 1), True, full, True, 4, tokens)
+        assert_rows_match(rows, row_stats_torch(x, y, full, True))
+    rows = torch.full((2, 13), -1.0, device=DEVICE)
+    launch_grad(x, part, rows, 13, width, tokens)
+    assert_rows_match(rows, grad_rows_reference(x, part))
+
+
 _HOPPER = """
 import json, re, sys, warnings
 warnings.filterwarnings("ignore")
@@ -140,36 +161,49 @@ from normwatch.measure.backends.triton_kernel import _grad_kernel, _kernel
 from normwatch.measure.backends.triton_through import through_kernel
 
 ROWS = {"x_ptr": "*bf16", "y_ptr": "*bf16", "rows_ptr": "*fp32", "n_tokens": "i32",
-        "width": "i32", "sxt": "i32", "sxd": "i32", "syt": "i32", "syd": "i32",
+        "width": "i32", "sxt": "i32", "sxd": "constexpr", "syt": "i32", "syd": "constexpr",
         "HAS_OUT": "constexpr", "FULL": "constexpr", "CENTRED": "constexpr",
-        "BLOCK_D": "constexpr"}
+        "BLOCK_D": "constexpr", "TOKENS": "constexpr"}
 GRADS = {"g_ptr": "*bf16", "p_ptr": "*bf16", "rows_ptr": "*fp32", "n_tokens": "i32",
-         "width": "i32", "HAS_PART": "constexpr", "BLOCK_D": "constexpr"}
+         "width": "i32", "HAS_PART": "constexpr", "BLOCK_D": "constexpr", "TOKENS": "constexpr"}
 THROUGH = {"g_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32",
            "in_ptr": "*fp32", "n_tokens": "i32", "width": "i32", "eps": "fp32",
            "HAS_W": "constexpr", "ONE_PLUS_W": "constexpr", "CENTRED": "constexpr",
            "BLOCK_D": "constexpr"}
+aligned = [["tt.divisibility", 16]]  # (a 125M call's: 768 wide, 16-byte aligned)
+calls, grads = (0, 1, 2, 3, 4, 5, 7), (0, 1, 2, 3, 4)
 counts = {}
-for name, kernel, signature, constants in (
-        ("full", _kernel(), ROWS, {"HAS_OUT": True, "FULL": True, "CENTRED": True}),
-        ("sentinel", _kernel(), ROWS, {"HAS_OUT": True, "FULL": False, "CENTRED": True}),
-        ("gradient", _grad_kernel(), GRADS, {"HAS_PART": True}),
+for name, kernel, signature, constants, at in (
+        ("full", _kernel(), ROWS, {"HAS_OUT": True, "FULL": True, "CENTRED": True,
+                                   "TOKENS": 1}, calls),
+        ("sentinel", _kernel(), ROWS, {"HAS_OUT": True, "FULL": False, "CENTRED": True,
+                                       "TOKENS": 1}, calls),
+        ("full, 4 tokens", _kernel(), ROWS, {"HAS_OUT": True, "FULL": True, "CENTRED": True,
+                                             "TOKENS": 4}, calls),
+        ("gradient", _grad_kernel(), GRADS, {"HAS_PART": True, "TOKENS": 1}, grads),
+        ("gradient, 4 tokens", _grad_kernel(), GRADS, {"HAS_PART": True, "TOKENS": 4}, grads),
         ("through", through_kernel(), THROUGH,
-         {"HAS_W": True, "ONE_PLUS_W": False, "CENTRED": True})):
+         {"HAS_W": True, "ONE_PLUS_W": False, "CENTRED": True}, (0, 1, 2, 3, 4, 5, 6))):
+    if "sxd" in signature:  # (an int of 1 is a constexpr to Triton's JIT)
+        constants = {**constants, "sxd": 1, "syd": 1}
     try:
-        made = triton.compile(ASTSource(kernel, signature, {**constants, "BLOCK_D": 1024}),
+        made = triton.compile(ASTSource(kernel, signature, {**constants, "BLOCK_D": 1024},
+                                        {(i,): aligned for i in at}),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     except Exception as exc:  # no CUDA backend or ptxas in this Triton, another API
         print(json.dumps({"skip": repr(exc)[-400:]}))
         sys.exit(0)
+    ptx = made.asm["ptx"]
     counts[name] = [made.asm["ttir"].count('"tt.reduce"('),
-                    len(re.findall(r"\\bbar\\.sync\\b", made.asm["ptx"]))]
+                    len(re.findall(r"\\bbar\\.sync\\b", ptx)),
+                    re.findall(r"ld\\.global[.\\w]*", ptx)]
 print(json.dumps(counts))
 """
-"""Compiles the kernels for an sm_90 GPU as they are launched (4 warps, bfloat16) and
-prints each one's reductions (Triton's IR) and block-wide barriers (PTX). Needs no
-GPU: Triton's compiler and ptxas run on the CPU (not under its interpreter: hence a
-process of its own)."""
+"""Compiles the kernels for an sm_90 GPU as Triton's JIT does for a 125M call's launch
+(4 warps, bfloat16, 768 wide: 16-byte aligned pointers and widths, unit strides
+constant) and prints each one's reductions (Triton's IR), block-wide barriers and
+global loads (PTX). Needs no GPU: Triton's compiler and ptxas run on the CPU (not
+under its interpreter: hence a process of its own)."""
 
 
 def compiled_for_sm90(script: str) -> Any:
@@ -202,11 +236,25 @@ def test_the_kernels_reduce_few_times_a_chunk() -> None:
     6 barriers). The kernel of the gradient through the norm (compiled code's, on
     full-tier steps only) reads a token three times: 8 reductions in all."""
     counts = compiled_for_sm90(_HOPPER)
-    reductions = {name: c[0] for name, c in counts.items()}
+    reductions = {name: c[0] for name, c in counts.items() if "tokens" not in name}
     assert reductions == {"full": 2, "sentinel": 1, "gradient": 1, "through": 8}, counts
     barriers = {name: c[1] for name, c in counts.items()}  # (at most half what they were)
     assert 0 < barriers["full"] <= 8 and 0 < barriers["sentinel"] <= 4 and \
         0 < barriers["gradient"] <= 3 and 0 < barriers["through"] <= 16, counts
+
+
+def test_the_kernels_read_memory_in_16_byte_loads() -> None:
+    """#48 item 3: the per-call and gradient kernels read a token in 16-byte vectors
+    (``ld.global.v4.b32``: 8 bf16 a load), as compiled for an sm_90 GPU the way Triton's
+    JIT specializes a 125M call: one load a thread a tensor with one token a program and
+    4 warps, four with four tokens; the same reductions a chunk either way."""
+    counts = compiled_for_sm90(_HOPPER)
+    loads = {name: c[2] for name, c in counts.items() if name != "through"}
+    assert loads == {"full": ["ld.global.v4.b32"] * 2, "sentinel": ["ld.global.v4.b32"] * 2,
+                     "full, 4 tokens": ["ld.global.v4.b32"] * 8,
+                     "gradient": ["ld.global.v4.b32"] * 2,
+                     "gradient, 4 tokens": ["ld.global.v4.b32"] * 8}, counts
+    assert counts["full, 4 tokens"][0] == 2 and counts["gradient, 4 tokens"][0] == 1, counts
 
 
 def test_the_sentinel_tier_writes_the_extremes_only() -> None:

@@ -40,14 +40,14 @@ for kernel, args, constexprs in (
         (_kernel(), ("x_ptr", torch.bfloat16, "y_ptr", torch.bfloat16, "rows_ptr",
                      torch.float32, "n_tokens", 96, "width", 64, "sxt", 64, "sxd", 1,
                      "syt", 64, "syd", 1),
-         {"HAS_OUT": True, "FULL": True, "CENTRED": True, "BLOCK_D": 64}),
+         {"HAS_OUT": True, "FULL": True, "CENTRED": True, "BLOCK_D": 64, "TOKENS": 1}),
         (_kernel(), ("x_ptr", torch.bfloat16, "y_ptr", torch.bfloat16, "rows_ptr",
                      torch.float32, "n_tokens", 1, "width", 48, "sxt", 48, "sxd", 1,
                      "syt", 48, "syd", 1),
-         {"HAS_OUT": True, "FULL": False, "CENTRED": False, "BLOCK_D": 64}),
+         {"HAS_OUT": True, "FULL": False, "CENTRED": False, "BLOCK_D": 64, "TOKENS": 1}),
         (_grad_kernel(), ("g_ptr", torch.bfloat16, "p_ptr", torch.bfloat16, "rows_ptr",
                           torch.float32, "n_tokens", 8, "width", 64),
-         {"HAS_PART": True, "BLOCK_D": 64})):
+         {"HAS_PART": True, "BLOCK_D": 64, "TOKENS": 1})):
     values = dict(zip(args[::2], args[1::2]))
     # as Triton's JIT specializes: an int of 1 is a constexpr
     signature = {name: TYPES[v] if isinstance(v, torch.dtype) else
@@ -305,7 +305,8 @@ def test_there_is_no_static_launch_off_cuda() -> None:
     x = torch.randn(4, 8)  # (the CPU: Triton's interpreter; the lanes launch by Triton)
     assert static_launch(triton_kernel._kernel(), (x.dtype, x.dtype, torch.float32, 4, 8,
                                                    8, 1, 8, 1),
-                         {"HAS_OUT": True, "FULL": True, "CENTRED": True, "BLOCK_D": 8},
+                         {"HAS_OUT": True, "FULL": True, "CENTRED": True, "BLOCK_D": 8,
+                          "TOKENS": 1},
                          4, x.device) is None
 
 
