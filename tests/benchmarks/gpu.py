@@ -35,6 +35,9 @@ one runs):
 - ``memory``: the optimizer step's peak memory with and without the watch; CUDA only.
 - ``1b``: defaults at ~1B parameters (hidden 2048, 16 layers; 16 x 2048 tokens where the
   device has over 100 GB, else 8 x 2048).
+- ``script``: nanoGPT's shakespeare-char loop (``tests/benchmarks/nanogpt.py``: a sync
+  every iteration, as its log line reads the loss), plain and under ``normwatch run``,
+  eager and compiled, each run a process of its own: the issues' public-script rows.
 
 ``--tiny`` shrinks every model and count so that the whole script runs on a CPU in
 seconds: it checks the script, not the numbers.
@@ -44,13 +47,17 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
+import re
 import statistics
+import subprocess
 import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -71,6 +78,7 @@ class Plan:
     big_rounds: int = 4
     big_steps: int = 2
     sync_steps: int = 30
+    tiny: bool = False
 
 
 def plan(device: str, tiny: bool) -> Plan:
@@ -81,7 +89,8 @@ def plan(device: str, tiny: bool) -> Plan:
         def small() -> torch.nn.Module:
             return tiny_llama(64, 1)
         setup = Setup(small, 2, 16, device=device, autocast=dtype, fused=cuda)
-        return Plan(setup, setup, rounds=1, steps=1, big_rounds=1, big_steps=1, sync_steps=2)
+        return Plan(setup, setup, rounds=1, steps=1, big_rounds=1, big_steps=1, sync_steps=2,
+                    tiny=True)
 
     def llama_125m() -> torch.nn.Module:
         return tiny_llama(768, 12, vocab=32000, intermediate=2048, heads=12, kv_heads=12)
@@ -430,12 +439,44 @@ def memory(p: Plan, steps: int = 4) -> str:
             f"\n| 1/16 of the parameters | {nbytes / 16 / 2**20:.1f} |")
 
 
+def script(p: Plan) -> str:
+    """nanoGPT's shakespeare-char loop (:mod:`tests.benchmarks.nanogpt`), each run a
+    process of its own, plain and under ``normwatch run``: eager in turn twice each,
+    compiled once each (on a CPU, ``--tiny``: eager once each, a few steps); the median
+    iteration after the first ones (the compile, the first launches)."""
+    path = Path(__file__).with_name("nanogpt.py")
+    env = {**os.environ, "NW_DEVICE": p.step.device, "NW_TINY": "1" if p.tiny else "0",
+           "NW_ITERS": "6" if p.tiny else "80"}
+    env["PYTHONPATH"] = os.pathsep.join([str(path.parents[2]), env.get("PYTHONPATH", "")])
+    lines = ["| nanoGPT's loop (6 layers, 384 wide, 64 x 256 tokens, bf16, `loss.item()` "
+             "every iteration) | plain (ms an iteration) | under `normwatch run` | ratio |",
+             "|---|---:|---:|---:|"]
+    for compiled in (False,) if p.tiny else (False, True):
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for watched in (False, True) * (1 if compiled or p.tiny else 2):
+            command = [sys.executable, str(path)]
+            if watched:
+                command = [sys.executable, "-m", "normwatch", "run", "--", *command]
+            done = subprocess.run(command, env={**env, "NW_COMPILE": str(int(compiled))},
+                                  capture_output=True, text=True, timeout=240, check=False)
+            got = [float(t) for t in re.findall(r"^iter \d+: .*time ([\d.]+)ms$",
+                                                done.stdout, re.M)]
+            if done.returncode or not got:
+                raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n"
+                                   f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+            times[watched].append(statistics.median(got[len(got) // 4:]))
+        plain, watched_ms = (statistics.mean(times[w]) for w in (False, True))
+        lines.append(f"| {'compiled' if compiled else 'eager'} | {plain:.2f} | "
+                     f"{watched_ms:.2f} | {watched_ms / plain:.3f}x |")
+    return "\n".join(lines)
+
+
 PARTS: dict[str, tuple[Callable[[Plan], str], bool]] = {
     "bandwidth": (bandwidth, True), "launch": (launch_cost, True), "eager": (eager, False),
     "ops": (ops, False),
     "compiled": (compiled, False), "cudagraphs": (cuda_graphs, True), "sync": (sync, True),
     "memory": (memory, True),
-    "1b": (billion, False)}
+    "1b": (billion, False), "script": (script, False)}
 """Each part: what runs it, and whether it needs CUDA."""
 
 

@@ -3,6 +3,8 @@ from the CPU's (test_overhead_smoke.py), so that the suite's workers share them.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -22,6 +24,8 @@ def test_the_gpu_benchmark_runs_on_a_cpu() -> None:
     assert "| compiled | " in text and "(reduce-overhead)" not in text  # CPU: no CUDA graphs
     assert text.count("(CUDA only: skipped)") == sum(cuda for _, cuda in gpu.PARTS.values())
     assert "| added per norm call" in text and "by a static launch" in text
+    # nanoGPT's loop run plain and under `normwatch run`, each in a process of its own
+    assert re.search(r"^\| eager \| [\d.]+ \| [\d.]+ \| [\d.]+x \|$", text, re.M), text
 
 
 def test_the_cuda_paths_host_benchmark_runs() -> None:
