@@ -11,8 +11,8 @@ The model is the issues' step: a Hugging Face ``LlamaForCausalLM`` of ~125M para
 unmonitored copy's of the same round (:func:`tests.benchmarks.overhead.run`; a second
 unmonitored copy, ``unmonitored (control)``, says how far two copies differ anyway).
 
-Parts (``--parts``, in this order; a part that fails prints its traceback and the next
-one runs):
+Parts (``--parts``, in this order, the issues' rows first, so that a run cut short by its
+time keeps them; a part that fails prints its traceback and the next one runs):
 
 - ``bandwidth``: the per-call kernel against a device copy of the same bytes and the
   RMSNorm itself, on a 125M call's input and output ([8192, 768] bf16) and a large one
@@ -20,24 +20,24 @@ one runs):
   over more memory than the L2 cache holds), with the tokens and warps a program of
   ``SWEEP``; and one call from Python between two events (how the first run timed it:
   the host's launch counted in); CUDA only.
-- ``launch``: the host's µs a launch of the per-call kernel from Python, by its static
-  launch against Triton's own; CUDA only.
 - ``eager``: every watch mode of #48's table, and HF's ``DebugUnderflowOverflow`` and
   ``detect_anomaly`` for comparison.
-- ``ops``: per step, the aten ops and kernel launches (``torch.profiler``) of a watched
-  copy (``watch(model, optimizer)``) against an unwatched one, and per norm call.
 - ``compiled``: ``torch.compile``'s default mode (defaults; optimizer and guard): step
   ratios, graphs, graph breaks, recompiles, cudagraph skips, and the first step's seconds
   (the compile) watched and not; ``cudagraphs``: the same with ``mode="reduce-overhead"``
   (defaults; optimizer), CUDA only.
-- ``sync``: ``torch.cuda.set_sync_debug_mode("error")`` over 30 guarded steps, eager and
-  compiled; CUDA only.
-- ``memory``: the optimizer step's peak memory with and without the watch; CUDA only.
-- ``1b``: defaults at ~1B parameters (hidden 2048, 16 layers; 16 x 2048 tokens where the
-  device has over 100 GB, else 8 x 2048).
 - ``script``: nanoGPT's shakespeare-char loop (``tests/benchmarks/nanogpt.py``: a sync
   every iteration, as its log line reads the loss), plain and under ``normwatch run``,
   eager and compiled, each run a process of its own: the issues' public-script rows.
+- ``1b``: defaults at ~1B parameters (hidden 2048, 16 layers; 16 x 2048 tokens where the
+  device has over 100 GB, else 8 x 2048).
+- ``ops``: per step, the aten ops and kernel launches (``torch.profiler``) of a watched
+  copy (``watch(model, optimizer)``) against an unwatched one, and per norm call.
+- ``launch``: the host's µs a launch of the per-call kernel from Python, by its static
+  launch against Triton's own; CUDA only.
+- ``memory``: the optimizer step's peak memory with and without the watch; CUDA only.
+- ``sync``: ``torch.cuda.set_sync_debug_mode("error")`` over 30 guarded steps, eager and
+  compiled; CUDA only.
 
 ``--tiny`` shrinks every model and count so that the whole script runs on a CPU in
 seconds: it checks the script, not the numbers.
@@ -472,11 +472,10 @@ def script(p: Plan) -> str:
 
 
 PARTS: dict[str, tuple[Callable[[Plan], str], bool]] = {
-    "bandwidth": (bandwidth, True), "launch": (launch_cost, True), "eager": (eager, False),
-    "ops": (ops, False),
-    "compiled": (compiled, False), "cudagraphs": (cuda_graphs, True), "sync": (sync, True),
-    "memory": (memory, True),
-    "1b": (billion, False), "script": (script, False)}
+    "bandwidth": (bandwidth, True), "eager": (eager, False), "compiled": (compiled, False),
+    "cudagraphs": (cuda_graphs, True), "script": (script, False), "1b": (billion, False),
+    "ops": (ops, False), "launch": (launch_cost, True), "memory": (memory, True),
+    "sync": (sync, True)}
 """Each part: what runs it, and whether it needs CUDA."""
 
 
