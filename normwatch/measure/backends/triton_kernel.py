@@ -9,8 +9,8 @@ The step's folds are kernels too (:mod:`~normwatch.measure.backends.triton_folds
 the optimizer side's: the update monitor's sample and the guard's check
 (:mod:`~normwatch.measure.backends.triton_optimizer`).
 
-Each program reads one token of the input (and of the output, when given) exactly once,
-in chunks of ``BLOCK_D`` elements, and writes the rows every backend writes
+Each program reads :data:`TOKENS` tokens of the input (and of the output, when given)
+exactly once, in chunks of ``BLOCK_D`` elements, and writes the rows every backend writes
 (:class:`~normwatch.measure.state.rows.CallRows`): max |x| for both the max and the min
 (NaN where the token holds a NaN or an inf), the output's the same, then (``full``) the
 sum, the L2 norm and the spread over the token (Chan's parallel merge of per-chunk
@@ -21,8 +21,8 @@ inf), a chunk's count is its width (a token that is not finite has NaN rows, wha
 was summed), and what a chunk reduces alike goes in one reduction of a tuple (the
 input's and the output's max, read in one loop, the sum and the squares): 2 a chunk on
 the full tier, 1 on the sentinel tier, 1 for a gradient (were 8, 4 and 3).
-A gradient's program reads one token of it (adding a second part as it reads) and writes
-its L2 norm and its max |g| (NaN where it holds a NaN or an inf): the rows of
+A gradient's program reads :data:`TOKENS` tokens of it (adding a second part as it
+reads) and writes each one's L2 norm and max |g| (NaN where it holds a NaN or an inf): the rows of
 :attr:`~normwatch.measure.state.rows.GradRows.rowwise`.
 """
 
