@@ -202,6 +202,14 @@ int read_through(Grads &gr, const std::vector<at::Tensor> &parts) {
     return t;
 }
 
+int stage_through(Grads &gr, PyObject *out, PyObject *in, int64_t width) {
+    if (stage(gr, out, SITE_OUT, width) < 0) {
+        Py_DECREF(in);
+        return -1;
+    }
+    return stage(gr, in, SITE_IN, width) < 0 ? -1 : 1;
+}
+
 // The output's gradient g and, from it and the norm's input x and weight w, the gradient
 // through the norm, read by the C kernel and staged (GradHooks._out_through's plain
 // case): 1 read here, 0 not the plain case, -1 an error
@@ -227,12 +235,7 @@ int read_out(Grads &r, const at::Tensor &g, const at::Tensor &xs, const at::Tens
         PyErr_SetString(PyExc_RuntimeError, "grads: the C kernel refused the gradient");
         return -1;
     }
-    int64_t width = g.size(-1);
-    if (stage(r, dg, SITE_OUT, width) < 0) {
-        Py_DECREF(din);
-        return -1;
-    }
-    return stage(r, din, SITE_IN, width) < 0 ? -1 : 1;
+    return stage_through(r, dg, din, g.size(-1));
 }
 
 // A launch lane's output gradient g and, from it and x and w (float32, or none), the
@@ -268,12 +271,7 @@ int launch_out(Grads &gr, const at::Tensor &g, const at::Tensor &x, const at::Te
         Py_DECREF(in);
         return t;
     }
-    int64_t width = g.size(-1);
-    if (stage(gr, out, SITE_OUT, width) < 0) {
-        Py_DECREF(in);
-        return -1;
-    }
-    return stage(gr, in, SITE_IN, width) < 0 ? -1 : 1;
+    return stage_through(gr, out, in, g.size(-1));
 }
 
 }  // namespace normwatch::grads

@@ -47,6 +47,9 @@ void drop_grads(PyObject *capsule);
 PyObject *lent(Grads &gr, int64_t count);
 // Stage GradRows(buffer, None, None, row, site, width); takes `buffer`'s reference: 0 or -1
 int stage(Grads &gr, PyObject *buffer, int site, int64_t width);
+// Stage a read of the output's gradient at OUT and of the gradient through the norm at IN
+// (takes both buffers' references): 1, or -1 an error
+int stage_through(Grads &gr, PyObject *out, PyObject *in, int64_t width);
 // `g`'s plan (planner(g) on a new layout; `whole`: the planner's whole-tensor flag, -1:
 // none to pass): 1 planned (plan.args), 0 not covered, -1 an error
 int grad_plan(Plan &plan, PyObject *planner, const at::Tensor &g, int whole);
