@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -242,9 +243,8 @@ def _run_uninterpreted(script: str) -> Any:
     import tempfile
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__)))))  # (normwatch importable as the tests import it)
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    root = Path(__file__).resolve().parents[3]  # (normwatch importable as here)
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(script)
     try:
