@@ -101,11 +101,12 @@ class Watch:
         stale = compiled_code(model) if pairs and drop_compiled else []
         if stale:
             warnings.warn(
-                f"normwatch: {type(model).__name__} was compiled before watch() (compiled "
-                f"code for {', '.join(stale)}), and compiled code never runs hooks added "
-                "later; resetting torch.compile's caches (torch.compiler.reset()) so the next "
-                "call recompiles with them. Attach before the first compiled call to avoid "
-                "the recompile", RuntimeWarning, stacklevel=3)
+                f"normwatch: {type(model).__name__} (or another model of its classes) was "
+                f"compiled before watch() (compiled code for {', '.join(stale)}), and that "
+                "code never runs hooks added later; resetting torch.compile's caches "
+                "(torch.compiler.reset()) so the next call recompiles with them. Attach "
+                "before the first compiled call to avoid the recompile", RuntimeWarning,
+                stacklevel=3)
             torch.compiler.reset()
         if not pairs:
             warnings.warn(

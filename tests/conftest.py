@@ -19,7 +19,8 @@ import torch
 def _no_compiled_code() -> None:
     """Each test file starts with no code compiled by another (the suite runs in workers,
     a file at a time, in an order that depends on timing: a class compiled by an earlier
-    file would make ``watch()`` warn that the model was compiled before it)."""
+    file before that worker's first watch would make ``watch()`` warn that the model was
+    compiled before it)."""
     torch.compiler.reset()
 
 

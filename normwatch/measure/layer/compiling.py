@@ -6,13 +6,19 @@ By default ``torch.compile`` does not guard on forward hooks
 added — for the model compiled before :func:`normwatch.watch`, and for any other
 instance of its classes (an unwatched copy compiled first hands its hook-free graph to the
 watched one): the watch would report zeros. :func:`guard_hooks` turns the hook guards on
-for what is compiled from now on; :func:`compiled_code` finds code compiled before (cache
-entries on the forward of a module class in the model), which the watch then drops.
+for what is compiled from now on and notes the cache entries compiled before;
+:func:`compiled_code` finds those still on the forward of a module class in the model,
+which the watch then drops. Code compiled since checks the hooks it was traced with, so a
+second model of a class compiled after a first watch (a notebook's cell run again, a
+sweep's next trial) needs no reset: its watch neither warns nor drops the other models'
+code.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
+from types import CodeType
 from typing import Any, TypeVar
 
 from torch import nn
@@ -37,11 +43,19 @@ def eager_frame(fn: F) -> F:
     return fn
 
 
+_UNGUARDED: weakref.WeakValueDictionary[int, CodeType] = weakref.WeakValueDictionary()
+"""The compiled code of the cache entries made while the hook guards were off (by the
+entry's code: it dies with the entry, at a reset)."""
+
+
 def guard_hooks() -> None:
     """Make compiled code check the hooks it was traced with (process-wide; one cheap
-    guard per module with hooks)."""
+    guard per module with hooks), noting the cache entries compiled without that check."""
     import torch._dynamo.config
 
+    if torch._dynamo.config.skip_nnmodule_hook_guards:
+        for code in _compiled_codes() or ():
+            _UNGUARDED.update((id(e.code), e.code) for e in _entries(code))
     torch._dynamo.config.skip_nnmodule_hook_guards = False
 
 
@@ -75,13 +89,33 @@ def keep_traced_writes() -> None:
 
 
 def compiled_code(model: nn.Module) -> list[str]:
-    """Names of the module classes in ``model`` whose forward has compiled code."""
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
+    """Names of the module classes in ``model`` whose forward has code compiled without
+    the hook guards (:func:`guard_hooks`)."""
+    known = _compiled_codes() is not None  # (else every entry counts, as torch's reset)
     found = []
     for cls in dict.fromkeys(type(m) for m in model.modules()):
-        forward = getattr(cls, "forward", None)
-        code = getattr(forward, "__code__", None)
-        if code is not None and _debug_get_cache_entry_list(code):
+        code = getattr(getattr(cls, "forward", None), "__code__", None)
+        if code is not None and any(
+                not known or _UNGUARDED.get(id(e.code)) is e.code
+                for e in _entries(code)):
             found.append(cls.__name__)
     return found
+
+
+
+def _entries(code: CodeType) -> list[Any]:
+    """The cache entries of ``code`` (Dynamo's)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return list(_debug_get_cache_entry_list(code))
+
+
+def _compiled_codes() -> list[CodeType] | None:
+    """Every code object Dynamo has compiled since its last reset (``None``: this torch
+    does not say)."""
+    try:
+        from torch._dynamo.convert_frame import input_codes
+    except ImportError:
+        return None
+    seen = getattr(input_codes, "seen", None)
+    return None if seen is None else [c for c in (ref() for ref in seen) if c is not None]

@@ -4,6 +4,7 @@ the statistics of eager mode and of an independent float64 reference."""
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
 
@@ -203,17 +205,73 @@ def test_activation_checkpointing_counts_each_token_once(reentrant: bool,
     w.close()
 
 
-def test_attaching_after_compilation_resets_the_compiled_code() -> None:
+@pytest.mark.parametrize("same", [True, False], ids=["the model", "another of its class"])
+def test_attaching_after_compilation_resets_the_compiled_code(same: bool) -> None:
+    """In a fresh process (torch compiles without hook guards) code compiled before the
+    first watch, for the model or another instance of its classes, would run without
+    the hooks: the watch warns and drops it."""
     model = TinyLM(dim=32, depth=1)
-    compiled = torch.compile(model)
     tokens = synthetic_batch(torch.Generator().manual_seed(0), batch=2, seq=8)
-    compiled(tokens).float().mean().backward()
-    with pytest.warns(RuntimeWarning, match=r"compiled before watch\(\).*compiler.reset"):
-        w = normwatch.watch(model, report_dir=None)
-    compiled(tokens).float().mean().backward()
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
+        torch.compile(model if same else TinyLM(dim=32, depth=1))(tokens).float().mean() \
+            .backward()
+        with pytest.warns(RuntimeWarning, match=r"compiled before watch\(\).*compiler.reset"):
+            w = normwatch.watch(model, report_dir=None)
+    torch.compile(model)(tokens).float().mean().backward()
     snap = w.flush()
     assert all(s.calls == 1 and s.tokens == 16 for s in snap.layers.values())  # not zeros
     w.close()
+
+
+def test_batches_of_varying_length_are_measured_as_in_eager() -> None:
+    """Sequences of a new length each step (padding to the batch's longest): torch
+    recompiles once, with symbolic shapes (automatic dynamic); every token of every call
+    and gradient is measured as in eager."""
+    lengths = [16, 24, 20, 9, 31, 16]
+
+    def run(compiled: bool) -> Snapshot:
+        torch.manual_seed(0)
+        model = TinyLM(dim=32, depth=1, norm="layernorm")
+        w = normwatch.watch(model, stats_every=1, report_dir=None)
+        forward = torch.compile(model) if compiled else model
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(0)
+        for seq in lengths:
+            tokens = synthetic_batch(gen, batch=3, seq=seq)
+            loss = lm_loss(forward(tokens), tokens)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            w.step(loss)
+        snap = w.flush()
+        w.close()
+        return snap
+
+    eager, compiled = run(False), run(True)
+    assert graph_breaks() == 0 and counters["stats"]["unique_graphs"] <= 2
+    assert compiled.layers["norm"].tokens == 3 * sum(lengths)
+    assert compiled.layers["norm"].grad_out_rms is not None
+    assert_same_stats([eager], [compiled])
+
+
+def test_a_model_of_a_class_compiled_after_the_first_watch_needs_no_reset() -> None:
+    """A notebook's cell run again, a sweep's next trial: a second TinyLM watched and
+    compiled while the first one's watch is still open. Code compiled since the first
+    watch checks its hooks, so the second watch neither warns nor drops the first
+    model's code, and each watch's statistics are its eager twin's."""
+    eager, we = train_lm(None, 20)
+    first, w1 = train_lm(whole, 20)
+    code = TinyLM.forward.__code__
+    kept = [e.code for e in _debug_get_cache_entry_list(code)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        second, w2 = train_lm(whole, 20)
+    assert kept and set(map(id, kept)) <= {id(e.code) for e in _debug_get_cache_entry_list(code)}
+    assert graph_breaks() == 0
+    assert_same_stats(eager, first)
+    assert_same_stats(eager, second)
+    for w in (we, w1, w2):
+        w.close()
 
 
 def test_an_unwatched_copy_compiled_first_does_not_hide_the_hooks() -> None:
