@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -411,3 +413,44 @@ def test_a_skipped_step_counts_and_its_gradients_are_dropped() -> None:
     assert snap is not None and w.step_count == 2 and w.skipped_steps == 1
     norm = snap.layers["norm"]
     assert norm.weight_grad_norm is not None and norm.weight_grad_norm < 1e3  # step 1's only
+
+
+@pytest.mark.parametrize("kernel", ["auto", "torch"], ids=["C++ lane", "Python hook"])
+def test_a_watched_model_saves_whole_and_loads_unwatched(kernel: str, tmp_path: Path) -> None:
+    """``torch.save(model)`` of a watched, trained model (its optimizer watched too) warns
+    nothing and the watch goes on; a fresh process loads it with no watch: its outputs
+    are the model's bit for bit, and normwatch's hooks on it do nothing."""
+    torch.manual_seed(0)
+    model = TinyLM(dim=32, depth=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    w = normwatch.watch(model, opt, kernel=kernel, report_dir=None, stats_every=1)
+    tokens = synthetic_batch(torch.Generator().manual_seed(0), batch=2, seq=8)
+
+    def step() -> None:
+        lm_loss(model(tokens), tokens).backward()
+        opt.step()
+        opt.zero_grad()
+        w.step()
+
+    step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.save(model, tmp_path / "model.pt")
+    with torch.no_grad():
+        torch.save({"tokens": tokens, "expected": model(tokens)}, tmp_path / "io.pt")
+    step()
+    assert all(s.calls == 2 and s.grad_out_rms is not None for s in w.flush().layers.values())
+    w.close()
+    code = ("import sys, torch\n"
+            "model = torch.load(sys.argv[1], weights_only=False)\n"
+            "io = torch.load(sys.argv[2])\n"
+            "with torch.no_grad():\n"
+            "    out = model(io['tokens'])\n"
+            "hooks = [h for m in model.modules() for d in (m._forward_hooks, "
+            "m._forward_pre_hooks) for h in d.values()]\n"
+            "print(torch.equal(out, io['expected']), len(hooks), "
+            "*sorted({type(h).__name__ for h in hooks}))\n")
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "model.pt"),
+                             str(tmp_path / "io.pt")], capture_output=True, text=True,
+                            timeout=300, check=False)
+    assert result.stdout.split() == ["True", "5", "Unwatched"], result.stderr[-2000:]

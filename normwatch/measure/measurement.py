@@ -29,6 +29,7 @@ from normwatch.measure.backends import choose
 from normwatch.measure.layer.compiling import eager_frame
 from normwatch.measure.layer.hooks import LayerHook, module_device
 from normwatch.measure.layer.recorder import HostCounts, Runtime
+from normwatch.measure.layer.unwatched import PicklesUnwatched
 from normwatch.measure.model.probe import ProbeCache, ProbeTarget
 from normwatch.measure.model.sharding import unsharded_params
 from normwatch.measure.state.accumulator import Accumulator
@@ -44,7 +45,7 @@ from normwatch.records import (
 )
 
 
-class Measurement:
+class Measurement(PicklesUnwatched):
     """Hooks on ``pairs`` (``(NormLayer, module)``, e.g. from
     :func:`~normwatch.measure.model.discovery.iter_norm_modules`); see the module docstring."""
 

@@ -5,6 +5,7 @@ hooks that call it (:mod:`~normwatch.measure.layer.hooks`), what ``torch.compile
 (:mod:`~normwatch.measure.layer.operators`), the gradient hooks
 (:mod:`~normwatch.measure.layer.gradients`), the output check
 (:mod:`~normwatch.measure.layer.outputs`); reading a call's arguments and dtypes
-(:mod:`~normwatch.measure.layer.calls`, :mod:`~normwatch.measure.layer.autocasting`), and
-``torch.compile``'s settings the watch needs (:mod:`~normwatch.measure.layer.compiling`).
+(:mod:`~normwatch.measure.layer.calls`, :mod:`~normwatch.measure.layer.autocasting`),
+``torch.compile``'s settings the watch needs (:mod:`~normwatch.measure.layer.compiling`),
+and what a pickled model keeps of the hooks (:mod:`~normwatch.measure.layer.unwatched`).
 """

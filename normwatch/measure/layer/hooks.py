@@ -28,12 +28,14 @@ from normwatch.measure.layer.calls import input_of, other_tensor, output_of
 from normwatch.measure.layer.compiled import CompiledPath
 from normwatch.measure.layer.gradients import GradHooks, through_formula
 from normwatch.measure.layer.recorder import Recorder, Runtime
+from normwatch.measure.layer.unwatched import Bound, PicklesUnwatched
 from normwatch.measure.state.backend import Launcher
 from normwatch.records import NormLayer
 
 
-class LayerHook:
-    """The hooks on one layer; see the module docstring."""
+class LayerHook(PicklesUnwatched):
+    """The hooks on one layer; see the module docstring (a pickled model's:
+    :mod:`~normwatch.measure.layer.unwatched`)."""
 
     def __init__(self, layer: NormLayer, module: nn.Module, row: int, runtime: Runtime,
                  home: torch.device | None = None) -> None:
@@ -57,8 +59,11 @@ class LayerHook:
         :mod:`~normwatch.measure.backends.native.lane`; on the CPU the native backend's
         reader's, where Triton serves the layer (CUDA) the kernel's launch."""
         self.compiled.serve(self._lane_state)
+        built = None if self._lane_state is None else native_lane.module()
         self.handle: RemovableHandle | None = module.register_forward_hook(
-            native_lane.hook_for(self, self._lane_state), with_kwargs=True)
+            self if built is None else Bound(built.hook, self), with_kwargs=True)
+        """Torch calls the lane's hook bound to this one where the layer has a lane state
+        (it built the lane), else this one."""
         if runtime.gradients:
             self._hook_gradients(native, launcher)
 

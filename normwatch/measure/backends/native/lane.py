@@ -77,13 +77,6 @@ def module() -> ModuleType | None:
     return built
 
 
-def hook_for(layer: Any, lane: State | None) -> Callable[..., Any]:
-    """What torch is to call as ``layer``'s forward hook: the lane bound to it where it
-    has a lane state (:func:`state`), else ``layer`` itself."""
-    built = None if lane is None else module()  # (a state means it is built)
-    return layer if built is None else functools.partial(built.hook, layer)
-
-
 def compiled_for(path: Any, lane: State | None
                  ) -> tuple[Callable[..., None], Callable[..., None]]:
     """What a compiled call and gradient of a layer run (its
