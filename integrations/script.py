@@ -10,13 +10,16 @@ module call, and the first training-mode call with grad (whatever eval passes or
 models came before) of a model whose tree holds normalization layers (the same discovery
 rules as :func:`normwatch.watch`) gets a watch; wrappers (``torch.compile``, DDP) are
 looked through. The hook reads no Python state inside compiled code, so it never makes
-Dynamo recompile. Steps are the optimizer steps (the global optimizer step hook; several
-optimizers stepping after one forward count once; an iteration whose step a
-``GradScaler`` skipped counts too, as skipped), each optimizer's gradient and update
-norms are measured from its first step; the loss is the scalar a ``backward()`` starts
-from, unscaled when a ``GradScaler`` scaled it (kept on its device). If the script dies
-of an exception, a post-mortem is written. Options come from
-``NORMWATCH_*`` environment variables (:func:`~normwatch.config.options_from_env`).
+Dynamo recompile. A model's steps are the steps of the optimizers that train it (the
+global optimizer step hook; several optimizers stepping after one forward of it count
+once; an iteration whose step a ``GradScaler`` skipped counts too, as skipped); each
+such optimizer's gradient and update norms are measured from its first step. Where
+several models train (a GAN's generator and discriminator), each watch steps with its
+own optimizers and its own loss; an optimizer that trains no watched model's parameters
+(an input being optimized) steps every watch. The loss is the scalar a ``backward()``
+starts from, unscaled when a ``GradScaler`` scaled it (kept on its device). If the script
+dies of an exception, a post-mortem is written. Options come from ``NORMWATCH_*``
+environment variables (:func:`~normwatch.config.options_from_env`).
 """
 
 from __future__ import annotations
@@ -49,11 +52,19 @@ class AutoWatch:
     def __init__(self, config: WatchConfig) -> None:
         self.config = config
         self.watches: dict[int, Watch] = {}
+        self._models: dict[int, weakref.ref[nn.Module]] = {}
+        """Each watch's model, by its key in :attr:`watches`."""
         self.skipped_steps = 0
         """Iterations whose optimizer step a ``GradScaler`` skipped (inf/NaN gradients)."""
         self._handles: list[RemovableHandle] = []
         self._depth = 0
-        self._forward_since_step = False
+        self._forwarded: set[int] = set()
+        """The watches (by their key in :attr:`watches`) whose model ran a training
+        forward since its last step."""
+        self._owners: weakref.WeakKeyDictionary[object, tuple[int, set[int]]] = \
+            weakref.WeakKeyDictionary()
+        """Per optimizer, the watches it trains (:meth:`_trained`), with the number of
+        watches when that was decided."""
         self._optimizer_steps = 0
         self._loss: torch.Tensor | None = None
         self._scaled: tuple[weakref.ref[torch.Tensor], torch.Tensor] | None = None
@@ -105,7 +116,8 @@ class AutoWatch:
                 before = self._optimizer_steps
                 out = real_step(grad_scaler, optimizer, *args, **kwargs)
                 if self._optimizer_steps == before:  # inf/NaN gradients: step skipped
-                    self._skipped(grad_scaler)
+                    self.skipped_steps += 1
+                    self._step(self._trained(optimizer), skipped=True)
                 return out
 
             self._patch(scaler, "scale", scale)
@@ -136,18 +148,23 @@ class AutoWatch:
         self._depth += 1
         if self._depth != 1 or not (module.training and torch.is_grad_enabled()):
             return  # eval and no-grad passes neither attach nor count: nothing is skipped
-        self._forward_since_step = True
         model = unwrap(module)
-        if id(model) in self.watches or model in self._ignored:
+        key = id(model)
+        if key in self.watches:
+            self._forwarded.add(key)
+            return
+        if model in self._ignored:
             return
         self._ignored.add(model)  # decided once, whatever follows
         if not any(True for _ in iter_norm_modules(model, self.config.include,
                                                    self.config.exclude)):
             return
         try:
-            watch = self.watches[id(model)] = Watch(model, self.config, drop_compiled=False)
+            watch = self.watches[key] = Watch(model, self.config, drop_compiled=False)
+            self._models[key] = weakref.ref(model)
+            self._forwarded.add(key)
             if watch.guard is not None:  # a step it keeps from the weights still counts
-                watch.guard.on_skip.append(lambda: self._stepped(None, (), {}))
+                watch.guard.on_skip.append(lambda: self._kept_from_weights(key))
         except Exception as exc:  # already watched by the script, a bad report dir, ...:
             # the script trains on, unwatched, rather than dies
             print(f"normwatch run: not watching {type(model).__name__}: "
@@ -160,31 +177,48 @@ class AutoWatch:
         self._depth = max(0, self._depth - 1)
 
     def _stepping(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Before an optimizer's step: every watch measures its steps (the optimizer's
-        own hooks run after this global one, from this step on)."""
-        for watch in list(self.watches.values()):
+        """Before an optimizer's step: the watches it trains measure its steps (the
+        optimizer's own hooks run after this global one, from this step on)."""
+        for key in self._trained(optimizer):
+            watch = self.watches[key]
             if not watch.closed:
                 watch_optimizers(watch, [optimizer])
 
-    def _stepped(self, optimizer: object, args: Any, kwargs: Any) -> None:
+    def _stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._optimizer_steps += 1
-        self._step(skipped=False)
+        self._step(self._trained(optimizer), skipped=False)
 
-    def _skipped(self, scaler: Any) -> None:
-        self.skipped_steps += 1
-        self._step(skipped=True)
+    def _kept_from_weights(self, key: int) -> None:
+        """The guard of watch ``key`` kept a poisoned step from the weights: a step."""
+        self._optimizer_steps += 1
+        self._step({key}, skipped=False)
 
-    def _step(self, skipped: bool) -> None:
-        """One training iteration ended (several optimizers stepping after one forward
-        count once)."""
-        if not self._forward_since_step:
-            return
-        self._forward_since_step = False
-        for watch in list(self.watches.values()):
+    def _trained(self, optimizer: object) -> set[int]:
+        """The watches whose model has a parameter ``optimizer`` trains; none: every watch
+        (decided again when a watch is added)."""
+        known = self._owners.get(optimizer)
+        if known is None or known[0] != len(self.watches):
+            params = {id(p) for group in getattr(optimizer, "param_groups", ())
+                      for p in group.get("params", ())}
+            owners = {key for key, model in self._models.items()
+                      if any(id(p) in params for p in _parameters(model()))}
+            known = (len(self.watches), owners or set(self.watches))
+            self._owners[optimizer] = known
+        return known[1]
+
+    def _step(self, keys: set[int], skipped: bool) -> None:
+        """The watches ``keys`` whose model trained since their last step end a step, with
+        the last loss (several optimizers stepping after one forward count once)."""
+        stepped = False
+        for key in keys & self._forwarded:
+            self._forwarded.discard(key)
+            watch = self.watches[key]
             if not watch.closed:
                 watch.step(self._loss, skipped=skipped)
-        self._loss = None
-        self._scaled = None
+                stepped = True
+        if stepped:
+            self._loss = None
+            self._scaled = None
 
     def _excepthook(self, kind: type[BaseException], exc: BaseException,
                     tb: types.TracebackType | None) -> None:
@@ -212,6 +246,10 @@ class AutoWatch:
         self._patched = []
         if self._real_excepthook is not None and sys.excepthook == self._excepthook:
             sys.excepthook = self._real_excepthook
+
+
+def _parameters(model: nn.Module | None) -> list[nn.Parameter]:
+    return [] if model is None else list(model.parameters())
 
 
 def unwrap(module: nn.Module) -> nn.Module:

@@ -280,3 +280,55 @@ def test_under_normwatch_run_the_scripts_own_clip_norm_is_the_reported_one(
     history = {u["step"]: u["grad_norm"] for u in report["update_history"]}  # type: ignore[attr-defined]
     watched = [s for s in history if s != 1 and isinstance(history[s], float)]
     assert watched and all(history[s] == pytest.approx(printed[s], rel=1e-6) for s in watched)
+
+
+def test_each_model_of_a_gan_steps_with_its_own_optimizer_and_loss() -> None:
+    """A GAN under ``normwatch run``: two models, each with its optimizer, stepping in
+    turn, the discriminator called again for the generator's loss. Each watch counts its
+    model's steps, with its own loss and its own optimizer's gradient norms (before, every
+    optimizer step stepped both watches, and each measured both optimizers)."""
+    import torch
+    from torch import nn
+
+    from integrations.script import AutoWatch
+
+    torch.manual_seed(0)
+    gen_model = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(),
+                              nn.Linear(32, 16))
+    disc = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.LeakyReLU(0.2),
+                         nn.Linear(32, 1))
+    opt_g = torch.optim.Adam(gen_model.parameters(), lr=2e-4)
+    opt_d = torch.optim.Adam(disc.parameters(), lr=2e-4)
+    bce = nn.BCEWithLogitsLoss()
+    seen: dict[str, list[tuple[float, float]]] = {"g": [], "d": []}
+
+    def grad_norm(model: nn.Module) -> float:
+        return float(torch.linalg.vector_norm(torch.cat(
+            [p.grad.double().flatten() for p in model.parameters() if p.grad is not None])))
+
+    session = AutoWatch(WatchConfig(console=None, report_dir=None, flush_every=100))
+    session.install()
+    try:
+        for _ in range(6):
+            real, fake = torch.randn(16, 16) + 2, gen_model(torch.randn(16, 8))
+            loss_d = bce(disc(real), torch.ones(16, 1)) + bce(disc(fake.detach()),
+                                                              torch.zeros(16, 1))
+            opt_d.zero_grad()
+            loss_d.backward()
+            seen["d"].append((float(loss_d.detach()), grad_norm(disc)))
+            opt_d.step()
+            loss_g = bce(disc(fake), torch.ones(16, 1))
+            opt_g.zero_grad()
+            loss_g.backward()
+            seen["g"].append((float(loss_g.detach()), grad_norm(gen_model)))
+            opt_g.step()
+        snaps = {name: session.watches[id(model)].flush()
+                 for name, model in (("g", gen_model), ("d", disc))}
+    finally:
+        session.finish()
+    for name, snap in snaps.items():
+        assert snap is not None and snap.step == 6, name
+        assert [loss for _, loss in snap.losses] == [loss for loss, _ in seen[name]], name
+        assert len(snap.updates) == 6, name
+        assert [u.grad_norm for u in snap.updates] == pytest.approx(
+            [norm for _, norm in seen[name]], rel=1e-5), name
