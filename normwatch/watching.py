@@ -81,6 +81,10 @@ class Watch:
         training forward: what was compiled before it counts nothing)."""
         if not isinstance(model, nn.Module):
             raise ConfigError(f"'model' must be a torch.nn.Module: got {type(model).__name__}")
+        if isinstance(model, torch.jit.ScriptModule):
+            raise ConfigError(f"'model' must be a Python nn.Module: got a TorchScript module "
+                              f"({type(model).__name__}), which runs no Python hooks; watch "
+                              "the module before torch.jit.script or torch.jit.trace")
         self.config = c = config or WatchConfig()
         if c.kernel == "triton" and not triton_usable():
             why = "no GPU driver is up (and TRITON_INTERPRET is not set)" \

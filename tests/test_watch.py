@@ -123,6 +123,13 @@ def test_options_are_validated() -> None:
         normwatch.watch(model, sinks=[3])
     with pytest.raises(normwatch.ConfigError, match=r"'model' must be a torch.nn.Module: got str"):
         normwatch.watch("model")  # type: ignore[arg-type]
+    scripted = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # refused before any other word
+        with pytest.raises(normwatch.ConfigError, match=r"'model' must be a Python nn.Module: "
+                           r"got a TorchScript module \(RecursiveScriptModule\).*before "
+                           r"torch.jit.script"):
+            normwatch.watch(scripted)
 
 
 def test_model_without_norms_warns_and_works() -> None:
