@@ -16,10 +16,10 @@ once; an iteration whose step a ``GradScaler`` skipped counts too, as skipped); 
 such optimizer's gradient and update norms are measured from its first step. Where
 several models train (a GAN's generator and discriminator), each watch steps with its
 own optimizers and its own loss; an optimizer that trains no watched model's parameters
-(an input being optimized) steps every watch. The loss is the scalar a ``backward()``
-starts from, unscaled when a ``GradScaler`` scaled it (kept on its device). If the script
-dies of an exception, a post-mortem is written. Options come from ``NORMWATCH_*``
-environment variables (:func:`~normwatch.config.options_from_env`).
+steps the watches of frozen models (an input being optimized through one). The loss is
+the scalar a ``backward()`` starts from, unscaled when a ``GradScaler`` scaled it (kept on
+its device). If the script dies of an exception, a post-mortem is written. Options come
+from ``NORMWATCH_*`` environment variables (:func:`~normwatch.config.options_from_env`).
 """
 
 from __future__ import annotations
@@ -194,15 +194,20 @@ class AutoWatch:
         self._step({key}, skipped=False)
 
     def _trained(self, optimizer: object) -> set[int]:
-        """The watches whose model has a parameter ``optimizer`` trains; none: every watch
-        (decided again when a watch is added)."""
+        """The watches whose model has a parameter ``optimizer`` trains; none: those whose
+        model is frozen (an input being optimized through it), not those another optimizer
+        trains (an actor-critic's critic without norms). Decided again when a watch is
+        added."""
         known = self._owners.get(optimizer)
         if known is None or known[0] != len(self.watches):
             params = {id(p) for group in getattr(optimizer, "param_groups", ())
                       for p in group.get("params", ())}
             owners = {key for key, model in self._models.items()
                       if any(id(p) in params for p in _parameters(model()))}
-            known = (len(self.watches), owners or set(self.watches))
+            if not owners:  # it trains something else: an input, or a model without norms
+                owners = {key for key, model in self._models.items()
+                          if not any(p.requires_grad for p in _parameters(model()))}
+            known = (len(self.watches), owners)
             self._owners[optimizer] = known
         return known[1]
 

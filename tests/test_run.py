@@ -332,3 +332,48 @@ def test_each_model_of_a_gan_steps_with_its_own_optimizer_and_loss() -> None:
         assert len(snap.updates) == 6, name
         assert [u.grad_norm for u in snap.updates] == pytest.approx(
             [norm for _, norm in seen[name]], rel=1e-5), name
+
+
+@pytest.mark.parametrize("case", ["actor-critic", "an input optimized"])
+def test_an_optimizer_that_trains_no_watched_model(case: str) -> None:
+    """An actor-critic whose critic has no norm, its optimizer stepping first: the
+    actor's watch steps with the actor's optimizer and loss only. A frozen model through
+    which an input is optimized: its watch steps with that input's optimizer."""
+    import torch
+    from torch import nn
+
+    from integrations.script import AutoWatch
+
+    torch.manual_seed(0)
+    actor = nn.Sequential(nn.Linear(4, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 2))
+    critic = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    frozen = case == "an input optimized"
+    wanted = torch.zeros(8, 4, requires_grad=True)
+    if frozen:
+        actor.requires_grad_(False)
+    optimizers = [torch.optim.Adam([wanted] if frozen else critic.parameters(), lr=1e-2),
+                  torch.optim.Adam(actor.parameters(), lr=1e-2)]
+    losses = []
+    session = AutoWatch(WatchConfig(console=None, report_dir=None, flush_every=100))
+    session.install()
+    try:
+        for _ in range(5):
+            states = wanted if frozen else torch.randn(8, 4)
+            actions, values = actor(states), critic(states)
+            first = (actions - 1).pow(2).mean() if frozen else values.pow(2).mean()
+            optimizers[0].zero_grad()
+            first.backward(retain_graph=True)
+            optimizers[0].step()
+            losses.append(float(first.detach()))
+            if not frozen:
+                second = -(actions.sum(-1) * values.detach().squeeze(-1)).mean()
+                optimizers[1].zero_grad()
+                second.backward()
+                optimizers[1].step()
+                losses[-1] = float(second.detach())
+        snap = session.watches[id(actor)].flush()
+    finally:
+        session.finish()
+    assert snap is not None and snap.step == 5
+    assert [loss for _, loss in snap.losses] == losses
+    assert len(snap.updates) == 5
