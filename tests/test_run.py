@@ -8,7 +8,10 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -282,6 +285,20 @@ def test_under_normwatch_run_the_scripts_own_clip_norm_is_the_reported_one(
     assert watched and all(history[s] == pytest.approx(printed[s], rel=1e-6) for s in watched)
 
 
+@contextmanager
+def auto_watch() -> Iterator[Any]:
+    """``normwatch run``'s session (``AutoWatch``) in this process, installed: no console,
+    no reports, no flush before the test's own; finished after."""
+    from integrations.script import AutoWatch
+
+    session = AutoWatch(WatchConfig(console=None, report_dir=None, flush_every=100))
+    session.install()
+    try:
+        yield session
+    finally:
+        session.finish()
+
+
 def test_each_model_of_a_gan_steps_with_its_own_optimizer_and_loss() -> None:
     """A GAN under ``normwatch run``: two models, each with its optimizer, stepping in
     turn, the discriminator called again for the generator's loss. Each watch counts its
@@ -289,8 +306,6 @@ def test_each_model_of_a_gan_steps_with_its_own_optimizer_and_loss() -> None:
     optimizer step stepped both watches, and each measured both optimizers)."""
     import torch
     from torch import nn
-
-    from integrations.script import AutoWatch
 
     torch.manual_seed(0)
     gen_model = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(),
@@ -306,9 +321,7 @@ def test_each_model_of_a_gan_steps_with_its_own_optimizer_and_loss() -> None:
         return float(torch.linalg.vector_norm(torch.cat(
             [p.grad.double().flatten() for p in model.parameters() if p.grad is not None])))
 
-    session = AutoWatch(WatchConfig(console=None, report_dir=None, flush_every=100))
-    session.install()
-    try:
+    with auto_watch() as session:
         for _ in range(6):
             real, fake = torch.randn(16, 16) + 2, gen_model(torch.randn(16, 8))
             loss_d = bce(disc(real), torch.ones(16, 1)) + bce(disc(fake.detach()),
@@ -324,8 +337,6 @@ def test_each_model_of_a_gan_steps_with_its_own_optimizer_and_loss() -> None:
             opt_g.step()
         snaps = {name: session.watches[id(model)].flush()
                  for name, model in (("g", gen_model), ("d", disc))}
-    finally:
-        session.finish()
     for name, snap in snaps.items():
         assert snap is not None and snap.step == 6, name
         assert [loss for _, loss in snap.losses] == [loss for loss, _ in seen[name]], name
@@ -342,8 +353,6 @@ def test_an_optimizer_that_trains_no_watched_model(case: str) -> None:
     import torch
     from torch import nn
 
-    from integrations.script import AutoWatch
-
     torch.manual_seed(0)
     actor = nn.Sequential(nn.Linear(4, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 2))
     critic = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
@@ -354,9 +363,7 @@ def test_an_optimizer_that_trains_no_watched_model(case: str) -> None:
     optimizers = [torch.optim.Adam([wanted] if frozen else critic.parameters(), lr=1e-2),
                   torch.optim.Adam(actor.parameters(), lr=1e-2)]
     losses = []
-    session = AutoWatch(WatchConfig(console=None, report_dir=None, flush_every=100))
-    session.install()
-    try:
+    with auto_watch() as session:
         for _ in range(5):
             states = wanted if frozen else torch.randn(8, 4)
             actions, values = actor(states), critic(states)
@@ -372,8 +379,6 @@ def test_an_optimizer_that_trains_no_watched_model(case: str) -> None:
                 optimizers[1].step()
                 losses[-1] = float(second.detach())
         snap = session.watches[id(actor)].flush()
-    finally:
-        session.finish()
     assert snap is not None and snap.step == 5
     assert [loss for _, loss in snap.losses] == losses
     assert len(snap.updates) == 5

@@ -44,8 +44,9 @@ def eager_frame(fn: F) -> F:
 
 
 _UNGUARDED: weakref.WeakValueDictionary[int, CodeType] = weakref.WeakValueDictionary()
-"""The compiled code of the cache entries made while the hook guards were off (by the
-entry's code: it dies with the entry, at a reset)."""
+"""The compiled code of the cache entries made while the hook guards were off, by its id
+(code objects compare by value; an entry's code dies with the entry, at a reset, and
+leaves this table then)."""
 
 
 def guard_hooks() -> None:
@@ -53,8 +54,9 @@ def guard_hooks() -> None:
     guard per module with hooks), noting the cache entries compiled without that check."""
     import torch._dynamo.config
 
-    if torch._dynamo.config.skip_nnmodule_hook_guards:
-        for code in _compiled_codes() or ():
+    codes = _input_codes()
+    if torch._dynamo.config.skip_nnmodule_hook_guards and codes is not None:
+        for code in filter(None, (ref() for ref in codes.seen)):
             _UNGUARDED.update((id(e.code), e.code) for e in _entries(code))
     torch._dynamo.config.skip_nnmodule_hook_guards = False
 
@@ -91,16 +93,14 @@ def keep_traced_writes() -> None:
 def compiled_code(model: nn.Module) -> list[str]:
     """Names of the module classes in ``model`` whose forward has code compiled without
     the hook guards (:func:`guard_hooks`)."""
-    known = _compiled_codes() is not None  # (else every entry counts, as torch's reset)
+    known = _input_codes() is not None  # (else every entry counts, as before the guards)
     found = []
     for cls in dict.fromkeys(type(m) for m in model.modules()):
         code = getattr(getattr(cls, "forward", None), "__code__", None)
-        if code is not None and any(
-                not known or _UNGUARDED.get(id(e.code)) is e.code
-                for e in _entries(code)):
+        if code is not None and any(not known or id(e.code) in _UNGUARDED
+                                    for e in _entries(code)):
             found.append(cls.__name__)
     return found
-
 
 
 def _entries(code: CodeType) -> list[Any]:
@@ -110,12 +110,11 @@ def _entries(code: CodeType) -> list[Any]:
     return list(_debug_get_cache_entry_list(code))
 
 
-def _compiled_codes() -> list[CodeType] | None:
-    """Every code object Dynamo has compiled since its last reset (``None``: this torch
-    does not say)."""
+def _input_codes() -> Any | None:
+    """Dynamo's record of the code objects it has compiled since its last reset
+    (weak references in ``seen``; ``None``: this torch keeps none)."""
     try:
         from torch._dynamo.convert_frame import input_codes
     except ImportError:
         return None
-    seen = getattr(input_codes, "seen", None)
-    return None if seen is None else [c for c in (ref() for ref in seen) if c is not None]
+    return input_codes if hasattr(input_codes, "seen") else None
